@@ -1,0 +1,1 @@
+"""Command-line data tools, run as `python -m data_tools.<name>`."""

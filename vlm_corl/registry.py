@@ -1,0 +1,70 @@
+"""Named registries (model families, data loaders, benchmarks, rewards) that other packages extend.
+
+The core never imports its extensions: `text_corl` (or a user's package) adds entries either by calling
+`REGISTRY.register(name)` when imported, or by declaring a Python entry point in the group
+`vlm_corl.<kind>` in its `pyproject.toml`, which is loaded only when that name is looked up.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from importlib.metadata import entry_points
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownNameError(KeyError):
+    """A name that no registry entry or entry point provides; the message lists the valid ones."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return str(self.args[0])
+
+
+class Registry(Generic[T]):
+    """A name -> object map filled by `register` and by the `vlm_corl.<kind>` entry-point group."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator (or call with the object) that adds `name`; a second registration of a name is an error."""
+
+        def add(obj: T) -> T:
+            if name in self._items and self._items[name] is not obj:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._items[name] = obj
+            return obj
+
+        return add
+
+    def _entry_points(self) -> dict:
+        return {ep.name: ep for ep in entry_points(group=f"vlm_corl.{self.kind}")}
+
+    def names(self) -> list[str]:
+        """Every available name: registered ones and installed entry points."""
+        return sorted(set(self._items) | set(self._entry_points()))
+
+    def get(self, name: str) -> T:
+        """The object for `name`; `module:attr` names an object directly (for user extensions)."""
+        if name in self._items:
+            return self._items[name]
+        eps = self._entry_points()
+        if name in eps:
+            return self.register(name)(eps[name].load())
+        if ":" in name:
+            module, _, attr = name.partition(":")
+            return getattr(importlib.import_module(module), attr)
+        close = difflib.get_close_matches(name, self.names(), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UnknownNameError(
+            f"unknown {self.kind} {name!r}.{hint} Available: {', '.join(self.names()) or 'none'}"
+            f" (or give 'module:attribute')."
+        )
+
+
+# The extension points. Entry-point groups: vlm_corl.families, vlm_corl.loaders.
+FAMILIES: Registry = Registry("families")  # model family name -> vlm_corl.families.Family
+LOADERS: Registry = Registry("loaders")  # dataset loader name -> loader function (see vlm_corl.data)
