@@ -65,6 +65,9 @@ class Registry(Generic[T]):
         )
 
 
-# The extension points. Entry-point groups: vlm_corl.families, vlm_corl.loaders.
+# The extension points. Entry-point groups: vlm_corl.families, vlm_corl.loaders, vlm_corl.rewards,
+# vlm_corl.benchmarks.
 FAMILIES: Registry = Registry("families")  # model family name -> vlm_corl.families.Family
 LOADERS: Registry = Registry("loaders")  # dataset loader name -> loader function (see vlm_corl.data)
+REWARDS: Registry = Registry("rewards")  # reward mode name -> cohort reward function (see vlm_corl.rewards)
+BENCHMARKS: Registry = Registry("benchmarks")  # benchmark name -> vlm_corl.eval.Benchmark
