@@ -1,0 +1,41 @@
+"""CLI: `python -m vlm_corl.config FILE.yaml [dotted.key=value ...]` prints the resolved config (exit 0) or the
+problems (stderr, exit 2); `--explain` lists every field with its type, default and doc."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from vlm_corl.config.loading import ConfigError, dump_config, load_config
+from vlm_corl.config.parse import explain
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: print the resolved config (exit 0) or the problems (stderr, exit 2)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_corl.config",
+        description="Validate a cohort config and print it resolved (every field, defaults included).",
+    )
+    parser.add_argument("file", nargs="?", help="cohort YAML file")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 members.0.view=paraphrase:1")
+    parser.add_argument("--explain", action="store_true", help="list every field with its type, default and doc")
+    args = parser.parse_args(argv)
+    if args.explain:
+        print(explain())
+        return 0
+    if args.file is None:
+        parser.error("a config FILE is required (or --explain)")
+    try:
+        cfg = load_config(args.file, args.overrides)
+    except ConfigError as err:
+        n = len(err.problems)
+        print(f"{args.file}: invalid cohort config ({n} problem{'s' * (n != 1)}):", file=sys.stderr)
+        print("\n".join(f"  - {p}" for p in err.problems), file=sys.stderr)
+        return 2
+    print(dump_config(cfg), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

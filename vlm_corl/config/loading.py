@@ -1,0 +1,176 @@
+"""Loading, validating and saving cohort configs: the public API re-exported by `vlm_corl.config`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vlm_corl.config.parse import (
+    ConfigError,
+    Problems,
+    YamlLoader,
+    apply_override,
+    parse_value,
+    yaml_kind,
+    yaml_problem,
+)
+from vlm_corl.config.schema import PEER_MODES, SINGLE_MODEL_MODES, CohortConfig
+from vlm_corl.registry import FAMILIES, LOADERS
+
+
+def validate(cfg: CohortConfig) -> None:
+    """Cross-field checks (the per-field ones run while parsing); raises ConfigError listing every problem."""
+    problems = Problems()
+    members, mode, n_members = cfg.members, cfg.reward.mode, len(cfg.members)
+
+    first_with: dict[str, int] = {}
+    for i, m in enumerate(members):
+        if m.id in first_with:
+            problems.add(
+                f"members[{i}].id",
+                f"duplicate id {m.id!r} (also members[{first_with[m.id]}].id); give every member a unique id",
+            )
+        first_with.setdefault(m.id, i)
+        model = Path(m.model)
+        if not (model / "config.json").is_file():
+            state = "has no config.json" if model.is_dir() else "does not exist"
+            problems.add(
+                f"members[{i}].model",
+                f"{m.model!r} {state}; it must be a local model directory with a config.json. Build tiny test models"
+                f" with `python -m vlm_corl.zoo --out DIR` (then use DIR/<family>) or download one with"
+                f" `huggingface-cli download ORG/NAME --local-dir DIR`",
+            )
+        if cfg.reward.answer_style != "auto" and m.prompt_style not in (None, cfg.reward.answer_style):
+            problems.add(
+                "reward.answer_style",
+                f"{cfg.reward.answer_style!r} cannot read members[{i}] answers (prompt_style {m.prompt_style!r});"
+                " use reward.answer_style=auto or match the prompt styles",
+            )
+
+    if members and not any(m.trainable for m in members):
+        problems.add(
+            "members", "every member has trainable: false, so nothing would train; set trainable: true on at least one"
+        )
+
+    if cfg.reward.custom is None and members:
+        if mode in PEER_MODES and n_members < 2:
+            problems.add(
+                "reward.mode",
+                f"{mode!r} rewards each member with its peers' answers and needs at least 2 members"
+                f" (got {n_members}); add a member or use a single-model mode"
+                " (self_vote, self_certainty, entropy, gt, co_rewarding_1, co_rewarding_2)",
+            )
+        elif mode == "peers" and n_members < 3:
+            problems.add(
+                "reward.mode", "with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
+            )
+        if mode in SINGLE_MODEL_MODES and n_members != 1:
+            problems.add(
+                "reward.mode",
+                f"{mode!r} is a single-model baseline and needs exactly 1 member (got {n_members});"
+                " use ring/peers/soft for a cohort, or keep one member",
+            )
+        if mode == "co_rewarding_1" and n_members == 1 and members[0].view == "original":
+            problems.add(
+                "members[0].view",
+                "co_rewarding_1 pairs the original wording with the member's view, so the view must differ:"
+                " set it to paraphrase:K (e.g. members.0.view=paraphrase:1)",
+            )
+
+    if cfg.eval.every > 0 and not cfg.eval.benchmarks:
+        problems.add(
+            "eval.benchmarks",
+            f"eval.every={cfg.eval.every} but no benchmark is listed; add names or set eval.every=0",
+        )
+    for path, value in (("data.paraphrases", cfg.data.paraphrases), ("train.deepspeed", cfg.train.deepspeed)):
+        if value is not None and not Path(value).is_file():
+            problems.add(path, f"file {value!r} does not exist; fix the path or set it to null")
+
+    if problems.items:
+        raise problems.error()
+
+
+def check_registered(cfg: CohortConfig) -> None:
+    """Resolve registry names (data loader, member families) at run time, after extensions are imported.
+
+    Loading does not check these names: the registries fill up only when `vlm_corl`'s data/family modules,
+    `text_corl` or a user's package are imported, which the config layer must not do itself.
+    """
+    problems = Problems()
+    lookups = [("data.train.loader", LOADERS, cfg.data.train.loader)]
+    lookups += [(f"members[{i}].family", FAMILIES, m.family) for i, m in enumerate(cfg.members) if m.family]
+    for path, registry, name in lookups:
+        try:
+            registry.get(name)
+        except (KeyError, ImportError, AttributeError) as err:
+            problems.add(path, str(err))
+    if problems.items:
+        raise problems.error()
+
+
+def config_from_dict(d: Any) -> CohortConfig:
+    """Build and validate a CohortConfig from plain data (a parsed YAML mapping); raises ConfigError."""
+    problems = Problems()
+    cfg = parse_value(CohortConfig, d, "", problems)
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        for path, message in zip(err.fields, err.problems):
+            if not problems.covers(path):
+                problems.items.append((path, message))
+    if problems.items:
+        raise problems.error()
+    return cfg
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> CohortConfig:
+    """Read a cohort YAML file, apply dotted `key=value` overrides, and return the validated config.
+
+    Raises ConfigError naming every problem: unreadable or invalid YAML (with line and column), a top level that
+    is not a mapping, bad overrides, and everything `config_from_dict` reports.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError([f"{path}: cannot read the config file ({err.strerror or err})"]) from None
+    try:
+        raw = yaml.load(text, Loader=YamlLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError([yaml_problem(str(path), err)]) from None
+    if raw is None:
+        raw = {}  # an empty file: the missing `members` is reported like any other required field
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            [f"{path}: the top level must be a mapping of sections (members, data, ...), got a {yaml_kind(raw)}"]
+        )
+    problems = Problems()
+    for text_override in overrides:
+        apply_override(raw, text_override, problems)
+    try:
+        cfg = config_from_dict(raw)
+    except ConfigError as err:
+        problems.items += list(zip(err.fields, err.problems))
+    if problems.items:
+        raise problems.error()
+    return cfg
+
+
+def config_to_dict(cfg: CohortConfig) -> dict:
+    """The config as plain data (every field, defaults included), fit for YAML/JSON."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: CohortConfig) -> str:
+    """The config as YAML text, fields in declaration order."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: CohortConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (the run directory's config.yaml); `load_config` reads it back equal."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_config(cfg))

@@ -1,0 +1,206 @@
+"""The cohort config schema: nested dataclasses holding every default, each field with a one-line doc.
+
+Field metadata carries the doc (`help`) and declarative constraints that the generic parser in
+`vlm_corl.config.parse` checks: ge/gt/le/lt (numeric bounds), pattern=(regex, what it means), min_items
+(lists), why (said when a bound or length is violated). Checks across fields live in `loading.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Literal
+
+RewardMode = Literal[
+    "ring", "peers", "soft", "gt", "self_vote", "self_certainty", "entropy", "co_rewarding_1", "co_rewarding_2"
+]
+PEER_MODES = ("ring", "peers", "soft")  # label_n comes from the other members' votes
+SINGLE_MODEL_MODES = ("co_rewarding_1", "co_rewarding_2")  # the label comes from a second view / an EMA teacher
+
+
+def _f(help: str, default: Any = MISSING, *, factory: Any = MISSING, **constraint: Any) -> Any:
+    """A dataclass field with its one-line doc and optional constraints (see the module docstring)."""
+    return field(default=default, default_factory=factory, metadata={"help": help, **constraint})
+
+
+@dataclass(kw_only=True)
+class MemberConfig:
+    """One cohort member: a decoupled model with its own view, prompt, optimizer and ranks."""
+
+    id: str = _f(
+        "unique member name, used in logs and as its checkpoint directory name",
+        pattern=(r"(?!\.\.?$)[A-Za-z0-9_.-]+", "letters, digits, '_', '.', '-' (but not '.' or '..')"),
+    )
+    model: str = _f("local Hugging Face model directory with a config.json (relative paths: from the working dir)")
+    family: str | None = _f("model family registry name; null = detect from config.json model_type", None)
+    view: str = _f(
+        "question wording this member sees: original | paraphrase:K (K >= 1)",
+        "original",
+        pattern=(r"original|paraphrase:[1-9][0-9]*", "original or paraphrase:K with K >= 1, e.g. paraphrase:1"),
+    )
+    trainable: bool = _f("false = frozen peer: rolls out and votes, never updates", True)
+    prompt_style: Literal["boxed", "answer_tags"] | None = _f(
+        "answer format asked for in the prompt: boxed | answer_tags; null = the family's default", None
+    )
+    system_prompt: str | None = _f("system prompt; null = the prompt style's default", None)
+    seed: int = _f("offset added to the run seed for this member's sampling", 0, ge=0)
+    lr: float | None = _f("learning rate for this member; null = train.lr", None, gt=0)
+    num_processes: int = _f("ranks (processes) this member occupies; it is data-parallel inside them", 1, ge=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("weights dtype when loading", "auto")
+    attn_implementation: str = _f("transformers attention implementation: sdpa, eager, flash_attention_2, ...", "sdpa")
+    trust_remote_code: bool = _f("allow custom modelling code shipped with the checkpoint", False)
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    """Where examples come from."""
+
+    loader: str = _f(
+        "loader registry name or module:function",
+        "easyvqa",
+        pattern=(r"[A-Za-z0-9_.-]+(:[A-Za-z_][A-Za-z0-9_.]*)?", "a registry name or module:function"),
+    )
+    path: str | None = _f("file or directory the loader reads; null = the loader's default", None)
+    split: str = _f("dataset split", "train")
+    limit: int | None = _f("use at most this many examples; null = all", None, ge=1)
+    skip: int = _f("examples skipped from the start (e.g. to keep a labelled slice disjoint)", 0, ge=0)
+    options: dict[str, Any] = _f("loader-specific keyword arguments", factory=dict)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The training stream, shared in lockstep by every member."""
+
+    train: DatasetConfig = _f("training examples (labels never reach a label-free reward)", factory=DatasetConfig)
+    batch_size: int = _f("prompts per step; every member gets the same example ids", 64, ge=1)
+    shuffle: bool = _f("shuffle the example order each epoch", True)
+    seed: int = _f("the one data-order seed shared by all members", 0, ge=0)
+    max_image_pixels: int = _f("larger images are downscaled (aspect kept) to this many pixels", 1280 * 28 * 28, ge=1)
+    paraphrases: str | None = _f("path of a paraphrase cache aligned by example id; null = none", None)
+    view_fallback: Literal["error", "original"] = _f("when an example lacks a member's view: error | original", "error")
+
+
+@dataclass(kw_only=True)
+class VllmConfig:
+    """vLLM engine settings (used when rollout.engine=vllm)."""
+
+    gpu_memory_utilization: float = _f("share of GPU memory vLLM may take", 0.5, gt=0, le=1)
+    tensor_parallel_size: int = _f("GPUs one vLLM engine spans", 1, ge=1)
+    enforce_eager: bool = _f("disable CUDA graphs (faster start, slower decode)", False)
+    enable_sleep_mode: bool = _f("free vLLM's GPU memory during updates (GPU only)", False)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling of K responses per prompt per member."""
+
+    engine: Literal["hf", "vllm"] = _f("rollout engine: hf (transformers generate) | vllm", "hf")
+    n: int = _f(
+        "K samples per prompt (paper: 4 for VLMs, 8 for text)",
+        4,
+        ge=2,
+        why="a group needs at least 2 samples for an advantage",
+    )
+    temperature: float = _f("sampling temperature", 1.0, gt=0, why="greedy rollouts make every group identical")
+    top_p: float = _f("nucleus sampling mass", 1.0, gt=0, le=1)
+    top_k: int = _f("top-k sampling; 0 = off", 0, ge=0)
+    max_new_tokens: int = _f("longest response, in tokens", 256, ge=1)
+    max_prompt_tokens: int = _f("longest rendered prompt, in tokens (image tokens included)", 1024, ge=1)
+    stop: list[str] = _f("extra stop strings", factory=list)
+    vllm: VllmConfig = _f("vLLM engine settings", factory=VllmConfig)
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """How each response is scored (DESIGN.md section 2)."""
+
+    mode: RewardMode = _f("reward: ring | peers | soft (Co-RL) or a baseline", "ring")
+    custom: str | None = _f(
+        "module:function of a custom cohort reward, used instead of mode; null = mode",
+        None,
+        pattern=(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*", "module:function, e.g. my_pkg.rewards:score"),
+    )
+    vote_threshold: float = _f(
+        "self-consistency tau: a member abstains when its plurality answer's share is below it", 0.0, ge=0, le=1
+    )
+    format_weight: float = _f("weight of the format reward added to the answer reward", 0.0, ge=0)
+    answer_style: Literal["auto", "boxed", "answer_tags"] = _f(
+        "answer extraction: auto (follow each member's prompt style) | boxed | answer_tags", "auto"
+    )
+    teacher_decay_start: float = _f("co_rewarding_2: EMA teacher decay at step 0 (cosine schedule)", 0.99, gt=0, lt=1)
+    teacher_decay_end: float = _f("co_rewarding_2: EMA teacher decay at the last step", 0.9999, gt=0, lt=1)
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """The GRPO objective."""
+
+    clip_low: float = _f(
+        "epsilon_low: ratio clipped below at 1 - clip_low", 0.2, ge=0, lt=1, why="1 - clip_low must stay positive"
+    )
+    clip_high: float = _f("epsilon_high: ratio clipped above at 1 + clip_high", 0.2, ge=0)
+    kl_beta: float = _f("weight of the KL penalty to the initial model; 0 = no reference model", 0.0, ge=0)
+    kl_estimator: Literal["k1", "k3"] = _f("KL estimator: k1 | k3 (low variance)", "k3")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "drgrpo"] = _f("loss aggregation over tokens", "token_mean")
+    drgrpo_norm: int | None = _f("Dr.GRPO constant normaliser; null = rollout.max_new_tokens", None, ge=1)
+    scale_rewards: Literal["group", "batch", "none"] = _f("advantage std: per group | whole batch | none", "group")
+    adv_eps: float = _f("epsilon added to the std in the advantage", 1e-6, gt=0)
+    filter_zero_variance: bool = _f("drop groups whose rewards are all equal from the loss", False)
+    updates_per_batch: int = _f("optimizer passes over each rollout batch", 1, ge=1)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation and checkpointing (per member, never shared)."""
+
+    max_steps: int = _f("training steps", 100, ge=1)
+    lr: float = _f("learning rate (peak of the cosine schedule)", 1e-6, gt=0)
+    min_lr_ratio: float = _f("cosine schedule floor as a fraction of lr", 0.1, ge=0, le=1)
+    warmup_ratio: float = _f("share of max_steps spent in linear warmup", 0.03, ge=0, lt=1)
+    weight_decay: float = _f("AdamW weight decay", 0.0, ge=0)
+    adam_beta1: float = _f("Adam beta1", 0.9, ge=0, lt=1)
+    adam_beta2: float = _f("Adam beta2", 0.95, ge=0, lt=1)
+    grad_clip: float = _f("max gradient norm; 0 = no clipping", 1.0, ge=0)
+    micro_batch_size: int = _f("responses per forward/backward (gradients are accumulated)", 8, ge=1)
+    gradient_checkpointing: bool = _f("recompute activations to save memory", False)
+    save_every: int = _f("checkpoint every N steps; 0 = only at the end", 50, ge=0)
+    keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
+    resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
+    deepspeed: str | None = _f("DeepSpeed JSON config path; null = plain DDP", None)
+    mixed_precision: Literal["no", "bf16", "fp16"] = _f("autocast precision: no | bf16 | fp16", "no")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Periodic benchmark evaluation during training."""
+
+    benchmarks: list[str] = _f("benchmark registry names", factory=list)
+    every: int = _f("evaluate every N steps; 0 = off", 0, ge=0)
+    limit: int | None = _f("examples per benchmark; null = all", None, ge=1)
+    temperature: float = _f("evaluation sampling temperature; 0 = greedy", 0.0, ge=0)
+    max_new_tokens: int | None = _f("longest evaluation response; null = rollout.max_new_tokens", None, ge=1)
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where metrics go (metrics.jsonl is always written)."""
+
+    tensorboard: bool = _f("also write TensorBoard event files", True)
+    progress: bool = _f("show a progress bar", True)
+    log_every: int = _f("write metrics every N steps", 1, ge=1)
+
+
+@dataclass(kw_only=True)
+class CohortConfig:
+    """A whole cohort run."""
+
+    name: str = _f("run name", "cohort")
+    output_dir: str = _f("run directory (config.yaml, metrics.jsonl, checkpoints/, summary.json)", "runs/cohort")
+    seed: int = _f("run seed (model init, sampling)", 0, ge=0)
+    members: list[MemberConfig] = _f("the cohort members", min_items=1, why="a cohort needs at least one model")
+    data: DataConfig = _f("training data", factory=DataConfig)
+    rollout: RolloutConfig = _f("sampling", factory=RolloutConfig)
+    reward: RewardConfig = _f("reward", factory=RewardConfig)
+    algo: AlgoConfig = _f("GRPO objective", factory=AlgoConfig)
+    train: TrainConfig = _f("optimisation and checkpoints", factory=TrainConfig)
+    eval: EvalConfig = _f("evaluation", factory=EvalConfig)
+    logging: LoggingConfig = _f("logging", factory=LoggingConfig)
