@@ -15,6 +15,7 @@ def batch(answers, gold=None, fmt=None, choices=None):
     return CohortBatch(
         member_ids=tuple(f"m{i}" for i in range(n)),
         answers=answers,
+        texts=[[[str(a) for a in g] for g in m] for m in answers],
         format_ok=fmt or [[[True] * k for _ in range(b)] for _ in range(n)],
         choices=choices or [None] * b,
         gold=gold or [None] * b,

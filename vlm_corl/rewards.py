@@ -27,6 +27,7 @@ class CohortBatch:
 
     member_ids: tuple[str, ...]
     answers: Answers  # (N, B, K) extracted answers; None = unparseable
+    texts: list[list[list[str]]]  # (N, B, K) response texts (for custom and format rewards)
     format_ok: list[list[list[bool]]]  # (N, B, K) response follows the member's prompt format
     choices: list[tuple[str, ...] | None]  # (B,) multiple-choice options, if any
     gold: list[str | None]  # (B,) gold answers; all None unless the mode uses gold
@@ -52,6 +53,13 @@ class RewardSpec:
 
     fn: Callable[..., RewardOutput]
     uses_gold: bool = False
+
+
+def resolve_reward(cfg) -> RewardSpec:
+    """The reward of a `RewardConfig`: `custom` ("module:function", never given gold) or the registered mode."""
+    if cfg.custom:
+        return RewardSpec(REWARDS.get(cfg.custom), uses_gold=False)
+    return REWARDS.get(cfg.mode)
 
 
 def reward_mode(name: str, uses_gold: bool = False):

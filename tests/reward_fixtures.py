@@ -1,0 +1,12 @@
+"""Custom cohort rewards used by the tests (named in configs as "reward_fixtures:<function>")."""
+
+import torch
+
+from vlm_corl.rewards import RewardOutput
+
+
+def shorter_is_better(batch, cfg) -> RewardOutput:
+    """-len(text)/100 per response: always varies within a group, so even a random model gets a gradient."""
+    lengths = torch.tensor([[[len(t) for t in g] for g in m] for m in batch.texts], dtype=torch.float32)
+    n, b, _ = lengths.shape
+    return RewardOutput(-lengths / 100, {"length": lengths}, [[None] * b for _ in range(n)])

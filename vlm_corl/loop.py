@@ -1,0 +1,221 @@
+"""The cohort training loop: one short function of named, timed phases.
+
+sample → render → rollout → extract → exchange → reward → advantage → update → log → checkpoint → eval
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from vlm_corl.answers import extract_answer
+from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, save_checkpoint, set_rng_states
+from vlm_corl.config import CohortConfig, save_config
+from vlm_corl.data import load_examples
+from vlm_corl.exchange import exchange
+from vlm_corl.grpo import group_advantages, nonzero_variance_groups
+from vlm_corl.member import load_member
+from vlm_corl.metrics import MetricsSink, member_metrics
+from vlm_corl.render import Renderer
+from vlm_corl.rewards import CohortBatch, resolve_reward
+from vlm_corl.rollout import SamplingParams, make_engine
+from vlm_corl.sampler import LockstepSampler
+from vlm_corl.update import Sequence, policy_update
+
+log = logging.getLogger("vlm_corl")
+
+FORMAT_PATTERNS = {"boxed": "\\boxed{", "answer_tags": "<answer>"}
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of the current step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def sampling_params(cfg: CohortConfig, member_index: int, member_seed: int, step: int) -> SamplingParams:
+    """A member's sampling parameters at `step`; its seed is a pure function of (run, member, step), so a
+    resumed run samples exactly what the uninterrupted one would have."""
+    r = cfg.rollout
+    seed = (cfg.seed * 1_000_003 + (member_index * 7919 + member_seed) * 104_729 + step) % (2**63)
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+
+
+def format_ok(text: str, style: str) -> bool:
+    """Does a response use the member's answer format (a format reward's input)?"""
+    return FORMAT_PATTERNS[style] in text
+
+
+def run_cohort(cfg: CohortConfig) -> dict:
+    """Train the cohort described by `cfg`; returns the summary also written to summary.json."""
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(cfg.seed)
+    reward_spec = resolve_reward(cfg.reward)
+
+    examples = load_training_examples(cfg.data.train)
+    sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
+
+    resume_from = _resume_point(cfg, run_dir)
+    members = [load_member(m, resume_from / m.id if resume_from else None) for m in cfg.members]
+    for m in members:
+        if m.cfg.trainable:
+            m.setup_optimizer(cfg.train, cfg.train.max_steps)
+            if resume_from:
+                m.load_trainer_state(resume_from / m.id)
+    engines = [make_engine(cfg.rollout.engine, m) for m in members]
+    renderers = [Renderer(m, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens)
+                 for m in members]
+    sink = MetricsSink(run_dir, cfg.logging.tensorboard)
+    start = 0
+    if resume_from:
+        state = load_cohort_state(resume_from)
+        start = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        set_rng_states(state["rng"])
+        sink.truncate_after(start)
+        log.info("resumed from %s (step %d)", resume_from, start)
+
+    const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
+    bar = tqdm(range(start, cfg.train.max_steps), initial=start, total=cfg.train.max_steps,
+               disable=not cfg.logging.progress, desc="cohort", dynamic_ncols=True)
+    history: list[dict] = []
+    for step in bar:
+        timer = PhaseTimer()
+        with timer("sample"):
+            batch = [examples[i] for i in sampler.next_batch()]
+        with timer("render"):
+            prompts = [[render(ex) for ex in batch] for render in renderers]
+        with timer("rollout"):
+            groups, rollout_s = [], []
+            for i, (eng, p, m) in enumerate(zip(engines, prompts, members)):
+                t0 = time.perf_counter()
+                groups.append(eng.generate(p, sampling_params(cfg, i, m.cfg.seed, step)))
+                rollout_s.append(time.perf_counter() - t0)
+        with timer("extract"):
+            style = cfg.reward.answer_style
+            answers = [[[extract_answer(r.text, m.prompt_style if style == "auto" else style, ex.choices)
+                         for r in g.responses] for g, ex in zip(gs, batch)] for gs, m in zip(groups, members)]
+            formats = [[[format_ok(r.text, m.prompt_style) for r in g.responses] for g in gs]
+                       for gs, m in zip(groups, members)]
+        with timer("exchange"):
+            local = {m.id: {g.prompt.example_id: (a, f, [r.text for r in g.responses]) for g, a, f in zip(gs, ans, fmt)}
+                     for m, gs, ans, fmt in zip(members, groups, answers, formats)}
+            answers, formats, texts = exchange([ex.id for ex in batch], local, [m.id for m in members])
+        with timer("reward"):
+            gold = [ex.answer for ex in batch]
+            cohort = CohortBatch(
+                member_ids=tuple(m.id for m in members), answers=answers, format_ok=formats,
+                texts=texts,
+                choices=[ex.choices for ex in batch],
+                gold=gold if reward_spec.uses_gold else [None] * len(batch),
+                scores=_intrinsic_scores(groups),
+            )
+            scored = reward_spec.fn(cohort, cfg.reward)
+        with timer("advantage"):
+            advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
+                          for n in range(len(members))]
+        with timer("update"):
+            updates = [_update(m, gs, adv, scored.rewards[n], cfg, const_norm)
+                       for n, (m, gs, adv) in enumerate(zip(members, groups, advantages))]
+        with timer("log"):
+            rows = _rows(step + 1, members, groups, cohort, scored, gold, updates, timer, rollout_s)
+            if (step + 1) % cfg.logging.log_every == 0:
+                sink.write(rows)
+            history.extend(rows)
+            bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
+        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
+            with timer("checkpoint"):
+                save_checkpoint(run_dir, step + 1, members, {"sampler": sampler.state_dict()}, cfg.train.keep_last)
+    sink.close()
+    summary = _summary(cfg, history, run_dir, renderers)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def load_training_examples(spec) -> list:
+    """The training examples of a `DatasetConfig`: `skip` first ones dropped, then at most `limit`."""
+    stop = spec.skip + spec.limit if spec.limit else None
+    data = load_examples(spec.loader, spec.path, split=spec.split, limit=stop, **spec.options)
+    log.info("data: %s", data.report.summary())
+    return data.examples[spec.skip :]
+
+
+def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
+    if cfg.train.resume is False:
+        return None
+    found = latest_checkpoint(run_dir)
+    if found is None and cfg.train.resume is True:
+        raise FileNotFoundError(
+            f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: "
+            "use train.resume=auto to start fresh when there is none"
+        )
+    return found
+
+
+def _intrinsic_scores(groups) -> dict[str, torch.Tensor]:
+    """(N, B, K) per-token means of the rollout's sampling statistics (for intrinsic-reward baselines)."""
+    out = {}
+    for stat in ("entropy", "self_certainty"):
+        values = [[[r.mean(stat) for r in g.responses] for g in gs] for gs in groups]
+        if all(v is not None for member in values for group in member for v in group):
+            out[stat] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def _update(member, groups, advantages: torch.Tensor, rewards: torch.Tensor, cfg, const_norm: int) -> dict:
+    """Build the member's training sequences and run its update (frozen members only report)."""
+    if not member.cfg.trainable:
+        return {}
+    keep = nonzero_variance_groups(rewards) if cfg.algo.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
+    seqs = [
+        Sequence(g.prompt.inputs, r.token_ids, float(advantages[j, k]))
+        for j, g in enumerate(groups) if keep[j]
+        for k, r in enumerate(g.responses)
+    ]
+    if not seqs:
+        return {"trained_seqs": 0}
+    return policy_update(member, seqs, cfg.algo, cfg.train, cfg.rollout.temperature, const_norm)
+
+
+def _rows(step, members, groups, cohort, scored, gold, updates, timer, rollout_s) -> list[dict]:
+    rows = []
+    for n, m in enumerate(members):
+        lengths = [[len(r.token_ids) for r in g.responses] for g in groups[n]]
+        row = {"step": step, "member": m.id}
+        row.update(member_metrics(n, cohort, scored, lengths, gold))
+        row.update({k: updates[n].get(k) for k in ("loss", "grad_norm", "lr")})
+        row["tokens_per_s"] = sum(map(sum, lengths)) / rollout_s[n]
+        row.update({f"time_{k}": v for k, v in timer.seconds.items()})
+        rows.append(row)
+    return rows
+
+
+def _summary(cfg, history: list[dict], run_dir: Path, renderers) -> dict:
+    last = {}
+    for row in history:
+        last[row["member"]] = row
+    return {
+        "run_dir": str(run_dir),
+        "steps": cfg.train.max_steps,
+        "reward_mode": cfg.reward.custom or cfg.reward.mode,
+        "members": {mid: {k: row.get(k) for k in ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc")}
+                    for mid, row in last.items()},
+        "view_fallbacks": {r.member.id: r.view_fallbacks for r in renderers},
+        "checkpoint": str(latest_checkpoint(run_dir)) if latest_checkpoint(run_dir) else None,
+    }

@@ -1,0 +1,157 @@
+"""A cohort member at run time: its model, processor, optimizer and schedule, loaded from its config.
+
+Members are fully decoupled: each owns its parameters, optimizer state and schedule, and nothing here is
+shared between two members.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoProcessor, AutoTokenizer
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+from vlm_corl.families import Family, detect_family
+from vlm_corl.registry import FAMILIES
+
+TRAINER_STATE = "trainer_state.pt"
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Member:
+    """One model of the cohort with everything needed to render for it, sample from it and update it."""
+
+    def __init__(self, cfg, family: Family, model, processor, tokenizer, device: torch.device):
+        self.cfg, self.family, self.model, self.processor, self.tokenizer = cfg, family, model, processor, tokenizer
+        self.device = device
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.reference = None  # frozen initial weights, only when the KL penalty is on
+        self.autocast_dtype: torch.dtype | None = None
+
+    @property
+    def id(self) -> str:
+        return self.cfg.id
+
+    @property
+    def prompt_style(self) -> str:
+        return self.cfg.prompt_style or self.family.prompt_style
+
+    @property
+    def is_vision(self) -> bool:
+        return self.family.modality == "vision"
+
+    @property
+    def mrope(self) -> bool:
+        """Qwen-VL models compute their 3-D rotary positions (from the attention mask) themselves."""
+        return hasattr(getattr(self.model, "model", None), "get_rope_index")
+
+    @property
+    def generation_module(self):
+        return self.model
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def suppressed_ids(self) -> list[int]:
+        """Tokens generation never samples (control/vision tokens); the policy's log-probs exclude them too."""
+        return list(self.model.generation_config.suppress_tokens or [])
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
+
+    # ---- rendering --------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, text: str, num_images: int, system_prompt: str | None) -> str:
+        """The member's chat template around one user turn (images first, then the text)."""
+        if self.is_vision:
+            content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+            system = [{"type": "text", "text": system_prompt}] if system_prompt else None
+            templater = self.processor
+        else:
+            if num_images:
+                raise ValueError(
+                    f"member {self.id!r} is a text-only model but the example has {num_images} image(s): "
+                    "use text data for text members, or a vision-language model"
+                )
+            content, system, templater = text, system_prompt, self.tokenizer
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        return templater.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def process(self, chat_text: str, images: list) -> dict[str, torch.Tensor]:
+        """Processor tensors for one prompt (batch dim 1). The template already holds any BOS token."""
+        if self.is_vision:
+            out = self.processor(text=[chat_text], images=[images] if images else None, return_tensors="pt",
+                                 add_special_tokens=False)
+        else:
+            out = self.tokenizer([chat_text], return_tensors="pt", add_special_tokens=False)
+        return {k: v.to(self.device) for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+    # ---- optimisation -----------------------------------------------------------------------------------
+
+    def setup_optimizer(self, train, max_steps: int) -> None:
+        """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=self.cfg.lr or train.lr, betas=(train.adam_beta1, train.adam_beta2),
+            weight_decay=train.weight_decay,
+        )
+        # Zero (not None) gradients: a step whose every sequence has zero advantage then updates exactly as
+        # if the zero-gradient backward had run (Adam moments still advance).
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer, num_warmup_steps=round(train.warmup_ratio * max_steps),
+            num_training_steps=max_steps, min_lr_rate=train.min_lr_ratio,
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, grad_clip: float) -> float:
+        """Clip, step the optimizer and the schedule, zero the gradients; returns the pre-clip grad norm."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return float(norm)
+
+    # ---- persistence ------------------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        """HF-format weights + processor (loadable by from_pretrained), and the optimizer/schedule state."""
+        directory = Path(directory)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
+        if self.optimizer is not None:
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       directory / TRAINER_STATE)
+
+    def load_trainer_state(self, directory: Path) -> None:
+        state = torch.load(Path(directory) / TRAINER_STATE, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def load_member(cfg, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:
+    """Load member `cfg` from `model_dir` (default: cfg.model; a checkpoint directory when resuming)."""
+    path = str(model_dir or cfg.model)
+    family = FAMILIES.get(cfg.family) if cfg.family else detect_family(path)
+    device = device or torch.device("cpu")
+    model = family.model_class.from_pretrained(
+        path, dtype=_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    ).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    processor = tokenizer
+    if family.modality == "vision":
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    if not cfg.trainable:
+        model.requires_grad_(False)
+    return Member(cfg, family, model, processor, tokenizer, device)

@@ -1,0 +1,99 @@
+"""The update phase: one member's policy-gradient step on its own scored rollouts.
+
+Members never share parameters, optimizer state or gradients: each call touches one member only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlm_corl.batching import collate, position_ids
+from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty
+
+
+@dataclass
+class Sequence:
+    """One response to train on: its prompt's processor tensors, its tokens and its advantage."""
+
+    prompt_inputs: dict[str, torch.Tensor]
+    token_ids: list[int]
+    advantage: float
+
+
+def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
+                      temperature: float, mrope: bool, suppressed: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of each response's tokens under `model` (tempered like the rollout), and the mask (B, T).
+
+    The policy is the distribution the rollout samples from: tempered, with the control tokens that
+    generation suppresses removed. Only the last T+1 positions are turned into logits (`logits_to_keep`),
+    so memory does not grow with the prompt. M-RoPE models (Qwen-VL) derive positions from the mask.
+    """
+    inputs, mask = collate(prompt_inputs, pad_id, responses)
+    t = mask.shape[1]
+    if not mrope:
+        inputs["position_ids"] = position_ids(inputs["attention_mask"])
+    logits = model(**inputs, logits_to_keep=t + 1, use_cache=False).logits[:, :-1]  # (B, T, V)
+    logits = logits.float() / temperature
+    if suppressed:
+        logits[..., list(suppressed)] = float("-inf")
+    targets = inputs["input_ids"][:, -t:]  # (B, T)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
+    return torch.where(mask.bool(), logp, 0.0), mask
+
+
+def policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int) -> dict:
+    """One optimizer step of `member` on `seqs` (all of one rollout batch), in micro-batches.
+
+    With one update per rollout batch and no KL, the rollout policy is the current one: old log-probs are
+    the current ones detached (no extra forward pass), and sequences with zero advantage contribute exactly
+    zero loss, so they are skipped but still counted in the normaliser (the loss equals the full-batch one).
+    Returns loss, grad_norm, lr, clip_frac.
+    """
+    total_tokens = sum(len(s.token_ids) for s in seqs)
+    total_seqs = len(seqs)
+    need_all = algo.kl_beta > 0 or algo.updates_per_batch > 1
+    work = seqs if need_all else [s for s in seqs if s.advantage != 0.0]
+    micro = [work[i : i + train.micro_batch_size] for i in range(0, len(work), train.micro_batch_size)]
+    model = member.model
+    model.train()
+    old = [_logprobs(member, mb, temperature)[0].detach() for mb in micro] if algo.updates_per_batch > 1 else None
+    lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
+    loss_sum, clipped_tokens, grad_norm = 0.0, 0.0, 0.0
+    for _ in range(algo.updates_per_batch):
+        for i, mb in enumerate(micro):
+            logp, mask = _logprobs(member, mb, temperature)
+            old_logp = old[i] if old is not None else logp.detach()
+            adv = torch.tensor([s.advantage for s in mb])
+            token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
+            if algo.kl_beta > 0:
+                with torch.no_grad():
+                    ref_logp, _ = _logprobs(member, mb, temperature, model=member.reference)
+                token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
+            loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=total_tokens,
+                                  total_seqs=total_seqs, const_norm=const_norm)
+            member.backward(loss)
+            loss_sum += loss.item()
+            clipped_tokens += float((clipped * mask).sum())
+        grad_norm = member.step(train.grad_clip)
+    return {
+        "loss": loss_sum / algo.updates_per_batch,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "clip_frac": clipped_tokens / max(total_tokens * algo.updates_per_batch, 1),
+        "trained_seqs": len(work),
+    }
+
+
+def _logprobs(member, mb: list[Sequence], temperature: float, model=None):
+    return response_logprobs(
+        model if model is not None else member.model,
+        [s.prompt_inputs for s in mb],
+        [s.token_ids for s in mb],
+        member.tokenizer.pad_token_id,
+        temperature,
+        member.mrope,
+        member.suppressed_ids,
+    )

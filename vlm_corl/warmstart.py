@@ -1,0 +1,90 @@
+"""The "base model" step: a short supervised warm start on a small labelled slice.
+
+A randomly initialised tiny model cannot answer at all, so peer agreement has nothing to amplify. This step
+plays the role of starting from a pretrained checkpoint: it teaches a member the answer format of its prompt
+style and a little of the task from a few labelled examples, then saves it (HF format) as the base model that
+label-free training starts from. It is the only training step that reads labels.
+
+    python -m vlm_corl.warmstart --model out/zoo/qwen2_vl --out out/base/qwen2_vl --loader easyvqa \
+        --limit 1000 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from vlm_corl.config import MemberConfig
+from vlm_corl.data import load_examples
+from vlm_corl.member import Member, load_member
+from vlm_corl.records import Example
+from vlm_corl.render import Renderer
+from vlm_corl.update import response_logprobs
+
+# The response a member is taught for gold answer A, per prompt style (no reasoning: tiny models).
+TARGETS = {"answer_tags": "<answer>{answer}</answer>", "boxed": "\\boxed{{{answer}}}"}
+
+
+def target_ids(member: Member, answer: str) -> list[int]:
+    """Token ids of the taught response, ending with the member's end-of-turn token."""
+    text = TARGETS[member.prompt_style].format(answer=answer)
+    return member.tokenizer(text, add_special_tokens=False)["input_ids"] + [member.eos_token_ids[0]]
+
+
+def warm_start(member: Member, examples: list[Example], steps: int, batch_size: int, lr: float, seed: int,
+               max_image_pixels: int = 1280 * 28 * 28) -> list[float]:
+    """Supervised fine-tuning (cross-entropy on the response tokens); returns the loss per step."""
+    render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
+    optimizer = torch.optim.AdamW(member.model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    member.model.train()
+    losses = []
+    for _ in range(steps):
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+        logp, mask = response_logprobs(
+            member.model, [render(ex).inputs for ex in batch], [target_ids(member, ex.answer) for ex in batch],
+            member.tokenizer.pad_token_id, 1.0, member.mrope, member.suppressed_ids,
+        )
+        loss = -(logp * mask).sum() / mask.sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlm_corl.warmstart", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model directory to start from (e.g. a zoo member)")
+    parser.add_argument("--out", required=True, help="where to save the warm-started base model")
+    parser.add_argument("--loader", default="easyvqa", help="dataset loader (registry name)")
+    parser.add_argument("--path", default=None, help="dataset path, when the loader needs one")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--skip", type=int, default=0, help="labelled slice starts after this many examples")
+    parser.add_argument("--limit", type=int, default=1000, help="size of the labelled slice")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    examples = load_examples(args.loader, args.path, split=args.split, limit=args.skip + args.limit).examples[args.skip :]
+    missing = [ex.id for ex in examples if ex.answer is None]
+    if missing:
+        parser.error(f"the warm start needs gold answers; {len(missing)} examples have none (e.g. {missing[0]})")
+    member = load_member(MemberConfig(id=Path(args.out).name, model=args.model))
+    losses = warm_start(member, examples, args.steps, args.batch_size, args.lr, args.seed)
+    member.save(Path(args.out))
+    record = {"model": args.model, "out": args.out, "examples": len(examples), "steps": args.steps,
+              "first_loss": losses[0], "last_loss": losses[-1]}
+    (Path(args.out) / "warmstart.json").write_text(json.dumps({**vars(args), **record}, indent=2))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
