@@ -97,31 +97,66 @@ def _easyvqa_rows(n: int, answer_of) -> list[dict]:
     return [{"id": e.id, "question": e.question, "image": e.images[0], "answer": answer_of(e)} for e in examples]
 
 
-def test_gold_answers_never_reach_a_label_free_reward(base_models, tmp_path):
-    """Same run on the same questions with true vs shuffled gold: identical rewards and weights under `ring`
-    (only the diagnostic pseudo-label accuracy differs); under `gt` the weights differ, so the test can fail."""
+@pytest.mark.parametrize("mode", ["ring", "peers", "soft", "self_vote"])
+def test_gold_answers_never_reach_a_label_free_reward(base_models, tmp_path, mode):
+    """Same run on the same questions with true vs wrong gold answers: identical rewards and weights in every
+    label-free mode (only the diagnostic pseudo-label accuracy differs); under `gt` the weights differ, so the
+    comparison can fail."""
     wrong = {"yes": "no", "no": "yes"}
     true_rows = _easyvqa_rows(48, lambda e: e.answer)
     fake_rows = _easyvqa_rows(48, lambda e: wrong.get(e.answer, "circle" if e.answer != "circle" else "red"))
     members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"])]
-    results = {}
-    for mode in ("ring", "gt"):
-        for name, rows in (("true", true_rows), ("fake", fake_rows)):
-            run = tmp_path / f"{mode}-{name}"
-            data = {"train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / f"{name}.jsonl", rows))},
-                    "batch_size": 8}
-            cfg = cohort(run, members, data=data, reward={"mode": mode})
-            cfg["train"]["max_steps"] = 3
-            summary = run_cohort(config_from_dict(cfg))
-            results[mode, name] = (metrics(run / "run"), {m: weights(Path(summary["checkpoint"]) / m) for m, _ in members})
-    (ring_true, w_true), (ring_fake, w_fake) = results["ring", "true"], results["ring", "fake"]
-    assert any(r["reward_mean"] > 0 for r in ring_true), "label-free rewards were all zero: the test proves nothing"
-    assert [r["reward_mean"] for r in ring_true] == [r["reward_mean"] for r in ring_fake]
-    assert [r["agreement"] for r in ring_true] == [r["agreement"] for r in ring_fake]
+    if mode == "peers":
+        members.append(("qwen_b", base_models["qwen2_vl"]))  # peers needs N >= 3
+
+    def train(reward_mode: str, name: str, rows: list[dict]):
+        run = tmp_path / f"{reward_mode}-{name}"
+        data = {"train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / f"{name}.jsonl", rows))},
+                "batch_size": 8}
+        cfg = cohort(run, members, data=data, reward={"mode": reward_mode})
+        cfg["train"]["max_steps"] = 3
+        summary = run_cohort(config_from_dict(cfg))
+        return metrics(run / "run"), {m: weights(Path(summary["checkpoint"]) / m) for m, _ in members}
+
+    (rows_true, w_true), (rows_fake, w_fake) = train(mode, "true", true_rows), train(mode, "fake", fake_rows)
+    assert any(r["reward_mean"] > 0 for r in rows_true), "label-free rewards were all zero: the test proves nothing"
+    for key in ("reward_mean", "reward_std", "agreement", "abstain_rate", "loss", "grad_norm"):
+        assert [r[key] for r in rows_true] == [r[key] for r in rows_fake], key
     assert all(torch.equal(w_true[m][k], w_fake[m][k]) for m in w_true for k in w_true[m])
-    assert [r["pseudo_label_acc"] for r in ring_true] != [r["pseudo_label_acc"] for r in ring_fake]
-    gt_true, gt_fake = results["gt", "true"][1], results["gt", "fake"][1]
-    assert any(not torch.equal(gt_true[m][k], gt_fake[m][k]) for m in gt_true for k in gt_true[m])
+    assert [r["pseudo_label_acc"] for r in rows_true] != [r["pseudo_label_acc"] for r in rows_fake]
+    if mode == "ring":
+        gt_true, gt_fake = train("gt", "true", true_rows)[1], train("gt", "fake", fake_rows)[1]
+        assert any(not torch.equal(gt_true[m][k], gt_fake[m][k]) for m in gt_true for k in gt_true[m])
+
+
+def test_mixed_cohort_vlm_and_text_model_on_text_questions(tiny_zoo, tmp_path):
+    """A vision-language member and a text-only member train together on text questions (no images)."""
+    rows = [{"id": f"q{i}", "question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(16)]
+    data = {"train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / "q.jsonl", rows))}, "batch_size": 2}
+    members = [("vlm", tiny_zoo["qwen2_vl"]), ("llm", tiny_zoo["qwen3"])]
+    cfg = cohort(tmp_path, members, data=data, reward={"custom": "reward_fixtures:shorter_is_better"})
+    summary = run_cohort(config_from_dict(cfg))
+    for mid, path in members:
+        after, before = weights(Path(summary["checkpoint"]) / mid), weights(path)
+        assert any(not torch.equal(after[k], before[k]) for k in before), mid
+
+
+def test_kl_epochs_checkpointing_and_eval_hook(base_models, tmp_path):
+    """KL to the initial model, two optimizer passes per batch, gradient checkpointing, another loss
+    aggregation and the eval hook, together: the run trains and writes eval rows."""
+    cfg = cohort(tmp_path, [("qwen", base_models["qwen2_vl"])], reward={"mode": "self_vote"},
+                 algo={"kl_beta": 0.1, "updates_per_batch": 2, "loss_agg": "seq_mean_token_mean"},
+                 eval={"benchmarks": ["easyvqa"], "every": 2, "limit": 6})
+    cfg["train"].update(gradient_checkpointing=True, micro_batch_size=4)
+    cfg["data"]["batch_size"] = 8
+    summary = run_cohort(config_from_dict(cfg))
+    rows = metrics(tmp_path / "run")
+    assert all(r["loss"] is not None and r["grad_norm"] == r["grad_norm"] for r in rows)  # not NaN
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["member"], e["n"]) for e in evals] == [(2, "qwen", 6)]
+    assert 0.0 <= evals[0]["accuracy"] <= 1.0 and "accuracy_yes/no" in evals[0]
+    after, before = weights(Path(summary["checkpoint"]) / "qwen"), weights(base_models["qwen2_vl"])
+    assert any(not torch.equal(after[k], before[k]) for k in before)
 
 
 def test_gt_reward_learns_a_trivial_task(base_models, tmp_path):

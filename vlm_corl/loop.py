@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,11 +18,13 @@ from tqdm import tqdm
 from vlm_corl.answers import extract_answer
 from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, save_checkpoint, set_rng_states
 from vlm_corl.config import CohortConfig, save_config
+from vlm_corl.eval import benchmark_examples, evaluate_member
 from vlm_corl.data import load_examples
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.member import load_member
 from vlm_corl.metrics import MetricsSink, member_metrics
+from vlm_corl.registry import BENCHMARKS
 from vlm_corl.render import Renderer
 from vlm_corl.rewards import CohortBatch, resolve_reward
 from vlm_corl.rollout import SamplingParams, make_engine
@@ -78,6 +81,8 @@ def run_cohort(cfg: CohortConfig) -> dict:
             m.setup_optimizer(cfg.train, cfg.train.max_steps)
             if resume_from:
                 m.load_trainer_state(resume_from / m.id)
+            if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
+                m.reference = load_member(replace(m.cfg, trainable=False)).model.eval()
     engines = [make_engine(cfg.rollout.engine, m) for m in members]
     renderers = [Renderer(m, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens)
                  for m in members]
@@ -142,6 +147,9 @@ def run_cohort(cfg: CohortConfig) -> dict:
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
             with timer("checkpoint"):
                 save_checkpoint(run_dir, step + 1, members, {"sampler": sampler.state_dict()}, cfg.train.keep_last)
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+            with timer("eval"):
+                sink.write_eval(evaluate_cohort(members, cfg.eval, step + 1))
     sink.close()
     summary = _summary(cfg, history, run_dir, renderers)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -154,6 +162,22 @@ def load_training_examples(spec) -> list:
     data = load_examples(spec.loader, spec.path, split=spec.split, limit=stop, **spec.options)
     log.info("data: %s", data.report.summary())
     return data.examples[spec.skip :]
+
+
+def evaluate_cohort(members, eval_cfg, step: int) -> list[dict]:
+    """The eval hook: every member on every configured benchmark (one row per member and benchmark)."""
+    rows = []
+    for name in eval_cfg.benchmarks:
+        bench = BENCHMARKS.get(name)
+        if eval_cfg.max_new_tokens:
+            bench = replace(bench, max_new_tokens=eval_cfg.max_new_tokens)
+        bench = replace(bench, temperature=eval_cfg.temperature)
+        examples = benchmark_examples(bench, eval_cfg.limit)
+        for m in members:
+            result = evaluate_member(m, examples, bench)
+            rows.append({"step": step, "member": m.id, "benchmark": name, "accuracy": result["accuracy"],
+                         "n": result["n"], **{f"accuracy_{t}": a for t, a in result["by_type"].items()}})
+    return rows
 
 
 def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:

@@ -95,7 +95,9 @@ class Member:
     # ---- optimisation -----------------------------------------------------------------------------------
 
     def setup_optimizer(self, train, max_steps: int) -> None:
-        """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr."""
+        """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr (and gradient checkpointing)."""
+        if train.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.cfg.lr or train.lr, betas=(train.adam_beta1, train.adam_beta2),

@@ -49,6 +49,7 @@ class MetricsSink:
 
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.eval_path = Path(run_dir) / "eval.jsonl"
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported here: it pulls in tensorboard
@@ -66,12 +67,22 @@ class MetricsSink:
         if self.writer is not None:
             self.writer.flush()
 
+    def write_eval(self, rows: list[dict]) -> None:
+        """Evaluation rows go to eval.jsonl (and TensorBoard as eval/<benchmark>/<key>)."""
+        with self.eval_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+                if self.writer is not None:
+                    for key, value in row.items():
+                        if key.startswith("accuracy"):
+                            self.writer.add_scalar(f"{row['member']}/eval/{row['benchmark']}/{key}", value, row["step"])
+
     def truncate_after(self, step: int) -> None:
         """On resume, drop rows of steps after the checkpoint (they will be recomputed)."""
-        if not self.path.exists():
-            return
-        rows = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(r + "\n" for r in rows))
+        for path in (self.path, self.eval_path):
+            if path.exists():
+                rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+                path.write_text("".join(r + "\n" for r in rows))
 
     def close(self) -> None:
         if self.writer is not None:

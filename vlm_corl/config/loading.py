@@ -19,7 +19,7 @@ from vlm_corl.config.parse import (
     yaml_problem,
 )
 from vlm_corl.config.schema import PEER_MODES, SINGLE_MODEL_MODES, CohortConfig
-from vlm_corl.registry import FAMILIES, LOADERS
+from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 
 
 def validate(cfg: CohortConfig) -> None:
@@ -86,7 +86,7 @@ def validate(cfg: CohortConfig) -> None:
             "eval.benchmarks",
             f"eval.every={cfg.eval.every} but no benchmark is listed; add names or set eval.every=0",
         )
-    for path, value in (("data.paraphrases", cfg.data.paraphrases), ("train.deepspeed", cfg.train.deepspeed)):
+    for path, value in (("data.paraphrases", cfg.data.paraphrases),):
         if value is not None and not Path(value).is_file():
             problems.add(path, f"file {value!r} does not exist; fix the path or set it to null")
 
@@ -100,8 +100,13 @@ def check_registered(cfg: CohortConfig) -> None:
     Loading does not check these names: the registries fill up only when `vlm_corl`'s data/family modules,
     `text_corl` or a user's package are imported, which the config layer must not do itself.
     """
+    import vlm_corl.eval  # noqa: F401  (registers the built-in benchmarks)
+    import vlm_corl.rewards  # noqa: F401  (registers the built-in reward modes)
+
     problems = Problems()
     lookups = [("data.train.loader", LOADERS, cfg.data.train.loader)]
+    lookups += [("reward.custom" if cfg.reward.custom else "reward.mode", REWARDS, cfg.reward.custom or cfg.reward.mode)]
+    lookups += [("eval.benchmarks", BENCHMARKS, name) for name in cfg.eval.benchmarks]
     lookups += [(f"members[{i}].family", FAMILIES, m.family) for i, m in enumerate(cfg.members) if m.family]
     for path, registry, name in lookups:
         try:

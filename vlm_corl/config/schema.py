@@ -44,7 +44,6 @@ class MemberConfig:
     system_prompt: str | None = _f("system prompt; null = the prompt style's default", None)
     seed: int = _f("offset added to the run seed for this member's sampling", 0, ge=0)
     lr: float | None = _f("learning rate for this member; null = train.lr", None, gt=0)
-    num_processes: int = _f("ranks (processes) this member occupies; it is data-parallel inside them", 1, ge=1)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("weights dtype when loading", "auto")
     attn_implementation: str = _f("transformers attention implementation: sdpa, eager, flash_attention_2, ...", "sdpa")
     trust_remote_code: bool = _f("allow custom modelling code shipped with the checkpoint", False)
@@ -165,7 +164,6 @@ class TrainConfig:
     save_every: int = _f("checkpoint every N steps; 0 = only at the end", 50, ge=0)
     keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
     resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
-    deepspeed: str | None = _f("DeepSpeed JSON config path; null = plain DDP", None)
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("autocast precision: no | bf16 | fp16", "no")
 
 
