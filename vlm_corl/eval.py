@@ -17,7 +17,7 @@ from pathlib import Path
 
 from vlm_corl.answers import answers_equivalent, extract_answer
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import load_examples
+from vlm_corl.data import balance_by, load_examples
 from vlm_corl.member import Member, load_member
 from vlm_corl.records import Example
 from vlm_corl.registry import BENCHMARKS
@@ -48,13 +48,7 @@ BENCHMARKS.register("easyvqa")(Benchmark("easyvqa", "easyvqa", "test", balance_b
 def benchmark_examples(bench: Benchmark, limit: int | None, path: str | None = None) -> list[Example]:
     """The benchmark's examples, balanced across `balance_by` values when set, at most `limit`."""
     examples = load_examples(bench.loader, path or bench.path, split=bench.split).examples
-    if bench.balance_by is None:
-        return examples[:limit]
-    by_type: dict[str, list[Example]] = defaultdict(list)
-    for ex in examples:
-        by_type[str(ex.metadata.get(bench.balance_by))].append(ex)
-    per_type = (limit or len(examples)) // len(by_type)
-    return [ex for group in by_type.values() for ex in group[:per_type]]
+    return balance_by(examples, bench.balance_by, limit) if bench.balance_by else examples[:limit]
 
 
 def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, batch_size: int = 64,

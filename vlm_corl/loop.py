@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -63,17 +63,89 @@ def format_ok(text: str, style: str) -> bool:
     return FORMAT_PATTERNS[style] in text
 
 
+@dataclass
+class CohortRun:
+    """Everything a run holds between steps: data order, members with their engines and renderers, sinks."""
+
+    cfg: CohortConfig
+    run_dir: Path
+    examples: list
+    sampler: LockstepSampler
+    members: list
+    engines: list
+    renderers: list
+    sink: MetricsSink
+    reward_spec: object
+    start: int
+
+
 def run_cohort(cfg: CohortConfig) -> dict:
     """Train the cohort described by `cfg`; returns the summary also written to summary.json."""
+    run = start_run(cfg)
+    members, engines = run.members, run.engines
+    const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
+    bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
+               disable=not cfg.logging.progress, desc="cohort", dynamic_ncols=True)
+    history: list[dict] = []
+    for step in bar:
+        timer = PhaseTimer()
+        with timer("sample"):
+            batch = [run.examples[i] for i in run.sampler.next_batch()]
+        with timer("render"):
+            prompts = [[render(ex) for ex in batch] for render in run.renderers]
+        with timer("rollout"):
+            groups, rollout_s = rollout_phase(cfg, engines, members, prompts, step)
+        with timer("extract"):
+            answers, formats = extract_phase(cfg, members, groups, batch)
+        with timer("exchange"):
+            local = {m.id: {g.prompt.example_id: (a, f, [r.text for r in g.responses]) for g, a, f in zip(gs, ans, fmt)}
+                     for m, gs, ans, fmt in zip(members, groups, answers, formats)}
+            answers, formats, texts = exchange([ex.id for ex in batch], local, [m.id for m in members])
+        with timer("reward"):
+            gold = [ex.answer for ex in batch]
+            cohort = CohortBatch(
+                member_ids=tuple(m.id for m in members), answers=answers, format_ok=formats, texts=texts,
+                choices=[ex.choices for ex in batch],
+                gold=gold if run.reward_spec.uses_gold else [None] * len(batch),  # labels reach `gt` only
+                scores=_intrinsic_scores(groups),
+            )
+            scored = run.reward_spec.fn(cohort, cfg.reward)
+        with timer("advantage"):
+            advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
+                          for n in range(len(members))]
+        with timer("update"):
+            updates = [_update(m, gs, adv, scored.rewards[n], cfg, const_norm)
+                       for n, (m, gs, adv) in enumerate(zip(members, groups, advantages))]
+            for eng, upd in zip(engines, updates):
+                if "loss" in upd:  # an optimizer step ran (Adam moves weights even on zero gradients)
+                    eng.sync_weights()  # the next rollout samples from the updated policy
+        with timer("log"):
+            rows = _rows(step + 1, members, groups, cohort, scored, gold, updates, timer, rollout_s)
+            if (step + 1) % cfg.logging.log_every == 0:
+                run.sink.write(rows)
+            history.extend(rows)
+            bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
+        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
+            with timer("checkpoint"):
+                save_checkpoint(run.run_dir, step + 1, members, {"sampler": run.sampler.state_dict()},
+                                cfg.train.keep_last)
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+            with timer("eval"):
+                run.sink.write_eval(evaluate_cohort(members, cfg.eval, step + 1))
+    run.sink.close()
+    summary = _summary(cfg, history, run.run_dir, run.renderers)
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def start_run(cfg: CohortConfig) -> CohortRun:
+    """Load data and members, build engines and renderers, and restore the newest checkpoint if resuming."""
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(cfg.seed)
-    reward_spec = resolve_reward(cfg.reward)
-
     examples = load_training_examples(cfg.data.train)
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
-
     resume_from = _resume_point(cfg, run_dir)
     members = [load_member(m, resume_from / m.id if resume_from else None) for m in cfg.members]
     for m in members:
@@ -83,7 +155,8 @@ def run_cohort(cfg: CohortConfig) -> dict:
                 m.load_trainer_state(resume_from / m.id)
             if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
                 m.reference = load_member(replace(m.cfg, trainable=False)).model.eval()
-    engines = [make_engine(cfg.rollout.engine, m) for m in members]
+    max_images = max(len(ex.images) for ex in examples)
+    engines = [make_engine(cfg.rollout.engine, m, cfg.rollout, max_images) for m in members]
     renderers = [Renderer(m, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens)
                  for m in members]
     sink = MetricsSink(run_dir, cfg.logging.tensorboard)
@@ -95,65 +168,28 @@ def run_cohort(cfg: CohortConfig) -> dict:
         set_rng_states(state["rng"])
         sink.truncate_after(start)
         log.info("resumed from %s (step %d)", resume_from, start)
+    return CohortRun(cfg, run_dir, examples, sampler, members, engines, renderers, sink, resolve_reward(cfg.reward),
+                     start)
 
-    const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
-    bar = tqdm(range(start, cfg.train.max_steps), initial=start, total=cfg.train.max_steps,
-               disable=not cfg.logging.progress, desc="cohort", dynamic_ncols=True)
-    history: list[dict] = []
-    for step in bar:
-        timer = PhaseTimer()
-        with timer("sample"):
-            batch = [examples[i] for i in sampler.next_batch()]
-        with timer("render"):
-            prompts = [[render(ex) for ex in batch] for render in renderers]
-        with timer("rollout"):
-            groups, rollout_s = [], []
-            for i, (eng, p, m) in enumerate(zip(engines, prompts, members)):
-                t0 = time.perf_counter()
-                groups.append(eng.generate(p, sampling_params(cfg, i, m.cfg.seed, step)))
-                rollout_s.append(time.perf_counter() - t0)
-        with timer("extract"):
-            style = cfg.reward.answer_style
-            answers = [[[extract_answer(r.text, m.prompt_style if style == "auto" else style, ex.choices)
-                         for r in g.responses] for g, ex in zip(gs, batch)] for gs, m in zip(groups, members)]
-            formats = [[[format_ok(r.text, m.prompt_style) for r in g.responses] for g in gs]
-                       for gs, m in zip(groups, members)]
-        with timer("exchange"):
-            local = {m.id: {g.prompt.example_id: (a, f, [r.text for r in g.responses]) for g, a, f in zip(gs, ans, fmt)}
-                     for m, gs, ans, fmt in zip(members, groups, answers, formats)}
-            answers, formats, texts = exchange([ex.id for ex in batch], local, [m.id for m in members])
-        with timer("reward"):
-            gold = [ex.answer for ex in batch]
-            cohort = CohortBatch(
-                member_ids=tuple(m.id for m in members), answers=answers, format_ok=formats,
-                texts=texts,
-                choices=[ex.choices for ex in batch],
-                gold=gold if reward_spec.uses_gold else [None] * len(batch),
-                scores=_intrinsic_scores(groups),
-            )
-            scored = reward_spec.fn(cohort, cfg.reward)
-        with timer("advantage"):
-            advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
-                          for n in range(len(members))]
-        with timer("update"):
-            updates = [_update(m, gs, adv, scored.rewards[n], cfg, const_norm)
-                       for n, (m, gs, adv) in enumerate(zip(members, groups, advantages))]
-        with timer("log"):
-            rows = _rows(step + 1, members, groups, cohort, scored, gold, updates, timer, rollout_s)
-            if (step + 1) % cfg.logging.log_every == 0:
-                sink.write(rows)
-            history.extend(rows)
-            bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
-        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
-            with timer("checkpoint"):
-                save_checkpoint(run_dir, step + 1, members, {"sampler": sampler.state_dict()}, cfg.train.keep_last)
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-            with timer("eval"):
-                sink.write_eval(evaluate_cohort(members, cfg.eval, step + 1))
-    sink.close()
-    summary = _summary(cfg, history, run_dir, renderers)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+
+def rollout_phase(cfg, engines, members, prompts, step: int) -> tuple[list, list[float]]:
+    """Each member samples K responses per prompt; returns its groups and its rollout seconds."""
+    groups, seconds = [], []
+    for i, (engine, member_prompts, m) in enumerate(zip(engines, prompts, members)):
+        t0 = time.perf_counter()
+        groups.append(engine.generate(member_prompts, sampling_params(cfg, i, m.cfg.seed, step)))
+        seconds.append(time.perf_counter() - t0)
+    return groups, seconds
+
+
+def extract_phase(cfg, members, groups, batch) -> tuple[list, list]:
+    """(N, B, K) extracted answers and format flags, each member read in its own prompt style."""
+    style = cfg.reward.answer_style
+    answers = [[[extract_answer(r.text, m.prompt_style if style == "auto" else style, ex.choices)
+                 for r in g.responses] for g, ex in zip(gs, batch)] for gs, m in zip(groups, members)]
+    formats = [[[format_ok(r.text, m.prompt_style) for r in g.responses] for g in gs]
+               for gs, m in zip(groups, members)]
+    return answers, formats
 
 
 def load_training_examples(spec) -> list:

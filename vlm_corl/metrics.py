@@ -57,25 +57,24 @@ class MetricsSink:
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
     def write(self, rows: list[dict]) -> None:
-        with self.path.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-                if self.writer is not None:
-                    for key, value in row.items():
-                        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                            self.writer.add_scalar(f"{row['member']}/{key}", value, row["step"])
-        if self.writer is not None:
-            self.writer.flush()
+        """Step rows (one per member) to metrics.jsonl; TensorBoard tags <member>/<key>."""
+        self._append(self.path, rows, lambda row: row["member"])
 
     def write_eval(self, rows: list[dict]) -> None:
-        """Evaluation rows go to eval.jsonl (and TensorBoard as eval/<benchmark>/<key>)."""
-        with self.eval_path.open("a") as f:
+        """Evaluation rows to eval.jsonl; TensorBoard tags <member>/eval/<benchmark>/<key>."""
+        self._append(self.eval_path, rows, lambda row: f"{row['member']}/eval/{row['benchmark']}")
+
+    def _append(self, path: Path, rows: list[dict], tag_prefix) -> None:
+        with path.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-                if self.writer is not None:
-                    for key, value in row.items():
-                        if key.startswith("accuracy"):
-                            self.writer.add_scalar(f"{row['member']}/eval/{row['benchmark']}/{key}", value, row["step"])
+                if self.writer is None:
+                    continue
+                for key, value in row.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "n"):
+                        self.writer.add_scalar(f"{tag_prefix(row)}/{key}", value, row["step"])
+        if self.writer is not None:
+            self.writer.flush()
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop rows of steps after the checkpoint (they will be recomputed)."""

@@ -75,8 +75,11 @@ class RolloutEngine(Protocol):
         ...
 
 
-def make_engine(name: str, member) -> RolloutEngine:
-    """Build the rollout engine `name` ("hf" or "vllm") for a loaded member; vLLM is imported only here."""
+def make_engine(name: str, member, rollout=None, max_images_per_prompt: int = 1) -> RolloutEngine:
+    """Build the rollout engine `name` ("hf" or "vllm") for a loaded member; vLLM is imported only here.
+
+    `rollout` (a RolloutConfig) carries the vLLM settings; `max_images_per_prompt` sizes its image budget.
+    """
     if name == "hf":
         from vlm_corl.engines.hf import HFEngine
 
@@ -84,5 +87,5 @@ def make_engine(name: str, member) -> RolloutEngine:
     if name == "vllm":
         from vlm_corl.engines.vllm import VLLMEngine
 
-        return VLLMEngine(member)
+        return VLLMEngine(member, rollout, max_images_per_prompt=max(max_images_per_prompt, 1))
     raise ValueError(f"unknown rollout engine {name!r}; use 'hf' or 'vllm'")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import load_examples
+from vlm_corl.data import balance_by, load_examples
 from vlm_corl.member import Member, load_member
 from vlm_corl.records import Example
 from vlm_corl.render import Renderer
@@ -57,6 +57,13 @@ def warm_start(member: Member, examples: list[Example], steps: int, batch_size: 
     return losses
 
 
+def labelled_slice(loader: str, path: str | None, split: str, skip: int, size: int, balance: str | None) -> list[Example]:
+    """`size` labelled examples after the first `skip`; balanced over metadata[balance] when given
+    (then drawn from the examples that follow `skip`, as many as needed to fill every group)."""
+    examples = load_examples(loader, path, split=split).examples[skip:]
+    return balance_by(examples, balance, size) if balance else examples[:size]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_corl.warmstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model directory to start from (e.g. a zoo member)")
@@ -66,13 +73,15 @@ def main(argv=None) -> int:
     parser.add_argument("--split", default="train")
     parser.add_argument("--skip", type=int, default=0, help="labelled slice starts after this many examples")
     parser.add_argument("--limit", type=int, default=1000, help="size of the labelled slice")
+    parser.add_argument("--balance-by", default=None, metavar="KEY",
+                        help="take the slice balanced over metadata[KEY] (e.g. question_type for easy-vqa)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
-    examples = load_examples(args.loader, args.path, split=args.split, limit=args.skip + args.limit).examples[args.skip :]
+    examples = labelled_slice(args.loader, args.path, args.split, args.skip, args.limit, args.balance_by)
     missing = [ex.id for ex in examples if ex.answer is None]
     if missing:
         parser.error(f"the warm start needs gold answers; {len(missing)} examples have none (e.g. {missing[0]})")

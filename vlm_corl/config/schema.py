@@ -86,6 +86,7 @@ class VllmConfig:
     tensor_parallel_size: int = _f("GPUs one vLLM engine spans", 1, ge=1)
     enforce_eager: bool = _f("disable CUDA graphs (faster start, slower decode)", False)
     enable_sleep_mode: bool = _f("free vLLM's GPU memory during updates (GPU only)", False)
+    kv_cache_memory_bytes: int | None = _f("KV cache size in bytes (needed on CPU, where the share above is of RAM); null = use the share", None, ge=1)
 
 
 @dataclass(kw_only=True)
