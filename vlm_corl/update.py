@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm_corl.batching import collate, position_ids
+from vlm_corl.batching import collate, continuation, model_positions, prefill, response_mask
 from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty
 
 
@@ -27,21 +27,54 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
     """Log-probs (B, T) of each response's tokens under `model` (tempered like the rollout), and the mask (B, T).
 
     The policy is the distribution the rollout samples from: tempered, with the control tokens that
-    generation suppresses removed. Only the last T+1 positions are turned into logits (`logits_to_keep`),
-    so memory does not grow with the prompt. M-RoPE models (Qwen-VL) derive positions from the mask.
+    generation suppresses removed. Log-probs on padding are 0. When prompts repeat (a GRPO group: the same
+    dict object once per response), each distinct prompt and its images go through the model once and its
+    responses continue from its KV cache (`batching.prefill`); gradients reach the prompt through the cache.
+    Otherwise (or under gradient checkpointing, which drops caches) one pass over prompt + response, of which
+    only the last T+1 positions become logits (`logits_to_keep`).
     """
-    inputs, mask = collate(prompt_inputs, pad_id, responses)
-    t = mask.shape[1]
-    if not mrope:
-        inputs["position_ids"] = position_ids(inputs["attention_mask"])
-    logits = model(**inputs, logits_to_keep=t + 1, use_cache=False).logits[:, :-1]  # (B, T, V)
-    logits = logits.float() / temperature
-    if suppressed:
-        logits[..., list(suppressed)] = float("-inf")
-    targets = inputs["input_ids"][:, -t:]  # (B, T)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # Checkpointed layers drop the cache (HF's GradientCheckpointingLayer), so they take the one-pass route.
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    shared = len({id(p) for p in prompt_inputs}) < len(prompt_inputs) and not checkpointed
+
+    def policy_logp(logits, targets):  # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        if suppressed:
+            removed = torch.zeros(logits.shape[-1], device=logits.device)
+            removed[list(suppressed)] = float("-inf")
+            logits = logits + removed
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    logp, mask = (_shared_prompt_logprobs if shared else _full_logprobs)(
+        model, prompt_inputs, responses, pad_id, mrope, policy_logp)
     # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
     return torch.where(mask.bool(), logp, 0.0), mask
+
+
+def _full_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):
+    """One pass over prompt + response; only the last T+1 positions become logits."""
+    inputs, mask = collate(prompt_inputs, pad_id, responses)
+    t = mask.shape[1]
+    inputs["position_ids"], _ = model_positions(model, inputs, mrope)
+    logits = model(**inputs, logits_to_keep=t + 1, use_cache=False).logits[:, :-1]  # (B, T, V)
+    return policy_logp(logits, inputs["input_ids"][:, -t:]), mask
+
+
+def _shared_prompt_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):
+    """Each distinct prompt run once: its last position predicts the first response token, and the responses
+    (all but their last token) continue from its cache."""
+    prefix = prefill(model, prompt_inputs, pad_id, mrope)
+    device = prefix.last_logits.device
+    mask = response_mask(responses, device)  # (B, T)
+    t = mask.shape[1]
+    targets = torch.tensor([r + [pad_id] * (t - len(r)) for r in responses], device=device)  # (B, T)
+    logp = policy_logp(prefix.last_logits[:, None], targets[:, :1])  # (B, 1)
+    if t > 1:
+        rest = model(**continuation(prefix, targets[:, :-1], mask[:, :-1])).logits  # (B, T-1, V)
+        logp = torch.cat([logp, policy_logp(rest, targets[:, 1:])], dim=1)
+    return logp, mask
 
 
 def policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int) -> dict:
@@ -59,14 +92,17 @@ def policy_update(member, seqs: list[Sequence], algo, train, temperature: float,
     micro = [work[i : i + train.micro_batch_size] for i in range(0, len(work), train.micro_batch_size)]
     model = member.model
     model.train()
-    old = [_logprobs(member, mb, temperature)[0].detach() for mb in micro] if algo.updates_per_batch > 1 else None
+    old = None
+    if algo.updates_per_batch > 1:
+        with torch.no_grad():
+            old = [_logprobs(member, mb, temperature)[0] for mb in micro]
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
     loss_sum, clipped_tokens, grad_norm = 0.0, 0.0, 0.0
     for _ in range(algo.updates_per_batch):
         for i, mb in enumerate(micro):
             logp, mask = _logprobs(member, mb, temperature)
             old_logp = old[i] if old is not None else logp.detach()
-            adv = torch.tensor([s.advantage for s in mb])
+            adv = torch.tensor([s.advantage for s in mb], device=logp.device)
             token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
             if algo.kl_beta > 0:
                 with torch.no_grad():

@@ -1,137 +1,161 @@
-"""Rollouts with Hugging Face `generate` (any machine): batched sampling of K responses per prompt.
+"""Rollouts on the member's own Hugging Face module (any machine): K sampled responses per prompt.
 
-The engine samples from the member's own module, so weights are always current. Temperature, top-k and
-top-p are applied by our own processor list, not by `generate`'s defaults, so that the per-token statistics
-recorded on the way (sampled log-prob, entropy, self-certainty) describe exactly the distribution sampled.
+Each prompt (and its images) goes through the model once; its KV cache is repeated K times and the K samples
+are decoded from it by a short loop over the model's forward pass (`batching.prefill` / `continuation`), not by
+`generate`, which would prefill and encode every prompt K times and pay its per-token machinery. Greedy
+decoding emits exactly `generate`'s tokens (tests/test_rollout.py checks every family of the zoo).
+
+Sampling follows `generate(do_sample=True)` with `suppress_tokens`, temperature, top-k and top-p. The policy
+is the tempered distribution with the member's suppressed (control) tokens removed, the one the update's
+log-probs use; Hugging Face's top-k / top-p warpers then restrict what is drawn from it, one token per row
+per step. The draw (`draw`) has `torch.multinomial`'s distribution but another random stream, so a seed gives
+other samples than `generate` would. The per-token statistics (sampled token's log-prob, entropy,
+self-certainty) describe the policy, before top-k/top-p. A row stops at any end-of-sequence token (kept in
+the response) or at a stop string that ends in its last token, as `generate`'s stop criteria do; temperature
+0 is greedy decoding. Other knobs a checkpoint's generation_config may carry (repetition penalty, ...) are
+not applied: the update could not reproduce them.
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+import math
 
-from vlm_corl.batching import collate
-from vlm_corl.grpo import token_entropy, token_self_certainty
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from vlm_corl.batching import continuation, prefill
 from vlm_corl.rollout import Prompt, Response, RolloutGroup, SamplingParams
 
 
-class _StepStats(LogitsProcessor):
-    """Records, at every decoding step, the entropy and self-certainty of the (tempered) distribution, and
-    the log-prob of the token sampled at the previous step. Sits after temperature, before top-k/top-p."""
-
-    def __init__(self):
-        self.entropy: list[torch.Tensor] = []  # per step (BK,)
-        self.certainty: list[torch.Tensor] = []
-        self.logprob: list[torch.Tensor] = []
-        self._last_logp: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self._take_sampled(input_ids[:, -1])
-        self._last_logp = torch.log_softmax(scores.float(), dim=-1)
-        self.entropy.append(token_entropy(scores))
-        self.certainty.append(token_self_certainty(scores))
-        return scores
-
-    def _take_sampled(self, tokens: torch.Tensor) -> None:
-        if self._last_logp is not None:
-            self.logprob.append(self._last_logp.gather(-1, tokens[:, None]).squeeze(-1))
-
-    def finish(self, last_tokens: torch.Tensor) -> None:
-        """Close the last step once generation has sampled its final token."""
-        self._take_sampled(last_tokens)
-        self._last_logp = None
-
-    def sums(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-sequence sums over the (BK, T) response mask."""
-        t = mask.shape[1]
-        return {
-            # where, not a product: positions after eos may hold -inf (suppressed pad tokens), and -inf * 0 is nan
-            name: torch.where(mask.bool(), torch.stack(values[:t], dim=1), 0.0).sum(dim=1)
-            for name, values in (("logprob", self.logprob), ("entropy", self.entropy), ("self_certainty", self.certainty))
-        }
-
-
 class HFEngine:
-    """Rollout engine over `model.generate` of a loaded member (see `vlm_corl.member.Member`)."""
+    """Rollout engine over the forward pass of a loaded member (see `vlm_corl.member.Member`)."""
 
     def __init__(self, member):
         self.member = member
 
     def sync_weights(self) -> None:
-        """Nothing to do: generation uses the member's live module."""
+        """Nothing to do: sampling uses the member's live module."""
 
-    @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[RolloutGroup]:
         member = self.member
         tok = member.tokenizer
-        inputs, _ = collate([p.inputs for p in prompts], tok.pad_token_id)
-        stats = _StepStats()
-        sample = params.temperature > 0  # temperature 0 = greedy decoding (evaluation)
-        processors = [TemperatureLogitsWarper(params.temperature)] if sample and params.temperature != 1.0 else []
-        processors.append(stats)
-        if params.top_k > 0:
-            processors.append(TopKLogitsWarper(params.top_k))
-        if params.top_p < 1.0:
-            processors.append(TopPLogitsWarper(params.top_p))
         model = member.generation_module
         was_training = model.training
         model.eval()
         # fork_rng: a member's sampling stream is a pure function of its seed, whatever ran before.
-        with torch.random.fork_rng(devices=[]):
+        cuda = [member.device] if member.device.type == "cuda" else []
+        with torch.inference_mode(), torch.random.fork_rng(devices=cuda):
             torch.manual_seed(params.seed)
-            out = model.generate(
-                **inputs,
-                do_sample=sample,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                num_return_sequences=params.n,
-                max_new_tokens=params.max_new_tokens,
-                logits_processor=LogitsProcessorList(processors),
-                stop_strings=list(params.stop) or None,
-                tokenizer=tok,
-                pad_token_id=tok.pad_token_id,
+            tokens, stopped, sums = sample(
+                model, [p.inputs for p in prompts], params, pad_id=tok.pad_token_id, eos_ids=member.eos_token_ids,
+                suppressed=member.suppressed_ids, mrope=member.mrope, tokenizer=tok,
             )
         model.train(was_training)
-        new = out[:, inputs["input_ids"].shape[1] :]  # (B*K, T)
-        stats.finish(new[:, -1])
-        lengths, finished = _response_lengths(new, member.eos_token_ids, tok.pad_token_id)
-        mask = (torch.arange(new.shape[1])[None, :] < lengths[:, None]).float()
-        sums = stats.sums(mask)
         groups = []
         for i, prompt in enumerate(prompts):
             group = RolloutGroup(prompt)
             for j in range(i * params.n, (i + 1) * params.n):
-                ids = new[j, : lengths[j]].tolist()
-                text = tok.decode(ids, skip_special_tokens=True)
-                stopped = bool(finished[j]) or any(s in text for s in params.stop)
                 group.responses.append(
                     Response(
-                        token_ids=ids,
-                        text=text,
-                        finish_reason="stop" if stopped else "length",
-                        logprob_sum=float(sums["logprob"][j]),
-                        entropy_sum=float(sums["entropy"][j]),
-                        self_certainty_sum=float(sums["self_certainty"][j]),
+                        token_ids=tokens[j],
+                        text=tok.decode(tokens[j], skip_special_tokens=True),
+                        finish_reason="stop" if stopped[j] else "length",
+                        logprob_sum=sums["logprob"][j],
+                        entropy_sum=sums["entropy"][j],
+                        self_certainty_sum=sums["self_certainty"][j],
                     )
                 )
             groups.append(group)
         return groups
 
 
-def _response_lengths(tokens: torch.Tensor, eos_ids: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lengths, finished) per row: the length up to and including the first eos, and whether there was one.
+def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: int, eos_ids: list[int],
+           suppressed: list[int], mrope: bool, tokenizer) -> tuple[list[list[int]], list[bool], dict]:
+    """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i.
 
-    A row stopped by a stop string has no eos; `generate` pads it after the stop, so its trailing pads go.
+    Returns per row: its tokens (up to and including the eos or the token that completes a stop string),
+    whether it stopped (eos or stop string, not the length limit), and the sums over its tokens of the
+    policy's statistics {"logprob": [...], "entropy": [...], "self_certainty": [...]}.
     """
-    is_eos = torch.isin(tokens, torch.tensor(eos_ids))
-    finished = is_eos.any(dim=1)
-    trailing_pads = (tokens == pad_id).long().flip(1).cumprod(1).sum(1)
-    unpadded = tokens.shape[1] - trailing_pads
-    lengths = torch.where(finished, is_eos.long().argmax(dim=1) + 1, unpadded)
-    return lengths, finished
+    prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], pad_id, mrope)
+    rows, vocab = prefix.last_logits.shape
+    device = prefix.last_logits.device
+    greedy = params.temperature == 0
+    warpers = [] if greedy else (
+        ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else [])
+        + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])
+    )
+    samplable = torch.ones(vocab, dtype=torch.bool, device=device)
+    samplable[list(suppressed)] = False
+    samplable = samplable.nonzero().squeeze(1)  # (V',) token ids the policy can emit
+    eos = torch.tensor(eos_ids, device=device)
+    tokens = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    sums = {name: torch.zeros(rows, device=device) for name in ("logprob", "entropy", "self_certainty")}
+    texts = [""] * rows  # decoded responses so far, only when stop strings are checked
+    generated = torch.ones(rows, params.max_new_tokens, dtype=torch.long, device=device)  # sampled tokens' mask
+    # Rows still decoding (indices into the R rows): a row that ends leaves the batch and the cache.
+    active = torch.arange(rows, device=device)
+    logits = prefix.last_logits
+    for t in range(params.max_new_tokens):
+        scores = logits.index_select(1, samplable).float()  # (A, V'): suppressed tokens have probability 0
+        if not greedy and params.temperature != 1.0:
+            scores = scores / params.temperature
+        logp = torch.log_softmax(scores, dim=-1)  # the policy's log-probs
+        probs = logp.exp()
+        if greedy:
+            choice = scores.argmax(dim=-1)
+        elif warpers:
+            drawn = scores
+            for warp in warpers:
+                drawn = warp(None, drawn)
+            choice = draw(torch.softmax(drawn, dim=-1))
+        else:
+            choice = draw(probs)
+        next_tokens = samplable[choice]  # (A,)
+        # token_entropy / token_self_certainty of vlm_corl.grpo, from this one log-softmax over the V' tokens
+        for name, value in (("logprob", logp.gather(-1, choice[:, None]).squeeze(-1)),
+                            ("entropy", -(probs * logp).sum(dim=-1)),
+                            ("self_certainty", -logp.mean(dim=-1) - math.log(len(samplable)))):
+            sums[name][active] += value
+        tokens[active, t] = next_tokens
+        lengths[active] += 1
+        ended = torch.isin(next_tokens, eos)
+        if params.stop:
+            ended |= _stop_strings(tokenizer, tokens[active, : t + 1], active.tolist(), texts, params.stop)
+        stopped[active[ended]] = True
+        if t + 1 == params.max_new_tokens or bool(ended.all()):
+            break
+        if bool(ended.any()):
+            keep = (~ended).nonzero().squeeze(1)
+            prefix.select(keep)
+            active, next_tokens = active[keep], next_tokens[keep]
+        inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
+        logits = model(**inputs).logits[:, -1]
+    rows_tokens = [ids[:n] for ids, n in zip(tokens.tolist(), lengths.tolist())]
+    return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of (R, V) probabilities, by inverse CDF: one uniform number per row.
+
+    The same distribution as `torch.multinomial(probs, 1)`, which draws V exponentials per row (on CPU that
+    alone was ~20% of a tiny model's rollout). A zero-probability token is never drawn.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (R, V)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
+def _stop_strings(tokenizer, tokens: torch.Tensor, rows: list[int], texts: list[str],
+                  stop: tuple[str, ...]) -> torch.Tensor:
+    """(A,) whether each of `rows` (tokens: (A, t) so far) now holds a stop string overlapping its last token.
+
+    texts[row] keeps each row's decoded response, so only the new end is searched."""
+    hit = torch.zeros(len(rows), dtype=torch.bool, device=tokens.device)
+    for i, (row, ids) in enumerate(zip(rows, tokens.tolist())):
+        before = len(texts[row])
+        texts[row] = tokenizer.decode(ids)
+        hit[i] = any(texts[row].find(s, max(0, before - len(s) + 1)) != -1 for s in stop)
+    return hit
