@@ -155,7 +155,7 @@ def run_ours(args, model_dir: str, data_file: str | None, n_members: int, out_di
     lengths: dict[int, list[float]] = {}
     for line in open(out_dir / "metrics.jsonl"):
         row = json.loads(line)
-        phases[row["step"]] = {k[5:]: v for k, v in row.items() if k.startswith("time_")}
+        phases[row["step"]] = {k[5:]: v for k, v in row.items() if k.startswith("time_") and k != "time_step"}
         lengths.setdefault(row["step"], []).append(row["response_len"])
     steps = sorted(phases)[args.warmup:]
     walls = [b - a for a, b in zip(clock.stamps[args.warmup - 1:], clock.stamps[args.warmup:])]

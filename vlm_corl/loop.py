@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -87,12 +88,22 @@ def run_cohort(cfg: CohortConfig) -> dict:
     bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
                disable=not cfg.logging.progress, desc="cohort", dynamic_ncols=True)
     history: list[dict] = []
+    # The next batch is rendered (images decoded and preprocessed) in a background thread while this step
+    # rolls out and updates; the render phase then only collects it from the renderers' caches.
+    prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
+    prefetch = None
     for step in bar:
+        step_start = time.perf_counter()
         timer = PhaseTimer()
         with timer("sample"):
             batch = [run.examples[i] for i in run.sampler.next_batch()]
         with timer("render"):
+            if prefetch is not None:
+                prefetch.result()
             prompts = [[render(ex) for ex in batch] for render in run.renderers]
+            if step + 1 < cfg.train.max_steps:
+                upcoming = [run.examples[i] for i in run.sampler.peek_batch()]
+                prefetch = prefetcher.submit(lambda exs=upcoming: [render(ex) for render in run.renderers for ex in exs])
         with timer("rollout"):
             groups, rollout_s = rollout_phase(cfg, engines, members, prompts, step)
         with timer("extract"):
@@ -120,9 +131,7 @@ def run_cohort(cfg: CohortConfig) -> dict:
                 if "loss" in upd:  # an optimizer step ran (Adam moves weights even on zero gradients)
                     eng.sync_weights()  # the next rollout samples from the updated policy
         with timer("log"):
-            rows = _rows(step + 1, members, groups, cohort, scored, gold, updates, timer, rollout_s)
-            if (step + 1) % cfg.logging.log_every == 0:
-                run.sink.write(rows)
+            rows = _rows(step + 1, members, groups, cohort, scored, gold, updates, rollout_s)
             history.extend(rows)
             bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
@@ -132,6 +141,11 @@ def run_cohort(cfg: CohortConfig) -> dict:
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             with timer("eval"):
                 run.sink.write_eval(evaluate_cohort(members, cfg.eval, step + 1))
+        if (step + 1) % cfg.logging.log_every == 0:
+            times = {f"time_{k}": v for k, v in timer.seconds.items()}
+            times["time_step"] = time.perf_counter() - step_start  # everything but this write
+            run.sink.write([{**row, **times} for row in rows])
+    prefetcher.shutdown()
     run.sink.close()
     summary = _summary(cfg, history, run.run_dir, run.renderers)
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -253,7 +267,7 @@ def _update(member, groups, advantages: torch.Tensor, rewards: torch.Tensor, cfg
     return policy_update(member, seqs, cfg.algo, cfg.train, cfg.rollout.temperature, const_norm)
 
 
-def _rows(step, members, groups, cohort, scored, gold, updates, timer, rollout_s) -> list[dict]:
+def _rows(step, members, groups, cohort, scored, gold, updates, rollout_s) -> list[dict]:
     rows = []
     for n, m in enumerate(members):
         lengths = [[len(r.token_ids) for r in g.responses] for g in groups[n]]
@@ -261,7 +275,6 @@ def _rows(step, members, groups, cohort, scored, gold, updates, timer, rollout_s
         row.update(member_metrics(n, cohort, scored, lengths, gold))
         row.update({k: updates[n].get(k) for k in ("loss", "grad_norm", "lr")})
         row["tokens_per_s"] = sum(map(sum, lengths)) / rollout_s[n]
-        row.update({f"time_{k}": v for k, v in timer.seconds.items()})
         rows.append(row)
     return rows
 

@@ -37,6 +37,13 @@ class LockstepSampler:
                 self.epoch, self.position = self.epoch + 1, 0
         return batch
 
+    def peek_batch(self) -> list[int]:
+        """The batch `next_batch` will return, without advancing (for prefetching its rendering)."""
+        saved = self.epoch, self.position
+        batch = self.next_batch()
+        self.epoch, self.position = saved
+        return batch
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "num_examples": self.num_examples}
 
