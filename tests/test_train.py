@@ -142,12 +142,12 @@ def test_mixed_cohort_vlm_and_text_model_on_text_questions(tiny_zoo, tmp_path):
 
 
 def test_kl_epochs_checkpointing_and_eval_hook(base_models, tmp_path):
-    """KL to the initial model, two optimizer passes per batch, gradient checkpointing, another loss
-    aggregation and the eval hook, together: the run trains and writes eval rows."""
+    """KL to the initial model, two optimizer passes per batch, gradient checkpointing, bf16 autocast, another
+    loss aggregation and the eval hook, together: the run trains and writes eval rows."""
     cfg = cohort(tmp_path, [("qwen", base_models["qwen2_vl"])], reward={"mode": "self_vote"},
                  algo={"kl_beta": 0.1, "updates_per_batch": 2, "loss_agg": "seq_mean_token_mean"},
                  eval={"benchmarks": ["easyvqa"], "every": 2, "limit": 6})
-    cfg["train"].update(gradient_checkpointing=True, micro_batch_size=4)
+    cfg["train"].update(gradient_checkpointing=True, micro_batch_size=4, mixed_precision="bf16")
     cfg["data"]["batch_size"] = 8
     summary = run_cohort(config_from_dict(cfg))
     rows = metrics(tmp_path / "run")

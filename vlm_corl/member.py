@@ -98,6 +98,7 @@ class Member:
         """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr (and gradient checkpointing)."""
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.autocast_dtype = torch.bfloat16 if train.mixed_precision == "bf16" else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=self.cfg.lr or train.lr, betas=(train.adam_beta1, train.adam_beta2),
@@ -111,6 +112,11 @@ class Member:
             self.optimizer, num_warmup_steps=round(train.warmup_ratio * max_steps),
             num_training_steps=max_steps, min_lr_rate=train.min_lr_ratio,
         )
+
+    def autocast(self):
+        """bf16 autocast for the update's forward pass when train.mixed_precision=bf16 (weights stay fp32)."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                              enabled=self.autocast_dtype is not None)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

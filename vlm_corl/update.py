@@ -124,12 +124,13 @@ def policy_update(member, seqs: list[Sequence], algo, train, temperature: float,
 
 
 def _logprobs(member, mb: list[Sequence], temperature: float, model=None):
-    return response_logprobs(
-        model if model is not None else member.model,
-        [s.prompt_inputs for s in mb],
-        [s.token_ids for s in mb],
-        member.tokenizer.pad_token_id,
-        temperature,
-        member.mrope,
-        member.suppressed_ids,
-    )
+    with member.autocast():
+        return response_logprobs(
+            model if model is not None else member.model,
+            [s.prompt_inputs for s in mb],
+            [s.token_ids for s in mb],
+            member.tokenizer.pad_token_id,
+            temperature,
+            member.mrope,
+            member.suppressed_ids,
+        )

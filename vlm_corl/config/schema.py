@@ -165,7 +165,7 @@ class TrainConfig:
     save_every: int = _f("checkpoint every N steps; 0 = only at the end", 50, ge=0)
     keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
     resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
-    mixed_precision: Literal["no", "bf16", "fp16"] = _f("autocast precision: no | bf16 | fp16", "no")
+    mixed_precision: Literal["no", "bf16"] = _f("update forward under bf16 autocast (weights and optimizer stay fp32): no | bf16", "no")
 
 
 @dataclass(kw_only=True)
