@@ -1,10 +1,16 @@
-"""Shared fixtures: the offline tiny-model zoo, built once per test session."""
+"""Shared fixtures, built once per test session: the offline tiny-model zoo and two warm-started base models."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from vlm_corl.config import MemberConfig
+from vlm_corl.data import load_examples
+from vlm_corl.member import load_member
+from vlm_corl.warmstart import warm_start
 from vlm_corl.zoo import build_zoo
 
 # One torch thread: on a shared 2-core machine two threads collapse 20-30x as soon as another process is busy.
@@ -18,3 +24,19 @@ ZOO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "inter
 def tiny_zoo(tmp_path_factory) -> dict:
     """{family: path} of every family's tiny member (seed 0), built once (~5 s) into a session temp dir."""
     return build_zoo(tmp_path_factory.mktemp("zoo"), families=list(ZOO_FAMILIES), size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def base_models(tiny_zoo, tmp_path_factory) -> dict[str, Path]:
+    """Tiny Qwen2-VL and Mllama members warm-started on 500 labelled easy-vqa questions, so they answer in
+    their format and agree sometimes: label-free rewards are then non-zero."""
+    out = tmp_path_factory.mktemp("base")
+    examples = load_examples("easyvqa", split="train", limit=500).examples
+    paths = {}
+    for family in ("qwen2_vl", "mllama"):
+        torch.manual_seed(0)
+        member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family])))
+        warm_start(member, examples, steps=60, batch_size=16, lr=3e-3, seed=0)
+        member.save(out / family)
+        paths[family] = out / family
+    return paths

@@ -19,60 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from vlm_corl.config import MemberConfig, config_from_dict
+from cohort_helpers import cohort, metrics, weights, write_jsonl
+from vlm_corl.config import config_from_dict
 from vlm_corl.data import load_examples
 from vlm_corl.loop import run_cohort
-from vlm_corl.member import load_member
-from vlm_corl.warmstart import warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_FAMILIES = {"qwen3", "qwen2", "llama"}
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl", "qwen3", "qwen2", "llama")
-
-
-def weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(model_dir) / "model.safetensors"))
-
-
-def cohort(tmp: Path, members: list[tuple[str, Path]], **sections) -> dict:
-    """A cohort config dict: members + small, fast defaults; `sections` override whole sections."""
-    cfg = {
-        "output_dir": str(tmp / "run"),
-        "members": [{"id": mid, "model": str(path)} for mid, path in members],
-        "data": {"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 4},
-        "rollout": {"n": 4, "max_new_tokens": 8},
-        "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0},
-        "logging": {"tensorboard": False, "progress": False},
-    }
-    cfg.update(sections)
-    return cfg
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="session")
-def base_models(tiny_zoo, tmp_path_factory) -> dict[str, Path]:
-    """Tiny Qwen2-VL and Mllama members warm-started on 500 labelled easy-vqa questions, so they answer in
-    their format and agree sometimes: label-free rewards are then non-zero."""
-    out = tmp_path_factory.mktemp("base")
-    examples = load_examples("easyvqa", split="train", limit=500).examples
-    paths = {}
-    for family in ("qwen2_vl", "mllama"):
-        torch.manual_seed(0)
-        member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family])))
-        warm_start(member, examples, steps=60, batch_size=16, lr=3e-3, seed=0)
-        member.save(out / family)
-        paths[family] = out / family
-    return paths
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -30,8 +30,9 @@ class Renderer:
     """Renders examples for one member; keeps an LRU cache of rendered prompts keyed by example id."""
 
     def __init__(self, member, view_fallback: str, max_image_pixels: int, max_prompt_tokens: int,
-                 cache_size: int = 8192):
+                 cache_size: int = 8192, view: str | None = None):
         self.member = member
+        self.view = view or member.cfg.view  # a member may be rendered in a second view (co_rewarding_1)
         self.view_fallback = view_fallback
         self.max_image_pixels = max_image_pixels
         self.max_prompt_tokens = max_prompt_tokens
@@ -54,7 +55,7 @@ class Renderer:
         """Build the chat-templated prompt text and its processor tensors (uncached)."""
         member = self.member
         try:
-            question = example.question_for(member.cfg.view)
+            question = example.question_for(self.view)
         except ViewError:
             if self.view_fallback != "original":
                 raise

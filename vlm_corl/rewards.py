@@ -49,10 +49,15 @@ class RewardOutput:
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """A registered reward mode: its function and whether it may read gold answers."""
+    """A registered reward mode: its function, whether it may read gold answers, whether it needs per-response
+    sampling statistics (`CohortBatch.scores`), and the cohort layout it runs on (`vlm_corl.cohort`):
+    "members" (one slot per member), "two_views" (one member, original + its view), "ema_teacher" (one member
+    and its EMA teacher)."""
 
     fn: Callable[..., RewardOutput]
     uses_gold: bool = False
+    needs_scores: bool = False
+    layout: str = "members"
 
 
 def resolve_reward(cfg) -> RewardSpec:
@@ -62,11 +67,11 @@ def resolve_reward(cfg) -> RewardSpec:
     return REWARDS.get(cfg.mode)
 
 
-def reward_mode(name: str, uses_gold: bool = False):
+def reward_mode(name: str, uses_gold: bool = False, needs_scores: bool = False):
     """Register a cohort reward function `fn(batch, cfg) -> RewardOutput` under `name`."""
 
     def add(fn):
-        REWARDS.register(name)(RewardSpec(fn, uses_gold))
+        REWARDS.register(name)(RewardSpec(fn, uses_gold, needs_scores))
         return fn
 
     return add
@@ -191,3 +196,28 @@ def gt_reward(batch: CohortBatch, cfg) -> RewardOutput:
     """Reference upper bound: GRPO with the gold answer (the only mode that reads labels for reward)."""
     n = len(batch.answers)
     return _label_reward([list(batch.gold) for _ in range(n)], batch, cfg)
+
+
+@reward_mode("self_certainty", needs_scores=True)
+def self_certainty_reward(batch: CohortBatch, cfg) -> RewardOutput:
+    """Intuitor-style baseline: reward = the response's mean per-token KL(uniform || p), its self-certainty."""
+    return _intrinsic(batch, "self_certainty", sign=1.0)
+
+
+@reward_mode("entropy", needs_scores=True)
+def entropy_reward(batch: CohortBatch, cfg) -> RewardOutput:
+    """Entropy-minimisation baseline (RENT): reward = minus the response's mean per-token entropy."""
+    return _intrinsic(batch, "entropy", sign=-1.0)
+
+
+def _intrinsic(batch: CohortBatch, stat: str, sign: float) -> RewardOutput:
+    n, b, _ = batch.shape
+    score = batch.scores[stat]  # (N, B, K)
+    return RewardOutput(sign * score, {stat: score}, [[None] * b for _ in range(n)])
+
+
+# Single-model baselines on the ring topology over two slots of one model (see vlm_corl.cohort):
+# co_rewarding_1: responses to the original wording are labelled by the vote on the member's paraphrase view,
+# and vice versa; co_rewarding_2: the student is labelled by the vote of its EMA teacher's K answers.
+REWARDS.register("co_rewarding_1")(RewardSpec(ring_reward, layout="two_views"))
+REWARDS.register("co_rewarding_2")(RewardSpec(ring_reward, layout="ema_teacher"))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_corl.batching import collate, continuation, model_positions, prefill, response_mask
-from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty
+from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty, token_entropy, token_self_certainty
 
 
 @dataclass
@@ -33,24 +33,51 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
     Otherwise (or under gradient checkpointing, which drops caches) one pass over prompt + response, of which
     only the last T+1 positions become logits (`logits_to_keep`).
     """
+    def policy_logp(logits, targets):  # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
+        return torch.log_softmax(policy_logits(logits, temperature, suppressed), dim=-1).gather(
+            -1, targets.unsqueeze(-1)).squeeze(-1)
+
+    logp, mask = _per_position(model, prompt_inputs, responses, pad_id, mrope, policy_logp)
+    # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
+    return torch.where(mask.bool(), logp, 0.0), mask
+
+
+@torch.no_grad()
+def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
+                         temperature: float, mrope: bool, suppressed: list[int] = ()) -> dict[str, torch.Tensor]:
+    """Per-response means of the policy's token entropy and self-certainty: (B,) each.
+
+    The scoring pass for intrinsic rewards when the rollout engine did not record them (vLLM returns only
+    top-k log-probs): one batched forward per member and step, like `response_logprobs` without gradients.
+    """
+    def stats(logits, targets):  # (B, t, V) -> (B, t, 2)
+        logits = policy_logits(logits, temperature, suppressed)
+        return torch.stack([token_entropy(logits), token_self_certainty(logits)], dim=-1)
+
+    values, mask = _per_position(model, prompt_inputs, responses, pad_id, mrope, stats)
+    lengths = mask.sum(dim=1).clamp(min=1)
+    means = torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None]  # (B, 2)
+    return {"entropy": means[:, 0], "self_certainty": means[:, 1]}
+
+
+def policy_logits(logits: torch.Tensor, temperature: float, suppressed) -> torch.Tensor:
+    """The sampling distribution's logits: float, tempered, suppressed control tokens at -inf."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if suppressed:
+        removed = torch.zeros(logits.shape[-1], device=logits.device)
+        removed[list(suppressed)] = float("-inf")
+        logits = logits + removed
+    return logits
+
+
+def _per_position(model, prompt_inputs, responses, pad_id, mrope, fn):
+    """fn(logits, targets) at every response position, through the shared-prompt path when prompts repeat."""
     # Checkpointed layers drop the cache (HF's GradientCheckpointingLayer), so they take the one-pass route.
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     shared = len({id(p) for p in prompt_inputs}) < len(prompt_inputs) and not checkpointed
-
-    def policy_logp(logits, targets):  # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        if suppressed:
-            removed = torch.zeros(logits.shape[-1], device=logits.device)
-            removed[list(suppressed)] = float("-inf")
-            logits = logits + removed
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-    logp, mask = (_shared_prompt_logprobs if shared else _full_logprobs)(
-        model, prompt_inputs, responses, pad_id, mrope, policy_logp)
-    # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
-    return torch.where(mask.bool(), logp, 0.0), mask
+    return (_shared_prompt_logprobs if shared else _full_logprobs)(model, prompt_inputs, responses, pad_id, mrope, fn)
 
 
 def _full_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):

@@ -1,0 +1,36 @@
+"""Helpers shared by the end-to-end training tests: small cohort configs and reading a run's outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def cohort(tmp: Path, members: list[tuple[str, Path]], **sections) -> dict:
+    """A cohort config dict: members + small, fast defaults; `sections` override whole sections."""
+    cfg = {
+        "output_dir": str(tmp / "run"),
+        "members": [{"id": mid, "model": str(path)} for mid, path in members],
+        "data": {"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 4},
+        "rollout": {"n": 4, "max_new_tokens": 8},
+        "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0},
+        "logging": {"tensorboard": False, "progress": False},
+    }
+    cfg.update(sections)
+    return cfg
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,95 @@
+"""Every baseline reward mode in the same harness (DESIGN.md §2): hand-built checks of their pieces, and a
+2-step training run of each on tiny models warm-started on easy-vqa (fixture `base_models` of test_train)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_corl.cohort import ema_update, teacher_decay
+from vlm_corl.config import MemberConfig, RewardConfig, config_from_dict
+from vlm_corl.data import load_examples
+from vlm_corl.loop import run_cohort
+from vlm_corl.member import load_member
+from vlm_corl.registry import REWARDS
+from vlm_corl.render import Renderer
+from vlm_corl.rewards import CohortBatch
+from vlm_corl.rollout import SamplingParams, make_engine
+from vlm_corl.update import response_token_stats
+
+from cohort_helpers import cohort, metrics, weights
+
+
+def test_intrinsic_rewards_read_the_rollout_statistics():
+    scores = {"entropy": torch.tensor([[[0.5, 1.5]]]), "self_certainty": torch.tensor([[[2.0, 0.25]]])}
+    batch = CohortBatch(("m",), [[["1", "2"]]], [[["a", "b"]]], [[[True, True]]], [None], [None], scores)
+    cfg = RewardConfig()
+    assert REWARDS.get("entropy").fn(batch, cfg).rewards.tolist() == [[[-0.5, -1.5]]]
+    assert REWARDS.get("self_certainty").fn(batch, cfg).rewards.tolist() == [[[2.0, 0.25]]]
+    assert REWARDS.get("entropy").needs_scores and not REWARDS.get("ring").needs_scores
+
+
+def test_teacher_decay_schedule_and_ema():
+    assert teacher_decay(0, 101, 0.99, 0.9999) == pytest.approx(0.99)
+    assert teacher_decay(100, 101, 0.99, 0.9999) == pytest.approx(0.9999)
+    assert teacher_decay(50, 101, 0.99, 0.9999) == pytest.approx((0.99 + 0.9999) / 2)  # cosine midpoint
+    teacher, student = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    teacher.weight.data.fill_(1.0)
+    student.weight.data.fill_(3.0)
+    ema_update(teacher, student, 0.75)
+    assert teacher.weight.item() == pytest.approx(0.75 * 1.0 + 0.25 * 3.0)
+
+
+def test_scoring_pass_equals_the_rollout_statistics(tiny_zoo):
+    """vLLM returns no full distributions, so intrinsic rewards there come from one scoring pass: it must give
+    what the HF engine recorded while sampling."""
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"])))
+    render = Renderer(member, "original", 10**6, 10**6)
+    groups = make_engine("hf", member).generate(
+        [render(e) for e in load_examples("easyvqa", split="train", limit=3).examples],
+        SamplingParams(n=2, max_new_tokens=6, temperature=0.8, seed=3))
+    responses = [r for g in groups for r in g.responses]
+    stats = response_token_stats(member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
+                                 [r.token_ids for r in responses], member.tokenizer.pad_token_id, 0.8, member.mrope,
+                                 member.suppressed_ids)
+    for key in ("entropy", "self_certainty"):
+        assert torch.allclose(stats[key], torch.tensor([r.mean(key) for r in responses]), atol=1e-4), key
+
+
+@pytest.mark.parametrize("mode", ["self_certainty", "entropy", "co_rewarding_1", "co_rewarding_2"])
+def test_single_model_baselines_train(base_models, tmp_path, mode):
+    view = "paraphrase:1" if mode == "co_rewarding_1" else "original"
+    cfg = cohort(tmp_path, [("qwen", base_models["qwen2_vl"])], reward={"mode": mode})
+    cfg["members"][0]["view"] = view
+    cfg["data"]["batch_size"] = 8
+    summary = run_cohort(config_from_dict(cfg))
+    rows = metrics(tmp_path / "run")
+    slots = {"co_rewarding_1": ["qwen@original", "qwen@paraphrase:1"], "co_rewarding_2": ["qwen", "qwen.teacher"]}
+    assert [r["member"] for r in rows[: len(slots.get(mode, ["qwen"]))]] == slots.get(mode, ["qwen"])
+    assert len(rows) == 2 * len(slots.get(mode, ["qwen"]))
+    after, before = weights(Path(summary["checkpoint"]) / "qwen"), weights(base_models["qwen2_vl"])
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    if mode == "co_rewarding_2":  # the teacher is saved with the cohort and has moved a little toward the student
+        teacher = weights(Path(summary["checkpoint"]) / "qwen.teacher")
+        moved = [k for k in before if not torch.equal(teacher[k], before[k])]
+        assert moved and all(
+            (teacher[k] - before[k]).abs().max() <= (after[k] - before[k]).abs().max() + 1e-6 for k in moved)
+    if mode == "co_rewarding_1":
+        assert all(r["abstain_rate"] < 1 for r in rows)  # the two views did produce votes
+
+
+def test_frozen_peer_votes_but_never_updates(base_models, tmp_path):
+    members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"])]
+    cfg = cohort(tmp_path, members, reward={"mode": "ring"})
+    cfg["members"][1]["trainable"] = False
+    cfg["data"]["batch_size"] = 8
+    summary = run_cohort(config_from_dict(cfg))
+    frozen, before = weights(Path(summary["checkpoint"]) / "llama"), weights(base_models["mllama"])
+    assert all(torch.equal(frozen[k], before[k]) for k in before)
+    assert not (Path(summary["checkpoint"]) / "llama" / "trainer_state.pt").exists()
+    trained = weights(Path(summary["checkpoint"]) / "qwen")
+    assert any(not torch.equal(trained[k], v) for k, v in weights(base_models["qwen2_vl"]).items())
+    rows = metrics(tmp_path / "run")
+    assert all(r["loss"] is None for r in rows if r["member"] == "llama")
+    assert any(r["reward_mean"] > 0 for r in rows if r["member"] == "llama")  # it is still rewarded/scored

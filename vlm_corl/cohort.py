@@ -1,0 +1,87 @@
+"""Cohort slots: who renders, rolls out and receives a label each step.
+
+A slot is one (model, view) pair taking part in a step: its rows in the exchange, the reward and the metrics
+are keyed by the slot id. Usually there is one slot per member. Two single-model baselines reuse the same
+machinery with two slots: `co_rewarding_1` renders one member in two views (original and its paraphrase),
+and `co_rewarding_2` pairs a member with a slowly updated EMA copy of itself (its teacher). Slots of one
+member share its engine; the update phase trains each member once, on the sequences of all its slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from vlm_corl.member import Member, load_member
+from vlm_corl.render import Renderer
+from vlm_corl.rollout import RolloutEngine, make_engine
+
+TEACHER_SUFFIX = ".teacher"
+
+
+@dataclass
+class Slot:
+    """One (model, view) pair in the step; `member` may be shared with another slot."""
+
+    id: str
+    member: Member
+    view: str
+    engine: RolloutEngine
+    renderer: Renderer
+    follows: Member | None = None  # an EMA teacher's student: its weights move toward them after each update
+
+
+def build_slots(cfg, members: list[Member], layout: str, max_images: int, resume_from: Path | None) -> list[Slot]:
+    """The slots of a reward layout ("members", "two_views", "ema_teacher"); builds the EMA teacher if needed."""
+    engines = {id(m): make_engine(cfg.rollout.engine, m, cfg.rollout, max_images) for m in members}
+
+    def slot(slot_id: str, member: Member, view: str, engine=None, follows=None) -> Slot:
+        renderer = Renderer(member, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens,
+                            view=view)
+        return Slot(slot_id, member, view, engine or engines[id(member)], renderer, follows)
+
+    if layout == "members":
+        return [slot(m.id, m, m.cfg.view) for m in members]
+    (member,) = members  # config validation guarantees one member for the single-model layouts
+    if layout == "two_views":
+        return [slot(f"{member.id}@original", member, "original"),
+                slot(f"{member.id}@{member.cfg.view}", member, member.cfg.view)]
+    if layout == "ema_teacher":
+        teacher = load_teacher(member, resume_from)
+        return [slot(member.id, member, member.cfg.view),
+                slot(teacher.id, teacher, member.cfg.view, make_engine(cfg.rollout.engine, teacher, cfg.rollout, max_images),
+                     follows=member)]
+    raise ValueError(f"unknown cohort layout {layout!r}")
+
+
+def load_teacher(student: Member, resume_from: Path | None) -> Member:
+    """The EMA teacher: the student's initial weights, or the teacher saved in the checkpoint when resuming."""
+    cfg = replace(student.cfg, id=student.id + TEACHER_SUFFIX, trainable=False)
+    source = resume_from / cfg.id if resume_from else student.cfg.model
+    teacher = load_member(cfg, source)
+    teacher.model.eval()
+    return teacher
+
+
+def teacher_decay(step: int, max_steps: int, start: float, end: float) -> float:
+    """EMA decay at `step` on a cosine schedule from `start` (step 0) to `end` (the last step)."""
+    progress = min(step / max(max_steps - 1, 1), 1.0)
+    return end - (end - start) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, decay: float) -> None:
+    """teacher <- decay * teacher + (1 - decay) * student, parameter by parameter."""
+    for t, s in zip(teacher.parameters(), student.parameters()):
+        t.lerp_(s, 1.0 - decay)
+
+
+def models_to_save(slots: list[Slot]) -> list[Member]:
+    """Every distinct model of the slots (members and teachers), each saved once per checkpoint."""
+    seen: dict[int, Member] = {}
+    for s in slots:
+        seen.setdefault(id(s.member), s.member)
+    return list(seen.values())
