@@ -1,7 +1,7 @@
 """Every baseline reward mode in the same harness (DESIGN.md §2): hand-built checks of their pieces, and a
 2-step training run of each on tiny models warm-started on easy-vqa (fixture `base_models` of test_train)."""
 
-import math
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ from vlm_corl.config import MemberConfig, RewardConfig, config_from_dict
 from vlm_corl.data import load_examples
 from vlm_corl.loop import run_cohort
 from vlm_corl.member import load_member
+from vlm_corl.records import ViewError
 from vlm_corl.registry import REWARDS
 from vlm_corl.render import Renderer
 from vlm_corl.rewards import CohortBatch
@@ -93,3 +94,21 @@ def test_frozen_peer_votes_but_never_updates(base_models, tmp_path):
     rows = metrics(tmp_path / "run")
     assert all(r["loss"] is None for r in rows if r["member"] == "llama")
     assert any(r["reward_mean"] > 0 for r in rows if r["member"] == "llama")  # it is still rewarded/scored
+
+
+def test_views_come_from_a_paraphrase_cache_and_gaps_stop_the_run(base_models, tmp_path):
+    """data.paraphrases replaces the dataset's wordings by id; a view some example lacks fails before step 1
+    under view_fallback=error, and trains on the original wording under view_fallback=original."""
+    examples = load_examples("easyvqa", split="train", limit=16).examples
+    cache = tmp_path / "para.jsonl"
+    cache.write_text("".join(
+        json.dumps({"id": e.id, "source_question": e.question, "paraphrases": [f"Look closely. {e.question}"],
+                    "rewriter": "hand", "prompt": "-"}) + "\n" for e in examples[:12]))
+    cfg = cohort(tmp_path, [("qwen", base_models["qwen2_vl"])], reward={"mode": "self_vote"},
+                 data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 4, "paraphrases": str(cache)})
+    cfg["members"][0]["view"] = "paraphrase:1"
+    with pytest.raises(ViewError, match=r"qwen: 4 of 16"):
+        run_cohort(config_from_dict(cfg))
+    cfg["data"]["view_fallback"] = "original"
+    summary = run_cohort(config_from_dict(cfg))
+    assert len(metrics(tmp_path / "run")) == 2 and summary["view_fallbacks"]["qwen"] > 0

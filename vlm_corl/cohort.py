@@ -1,10 +1,11 @@
 """Cohort slots: who renders, rolls out and receives a label each step.
 
 A slot is one (model, view) pair taking part in a step: its rows in the exchange, the reward and the metrics
-are keyed by the slot id. Usually there is one slot per member. Two single-model baselines reuse the same
-machinery with two slots: `co_rewarding_1` renders one member in two views (original and its paraphrase),
-and `co_rewarding_2` pairs a member with a slowly updated EMA copy of itself (its teacher). Slots of one
-member share its engine; the update phase trains each member once, on the sequences of all its slots.
+are keyed by the slot id. Usually there is one slot per member. Two single-model baselines give every member
+a pair of slots (2k, 2k+1), each labelled by its partner (`rewards.paired_reward`): `co_rewarding_1` renders the
+member in two views (the original wording and its paraphrase view, `paraphrase:1` when the member's own view
+is the original), and `co_rewarding_2` pairs it with a slowly updated EMA copy of itself (its teacher). Slots of
+one member share its engine; the update phase trains each member once, on the sequences of all its slots.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from vlm_corl.member import Member, load_member
+from vlm_corl.records import ViewError, parse_view
 from vlm_corl.render import Renderer
 from vlm_corl.rollout import RolloutEngine, make_engine
 
@@ -45,16 +47,37 @@ def build_slots(cfg, members: list[Member], layout: str, max_images: int, resume
 
     if layout == "members":
         return [slot(m.id, m, m.cfg.view) for m in members]
-    (member,) = members  # config validation guarantees one member for the single-model layouts
-    if layout == "two_views":
-        return [slot(f"{member.id}@original", member, "original"),
-                slot(f"{member.id}@{member.cfg.view}", member, member.cfg.view)]
-    if layout == "ema_teacher":
-        teacher = load_teacher(member, resume_from)
-        return [slot(member.id, member, member.cfg.view),
-                slot(teacher.id, teacher, member.cfg.view, make_engine(cfg.rollout.engine, teacher, cfg.rollout, max_images),
-                     follows=member)]
-    raise ValueError(f"unknown cohort layout {layout!r}")
+    slots = []
+    for m in members:
+        if layout == "two_views":
+            second = m.cfg.view if m.cfg.view != "original" else "paraphrase:1"
+            slots += [slot(f"{m.id}@original", m, "original"), slot(f"{m.id}@{second}", m, second)]
+        elif layout == "ema_teacher":
+            teacher = load_teacher(m, resume_from)
+            engine = make_engine(cfg.rollout.engine, teacher, cfg.rollout, max_images)
+            slots += [slot(m.id, m, m.cfg.view), slot(teacher.id, teacher, m.cfg.view, engine, follows=m)]
+        else:
+            raise ValueError(f"unknown cohort layout {layout!r}")
+    return slots
+
+
+def check_views(examples, slots: list[Slot], fallback: str) -> dict[str, int]:
+    """How many examples lack each slot's view. With data.view_fallback=error, any gap stops the run before
+    the first step (not halfway through an epoch); with "original" those examples use the original wording."""
+    missing = {}
+    for s in slots:
+        k = parse_view(s.view)
+        lacking = [ex.id for ex in examples if k > len(ex.paraphrases)]
+        if lacking:
+            missing[s.id] = lacking
+    if missing and fallback == "error":
+        detail = "; ".join(f"{sid}: {len(ids)} of {len(examples)} (e.g. {ids[0]!r})" for sid, ids in missing.items())
+        raise ViewError(
+            f"training examples lack the view a slot renders ({detail}). Give the data paraphrases "
+            "(data.paraphrases, made by `python -m data_tools.paraphrase`), pick another view, or set "
+            "data.view_fallback=original to use the original wording for those examples"
+        )
+    return {sid: len(ids) for sid, ids in missing.items()}
 
 
 def load_teacher(student: Member, resume_from: Path | None) -> Member:

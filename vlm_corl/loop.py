@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from vlm_corl.answers import extract_answer
 from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, save_checkpoint, set_rng_states
-from vlm_corl.cohort import Slot, build_slots, ema_update, models_to_save, teacher_decay
+from vlm_corl.cohort import Slot, build_slots, check_views, ema_update, models_to_save, teacher_decay
 from vlm_corl.config import CohortConfig, save_config
 from vlm_corl.data import load_examples
 from vlm_corl.eval import benchmark_examples, evaluate_member
@@ -26,6 +26,7 @@ from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.member import load_member
 from vlm_corl.metrics import MetricsSink, member_metrics
+from vlm_corl.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.rewards import CohortBatch, RewardSpec, resolve_reward
 from vlm_corl.rollout import SamplingParams
@@ -155,6 +156,9 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     torch.manual_seed(cfg.seed)
     reward_spec = resolve_reward(cfg.reward)
     examples = load_training_examples(cfg.data.train)
+    if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
+        examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
+        log.info("paraphrases: %s", report.summary())
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
     resume_from = _resume_point(cfg, run_dir)
     members = [load_member(m, resume_from / m.id if resume_from else None) for m in cfg.members]
@@ -167,6 +171,9 @@ def start_run(cfg: CohortConfig) -> CohortRun:
                 m.reference = load_member(replace(m.cfg, trainable=False)).model.eval()
     max_images = max(len(ex.images) for ex in examples)
     slots = build_slots(cfg, members, reward_spec.layout, max_images, resume_from)
+    lacking = check_views(examples, slots, cfg.data.view_fallback)
+    if lacking:
+        log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
     sink = MetricsSink(run_dir, cfg.logging.tensorboard)
     start = 0
     if resume_from:

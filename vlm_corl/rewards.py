@@ -216,8 +216,16 @@ def _intrinsic(batch: CohortBatch, stat: str, sign: float) -> RewardOutput:
     return RewardOutput(sign * score, {stat: score}, [[None] * b for _ in range(n)])
 
 
-# Single-model baselines on the ring topology over two slots of one model (see vlm_corl.cohort):
-# co_rewarding_1: responses to the original wording are labelled by the vote on the member's paraphrase view,
-# and vice versa; co_rewarding_2: the student is labelled by the vote of its EMA teacher's K answers.
-REWARDS.register("co_rewarding_1")(RewardSpec(ring_reward, layout="two_views"))
-REWARDS.register("co_rewarding_2")(RewardSpec(ring_reward, layout="ema_teacher"))
+def paired_reward(batch: CohortBatch, cfg) -> RewardOutput:
+    """Slots come in pairs (2k, 2k+1) that are two sides of one model; each is labelled by its partner's vote.
+
+    co_rewarding_1: responses to the original wording are labelled by the vote on the member's paraphrase, and
+    vice versa; co_rewarding_2: the member is labelled by the vote of its EMA teacher's K answers (the teacher's
+    own labels are never used: it does not train). See `vlm_corl.cohort` for the layouts.
+    """
+    votes = member_votes(batch, cfg.vote_threshold)
+    return _label_reward([votes[i ^ 1] for i in range(len(votes))], batch, cfg)
+
+
+REWARDS.register("co_rewarding_1")(RewardSpec(paired_reward, layout="two_views"))
+REWARDS.register("co_rewarding_2")(RewardSpec(paired_reward, layout="ema_teacher"))

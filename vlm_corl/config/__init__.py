@@ -23,7 +23,6 @@ from vlm_corl.config.loading import (
 from vlm_corl.config.parse import ConfigError, explain
 from vlm_corl.config.schema import (
     PEER_MODES,
-    SINGLE_MODEL_MODES,
     AlgoConfig,
     CohortConfig,
     DataConfig,
@@ -49,7 +48,6 @@ __all__ = [
     "PEER_MODES",
     "RewardConfig",
     "RolloutConfig",
-    "SINGLE_MODEL_MODES",
     "TrainConfig",
     "VllmConfig",
     "check_registered",

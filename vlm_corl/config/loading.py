@@ -18,7 +18,7 @@ from vlm_corl.config.parse import (
     yaml_kind,
     yaml_problem,
 )
-from vlm_corl.config.schema import PEER_MODES, SINGLE_MODEL_MODES, CohortConfig
+from vlm_corl.config.schema import PEER_MODES, CohortConfig
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 
 
@@ -67,18 +67,6 @@ def validate(cfg: CohortConfig) -> None:
         elif mode == "peers" and n_members < 3:
             problems.add(
                 "reward.mode", "with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
-            )
-        if mode in SINGLE_MODEL_MODES and n_members != 1:
-            problems.add(
-                "reward.mode",
-                f"{mode!r} is a single-model baseline and needs exactly 1 member (got {n_members});"
-                " use ring/peers/soft for a cohort, or keep one member",
-            )
-        if mode == "co_rewarding_1" and n_members == 1 and members[0].view == "original":
-            problems.add(
-                "members[0].view",
-                "co_rewarding_1 pairs the original wording with the member's view, so the view must differ:"
-                " set it to paraphrase:K (e.g. members.0.view=paraphrase:1)",
             )
 
     if cfg.eval.every > 0 and not cfg.eval.benchmarks:

@@ -14,7 +14,6 @@ RewardMode = Literal[
     "ring", "peers", "soft", "gt", "self_vote", "self_certainty", "entropy", "co_rewarding_1", "co_rewarding_2"
 ]
 PEER_MODES = ("ring", "peers", "soft")  # label_n comes from the other members' votes
-SINGLE_MODEL_MODES = ("co_rewarding_1", "co_rewarding_2")  # the label comes from a second view / an EMA teacher
 
 
 def _f(help: str, default: Any = MISSING, *, factory: Any = MISSING, **constraint: Any) -> Any:
