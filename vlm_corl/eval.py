@@ -116,12 +116,16 @@ def main(argv=None) -> int:
         examples = benchmark_examples(bench, args.limit, paths.get(name))
         for model_dir in args.models:
             results.setdefault(str(model_dir), {})[name] = evaluate_dir(model_dir, bench, examples)
-    out = Path(args.out)
+    write_results(Path(args.out), results, results_markdown(results))
+    return 0
+
+
+def write_results(out: Path, results: dict, markdown: str) -> None:
+    """results.json + results.md in `out` (created), and the markdown on stdout."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(results_markdown(results))
-    print(results_markdown(results))
-    return 0
+    (out / "results.md").write_text(markdown)
+    print(markdown)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ from tqdm import tqdm
 from vlm_corl.answers import extract_answer
 from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, save_checkpoint, set_rng_states
 from vlm_corl.cohort import Slot, build_slots, check_views, ema_update, models_to_save, teacher_decay
+from vlm_corl.collapse import collapse_warnings, flag_step
 from vlm_corl.config import CohortConfig, save_config
 from vlm_corl.data import load_examples
 from vlm_corl.eval import benchmark_examples, evaluate_member
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.member import load_member
-from vlm_corl.metrics import MetricsSink, member_metrics
+from vlm_corl.metrics import MetricsSink, cohort_metrics, member_metrics
 from vlm_corl.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.rewards import CohortBatch, RewardSpec, resolve_reward
@@ -78,6 +79,7 @@ class CohortRun:
     sink: MetricsSink
     reward_spec: RewardSpec
     start: int
+    history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume)
 
 
 def run_cohort(cfg: CohortConfig) -> dict:
@@ -87,7 +89,7 @@ def run_cohort(cfg: CohortConfig) -> dict:
     const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
     bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
                disable=not cfg.logging.progress, desc="cohort", dynamic_ncols=True)
-    history: list[dict] = []
+    history = run.history
     # The next batch is rendered (images decoded and preprocessed) in a background thread while this step
     # rolls out and updates; the render phase then only collects it from the renderers' caches.
     prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
@@ -127,7 +129,8 @@ def run_cohort(cfg: CohortConfig) -> dict:
         with timer("update"):
             updates = update_phase(cfg, run.members, slots, groups, advantages, scored.rewards, const_norm, step)
         with timer("log"):
-            rows = _rows(step + 1, slots, groups, cohort, scored, gold, updates, rollout_s)
+            rows = _rows(step + 1, slots, groups, cohort, scored, gold, updates, rollout_s, history,
+                         cfg.reward.vote_threshold)
             history.extend(rows)
             bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
@@ -175,15 +178,15 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     if lacking:
         log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
     sink = MetricsSink(run_dir, cfg.logging.tensorboard)
-    start = 0
+    start, history = 0, []
     if resume_from:
         state = load_cohort_state(resume_from)
         start = state["step"]
         sampler.load_state_dict(state["sampler"])
         set_rng_states(state["rng"])
-        sink.truncate_after(start)
+        history = sink.truncate_after(start)
         log.info("resumed from %s (step %d)", resume_from, start)
-    return CohortRun(cfg, run_dir, examples, sampler, members, slots, sink, reward_spec, start)
+    return CohortRun(cfg, run_dir, examples, sampler, members, slots, sink, reward_spec, start, history)
 
 
 def rollout_phase(cfg, slots: list[Slot], prompts, step: int) -> tuple[list, list[float]]:
@@ -290,18 +293,25 @@ def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
     return found
 
 
-def _rows(step, slots, groups, cohort, scored, gold, updates, rollout_s) -> list[dict]:
-    """One metrics row per slot (per member, in the usual layout); update stats on the member's first slot."""
+def _rows(step, slots, groups, cohort, scored, gold, updates, rollout_s, history=(), vote_threshold=0.0) -> list[dict]:
+    """One metrics row per slot (per member, in the usual layout); update stats on the member's first slot.
+
+    Cohort-level diagnostics (unanimity) are the same in every row; the collapse detector runs on `history`
+    (the earlier rows) plus these rows, sets `collapse_flag` and logs a slot's first detection (vlm_corl.collapse).
+    """
     rows, reported = [], set()
+    shared = cohort_metrics(cohort, gold, vote_threshold)
     for n, s in enumerate(slots):
         lengths = [[len(r.token_ids) for r in g.responses] for g in groups[n]]
         row = {"step": step, "member": s.id}
         row.update(member_metrics(n, cohort, scored, lengths, gold))
+        row.update(shared)
         stats = updates.get(s.member.id, {}) if s.member.id not in reported else {}
         reported.add(s.member.id)
         row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr")})
         row["tokens_per_s"] = sum(map(sum, lengths)) / rollout_s[n]
         rows.append(row)
+    flag_step(history, rows)
     return rows
 
 
@@ -316,5 +326,7 @@ def _summary(cfg, history: list[dict], run_dir: Path, slots) -> dict:
         "members": {mid: {k: row.get(k) for k in ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc")}
                     for mid, row in last.items()},
         "view_fallbacks": {s.id: s.renderer.view_fallbacks for s in slots},
+        # each slot's first detection of "diversity falls while agreement rises" (vlm_corl.collapse)
+        "collapse_warnings": collapse_warnings(history),
         "checkpoint": str(latest_checkpoint(run_dir)) if latest_checkpoint(run_dir) else None,
     }

@@ -1,21 +1,102 @@
 """Per-member step metrics (pure functions of the scored batch) and their sinks: metrics.jsonl and TensorBoard.
 
-Gold answers are read here for diagnostics only (pseudo-label accuracy, answer accuracy); they never reach
-a label-free reward.
+Gold answers are read here for diagnostics only (pseudo-label accuracy, answer accuracy, unanimous-wrong
+rate); they never reach a label-free reward.
+
+Collapse diagnostics (DESIGN.md section 2), all in nats where an entropy:
+
+- ``answer_entropy``: per group (one slot, one example, its K answers), the entropy of the distribution of its
+  answers over equivalence classes (``group_equivalent``, the classes plurality voting counts); mean over the
+  groups that have at least one parseable answer. Unparseable answers are EXCLUDED (as in ``distinct_answers``;
+  their share is ``unparsed_rate``): a group with answers ``[a, a, b, None]`` has the entropy of (2/3, 1/3).
+  None when no group of the step has a parseable answer.
+- ``answer_entropy_batch``: the entropy of the distribution of ALL the slot's parseable answers of the step
+  (B*K answers, across questions), classes by canonical form (``answer_key``: the choice letter for an answer
+  that names a multiple-choice option, else ``normalize_answer``; no math-verify across questions, so "0.5" and
+  "1/2" are two classes here). A slot answering every question with one constant word has 0; a slot whose
+  answers follow the gold distribution keeps about that distribution's entropy. None when nothing parses.
+- ``unanimous_rate`` (cohort level, the same value in every slot's row): the share of the step's questions on
+  which every slot's vote (``member_votes`` with the reward's ``vote_threshold``) is the same answer. An
+  abstention (no parseable answer, or a plurality below the threshold) makes a question NOT unanimous.
+- ``unanimous_wrong_rate`` (cohort level, diagnostic only): the share of questions with a gold answer on which
+  the cohort is unanimous AND its common vote is not equivalent to gold. Denominator: all questions with gold
+  (so ``unanimous_wrong_rate <= unanimous_rate``); None when no question has gold.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
-from vlm_corl.answers import answers_equivalent, group_equivalent
-from vlm_corl.rewards import CohortBatch, RewardOutput
+from vlm_corl.answers import answers_equivalent, choice_letter, group_equivalent, normalize_answer
+from vlm_corl.rewards import CohortBatch, RewardOutput, member_votes
 
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def entropy(counts: Sequence[int]) -> float:
+    """Shannon entropy (nats) of the distribution given by `counts` (zeros ignored); 0.0 for no mass."""
+    total = sum(counts)
+    if total <= 0:
+        return 0.0
+    return max(0.0, -sum(c / total * math.log(c / total) for c in counts if c > 0))
+
+
+def group_entropy(answers: Sequence[str | None], choices=None) -> float | None:
+    """Entropy (nats) of one group's parseable answers over equivalence classes; None if none parses."""
+    counts = Counter(c for c in group_equivalent(answers, choices) if c is not None)
+    return entropy(list(counts.values())) if counts else None
+
+
+def answer_entropy(groups: Sequence[Sequence[str | None]], choices: Sequence) -> float | None:
+    """Mean group entropy over the groups (B, K) with at least one parseable answer; None if there are none."""
+    return _mean([h for j, g in enumerate(groups) if (h := group_entropy(g, choices[j])) is not None])
+
+
+def answer_key(answer: str, choices=None) -> str:
+    """Canonical form of an answer for counting across questions: "(B)" for an answer naming option B of a
+    multiple-choice question, else its normalised string."""
+    if choices:
+        letter = choice_letter(answer, choices)
+        if letter is not None:
+            return f"({letter})"
+    return normalize_answer(answer)
+
+
+def batch_entropy(groups: Sequence[Sequence[str | None]], choices: Sequence) -> float | None:
+    """Entropy (nats) of the distribution of all parseable answers of (B, K) groups, keyed by `answer_key`."""
+    counts = Counter(answer_key(a, choices[j]) for j, g in enumerate(groups) for a in g if a is not None)
+    return entropy(list(counts.values())) if counts else None
+
+
+def unanimity(votes: Sequence[Sequence[str | None]], choices: Sequence, gold: Sequence[str | None]) -> dict:
+    """Cohort-level agreement of (N, B) votes: `unanimous_rate` and `unanimous_wrong_rate` (see the module
+    docstring). A question is unanimous when no slot abstains and all N votes fall in one equivalence class."""
+    n_questions = len(votes[0]) if votes else 0
+    unanimous, wrong, with_gold = 0, 0, 0
+    for j in range(n_questions):
+        column = [v[j] for v in votes]
+        classes = group_equivalent(column, choices[j])
+        is_unanimous = None not in classes and len(set(classes)) == 1
+        unanimous += is_unanimous
+        if gold[j] is not None:
+            with_gold += 1
+            wrong += is_unanimous and not answers_equivalent(gold[j], column[0], choices[j])
+    return {
+        "unanimous_rate": unanimous / n_questions if n_questions else None,
+        "unanimous_wrong_rate": wrong / with_gold if with_gold else None,
+    }
+
+
+def cohort_metrics(batch: CohortBatch, gold: list[str | None], vote_threshold: float = 0.0) -> dict:
+    """Cohort-level diagnostics of one step (the same for every slot): unanimity of the slots' votes."""
+    return unanimity(member_votes(batch, vote_threshold), batch.choices, gold)
 
 
 def member_metrics(n: int, batch: CohortBatch, out: RewardOutput, lengths: list[list[int]],
@@ -37,6 +118,8 @@ def member_metrics(n: int, batch: CohortBatch, out: RewardOutput, lengths: list[
         "distinct_answers": statistics.fmean(
             len({c for c in group_equivalent(group, choices[j]) if c is not None}) for j, group in enumerate(answers)
         ),
+        "answer_entropy": answer_entropy(answers, choices),
+        "answer_entropy_batch": batch_entropy(answers, choices),
         "unparsed_rate": sum(a is None for _, a in flat) / len(flat),
         "response_len": statistics.fmean(x for row in lengths for x in row),
         "pseudo_label_acc": _mean([float(answers_equivalent(gold[j], labels[j], choices[j])) for j in with_gold]),
@@ -76,12 +159,16 @@ class MetricsSink:
         if self.writer is not None:
             self.writer.flush()
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop rows of steps after the checkpoint (they will be recomputed)."""
+    def truncate_after(self, step: int) -> list[dict]:
+        """On resume, drop rows of steps after the checkpoint (they will be recomputed); returns the metrics
+        rows kept, the history the collapse detector and the summary continue from."""
+        kept: dict[Path, list[str]] = {}
         for path in (self.path, self.eval_path):
+            lines = path.read_text().splitlines() if path.exists() else []
+            kept[path] = [line for line in lines if line and json.loads(line)["step"] <= step]
             if path.exists():
-                rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-                path.write_text("".join(r + "\n" for r in rows))
+                path.write_text("".join(r + "\n" for r in kept[path]))
+        return [json.loads(line) for line in kept[self.path]]
 
     def close(self) -> None:
         if self.writer is not None:

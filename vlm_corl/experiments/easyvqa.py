@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlm_corl.demo import BaseRecipe, build_base
+from vlm_corl.eval import write_results
 
 TRAIN_SKIP = 20000  # unlabelled training questions start here; the labelled slices lie before
 
@@ -246,7 +247,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.plots_only:
         results = json.loads((out / "results.json").read_text())
-        return _write(results | {"plots": plot_curves(out, results["budget"]["seeds"], budget)}, out)
+        results["plots"] = plot_curves(out, results["budget"]["seeds"], budget)
+        write_results(out, results, results_markdown(results))
+        return 0
     start = time.time()
     spawn = multiprocessing.get_context("spawn")
     seeds: dict[int, dict] = {}
@@ -272,14 +275,9 @@ def main(argv=None) -> int:
         "plots": [],
         "seconds": round(time.time() - start, 1),
     }
-    _write(results, out)  # the table is safe on disk before plotting
-    return _write(results | {"plots": plot_curves(out, n_seeds, budget)}, out)
-
-
-def _write(results: dict, out: Path) -> int:
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(results_markdown(results))
-    print(results_markdown(results))
+    write_results(out, results, results_markdown(results))  # the table is safe on disk before plotting
+    results["plots"] = plot_curves(out, n_seeds, budget)
+    write_results(out, results, results_markdown(results))
     return 0
 
 

@@ -1,0 +1,334 @@
+"""Run report: `python -m vlm_corl.report RUN_DIR [--out DIR] [--smooth N]` renders report.md and PNG plots.
+
+Reads the run's metrics.jsonl (one row per slot per step), eval.jsonl (if present) and summary.json (if present)
+and writes into --out (default RUN_DIR): report.md, and PNGs of reward, agreement, pseudo-label accuracy, answer
+diversity, unanimity, response length, loss/grad norm (one line per slot over steps) and eval accuracy (one
+line per member and benchmark), a first-vs-last table per slot, and the collapse warnings (vlm_corl.collapse).
+
+Plotting API, reusable across runs (an experiment script draws one line per METHOD):
+
+    plot_metric(runs, key, path, title=None, *, smooth=5, ax=None, ylabel=None, band=True) -> Path | None
+    plot_panel(runs, keys, path, title=None, *, smooth=5, titles=None) -> Path | None
+
+`runs` maps a line's label to a list of metrics rows (dicts with "step" and the key), e.g.
+``{"Co-RL ring": rows_seed0 + rows_seed1, "self_vote": ..., "gt": ...}``. Each label is ONE line: at every
+step, the mean of `key` over all that label's rows at that step (all slots and all runs/seeds given; None and
+missing values skipped); with `band`, a shaded ±1 std across those rows when there are several. The per-step
+mean is drawn faint and its trailing moving average over `smooth` logged steps (1 = no smoothing) bold in the
+same colour. A label without values is left out; when no label has any, nothing is written and None is
+returned. `plot_metric(..., ax=some_axes)` draws into an existing matplotlib Axes and writes nothing (`path`
+is then ignored), so callers can compose their own figures. `by_member(rows)` splits one run into lines per slot
+and `eval_lines(eval_rows)` gives one line per (member, benchmark) of eval.jsonl rows (key "accuracy" or
+"accuracy_<type>"). Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from vlm_corl.collapse import collapse_warnings, describe
+
+Rows = Sequence[dict]
+
+# (file stem, figure title, keys drawn side by side, cohort-level: one line instead of one per slot)
+RUN_PLOTS = (
+    ("reward", "Reward", ("reward_mean", "reward_std"), False),
+    ("agreement", "Agreement with the pseudo-label", ("agreement", "abstain_rate"), False),
+    ("pseudo_label_acc", "Pseudo-label and answer accuracy (gold, diagnostic only)",
+     ("pseudo_label_acc", "answer_acc"), False),
+    ("diversity", "Answer diversity", ("distinct_answers", "answer_entropy", "answer_entropy_batch"), False),
+    ("unanimous", "Cohort unanimity", ("unanimous_rate", "unanimous_wrong_rate"), True),
+    ("length", "Responses", ("response_len", "unparsed_rate"), False),
+    ("optim", "Optimisation", ("loss", "grad_norm"), False),
+)
+TABLE_KEYS = ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc", "distinct_answers", "answer_entropy",
+              "answer_entropy_batch", "unanimous_rate", "unanimous_wrong_rate", "response_len", "unparsed_rate",
+              "abstain_rate", "loss", "grad_norm")
+LABELS = {
+    "reward_mean": "reward (mean)", "reward_std": "reward (std)", "abstain_rate": "abstain rate",
+    "pseudo_label_acc": "pseudo-label accuracy", "answer_acc": "answer accuracy",
+    "distinct_answers": "distinct answers / group", "answer_entropy": "answer entropy / group (nats)",
+    "answer_entropy_batch": "answer entropy, batch (nats)", "unanimous_rate": "unanimous rate",
+    "unanimous_wrong_rate": "unanimous & wrong rate", "response_len": "response length (tokens)",
+    "unparsed_rate": "unparsed rate", "grad_norm": "grad norm", "accuracy": "eval accuracy",
+}
+
+
+# ---- reading ------------------------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class RunData:
+    """What a run directory holds for the report."""
+
+    run_dir: Path
+    rows: list[dict]  # metrics.jsonl
+    eval_rows: list[dict] = field(default_factory=list)  # eval.jsonl
+    summary: dict = field(default_factory=dict)  # summary.json
+
+
+def load_run(run_dir: Path) -> RunData:
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"{run_dir}/metrics.jsonl not found: is this a training run directory?")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return RunData(run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl"), summary)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def by_member(rows: Rows) -> dict[str, list[dict]]:
+    """One line per slot: rows grouped by their "member" key, in order of first appearance."""
+    out: dict[str, list[dict]] = {}
+    for row in rows:
+        out.setdefault(row["member"], []).append(row)
+    return out
+
+
+def eval_lines(eval_rows: Rows) -> dict[str, list[dict]]:
+    """One line per (member, benchmark) of eval.jsonl rows, labelled "member (benchmark)"."""
+    out: dict[str, list[dict]] = {}
+    for row in eval_rows:
+        out.setdefault(f"{row['member']} ({row.get('benchmark', '?')})", []).append(row)
+    return out
+
+
+# ---- numbers ------------------------------------------------------------------------------------------
+
+
+def per_step(rows: Rows, key: str) -> tuple[list[int], list[float], list[float]]:
+    """(steps, mean, std) of `key` over the rows at each step (None / missing skipped; std 0 for one row)."""
+    values: dict[int, list[float]] = {}
+    for row in rows:
+        v = row.get(key)
+        if _number(v):
+            values.setdefault(row["step"], []).append(float(v))
+    steps = sorted(values)
+    means = [statistics.fmean(values[s]) for s in steps]
+    stds = [statistics.pstdev(values[s]) if len(values[s]) > 1 else 0.0 for s in steps]
+    return steps, means, stds
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average: point i is the mean of values[max(0, i - window + 1) : i + 1]."""
+    window = max(1, int(window))
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def edge_window(n: int) -> int:
+    """Steps averaged for the "first" and "last" values of the report's table: clamp(n // 5, 1, 20)."""
+    return max(1, min(20, n // 5))
+
+
+def first_last(rows: Rows, key: str) -> tuple[float | None, float | None]:
+    """Mean of `key` over the first and over the last `edge_window(n)` logged steps of these rows."""
+    steps, means, _ = per_step(rows, key)
+    if not steps:
+        return None, None
+    w = edge_window(len(steps))
+    return statistics.fmean(means[:w]), statistics.fmean(means[-w:])
+
+
+# ---- plotting -----------------------------------------------------------------------------------------
+
+
+def plot_metric(runs: Mapping[str, Rows], key: str, path: Path | None = None, title: str | None = None, *,
+                smooth: int = 5, ax=None, ylabel: str | None = None, band: bool = True):
+    """One line per label of `runs` for metric `key` over steps (see the module docstring).
+
+    Without `ax`: draws a new figure, writes it to `path` (PNG) and returns the path, or None (nothing written)
+    when no label has a value for `key`. With `ax`: draws into it and returns True if anything was drawn.
+    """
+    own = ax is None
+    if own:
+        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+        ax = fig.add_subplot()
+    drawn = False
+    for i, (label, rows) in enumerate(runs.items()):
+        steps, means, stds = per_step(rows, key)
+        if not steps:
+            continue
+        drawn = True
+        color = f"C{i % 10}"
+        marker = "o" if len(steps) <= 20 else None
+        if smooth > 1 and len(steps) > 1:
+            ax.plot(steps, means, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, moving_average(means, smooth), color=color, linewidth=1.8, label=label)
+        else:
+            ax.plot(steps, means, color=color, linewidth=1.8, marker=marker, markersize=3, label=label)
+        if band and any(stds):
+            ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                            color=color, alpha=0.12, linewidth=0)
+    if not drawn:
+        return None if own else False
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel or LABELS.get(key, key))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    if not own:
+        return True
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_panel(runs: Mapping[str, Rows], keys: Sequence[str], path: Path, title: str | None = None, *,
+               smooth: int = 5, titles: Mapping[str, str] | None = None) -> Path | None:
+    """Several metrics side by side (one subplot per key with values, same lines as `plot_metric`) in one PNG;
+    None (nothing written) when no key has values."""
+    present = [k for k in keys if any(per_step(rows, k)[0] for rows in runs.values())]
+    if not present:
+        return None
+    fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
+    for j, key in enumerate(present):
+        ax = fig.add_subplot(1, len(present), j + 1)
+        plot_metric(runs, key, smooth=smooth, ax=ax, title=(titles or {}).get(key))
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+
+
+def _fmt(v, sign: str = "") -> str:
+    if v is None:
+        return "–"
+    return f"{v:{sign}.3f}" if v == 0 or 0.01 <= abs(v) < 100 else f"{v:{sign}.3g}"
+
+
+def _move(first, last) -> str:
+    if first is None or last is None:
+        return "–"
+    return f"{_fmt(first)} → {_fmt(last)} ({_fmt(last - first, '+')})"
+
+
+def first_last_table(rows: Rows, keys: Sequence[str] = TABLE_KEYS) -> list[str]:
+    """Markdown table: one line per metric, one column per slot, "first → last (Δ)"."""
+    slots = by_member(rows)
+    lines = ["| metric | " + " | ".join(slots) + " |", "|---|" + "---|" * len(slots)]
+    for key in keys:
+        cells = [_move(*first_last(slot_rows, key)) for slot_rows in slots.values()]
+        if all(c == "–" for c in cells):
+            continue
+        lines.append(f"| {LABELS.get(key, key)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def eval_table(eval_rows: Rows) -> list[str]:
+    """Markdown table: first and last evaluation per member and benchmark (overall and per question type)."""
+    keys = sorted({k for r in eval_rows for k in r if k.startswith("accuracy_")})
+    header = ["member", "benchmark", "steps", "accuracy", *(k.removeprefix("accuracy_") for k in keys)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, rows in eval_lines(eval_rows).items():
+        rows = sorted(rows, key=lambda r: r["step"])
+        first, last = rows[0], rows[-1]
+        cells = [_move(first.get(k), last.get(k)) if _number(first.get(k)) and _number(last.get(k)) else "–"
+                 for k in ("accuracy", *keys)]
+        member, bench = last["member"], last.get("benchmark", "?")
+        lines.append(f"| {member} | {bench} | {first['step']} → {last['step']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
+    """The run's PNGs into `out`: {stem: path} for the plots that had data."""
+    slots = by_member(run.rows)
+    written = {}
+    for stem, title, keys, cohort_level in RUN_PLOTS:
+        lines = {"cohort": list(run.rows)} if cohort_level else slots
+        path = plot_panel(lines, keys, Path(out) / f"{stem}.png", title, smooth=smooth)
+        if path is not None:
+            written[stem] = path
+    if run.eval_rows:
+        path = plot_metric(eval_lines(run.eval_rows), "accuracy", Path(out) / "eval_accuracy.png",
+                           "Eval accuracy", smooth=1, band=False)
+        if path is not None:
+            written["eval_accuracy"] = path
+    return written
+
+
+def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
+    """Write report.md and the PNGs of the run in `run_dir` into `out` (default: the run directory)."""
+    run = load_run(run_dir)
+    out = Path(out) if out is not None else Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = render_plots(run, out, smooth)
+    s = run.summary
+    steps = sorted({r["step"] for r in run.rows})
+    md = [f"# Run report: {Path(run_dir).resolve().name}", ""]
+    md.append(f"- run directory: `{Path(run_dir).resolve()}`")
+    if s.get("reward_mode"):
+        md.append(f"- reward: `{s['reward_mode']}`")
+    md.append(f"- logged steps: {len(steps)}" + (f" ({steps[0]}–{steps[-1]})" if steps else "")
+              + (f" of {s['steps']}" if s.get("steps") else ""))
+    md.append(f"- slots: {', '.join(by_member(run.rows)) or '–'}")
+    md += ["", "## Collapse warnings", ""]
+    if "collapse_warnings" in s:
+        warnings, source = s["collapse_warnings"], "summary.json"
+    else:
+        warnings, source = collapse_warnings(run.rows), "recomputed from metrics.jsonl"
+    if warnings:
+        md += [f"- **{w['slot']}** at step {w['step']}: {describe(w)}" for w in warnings]
+    else:
+        md.append("None: no slot's answer diversity fell while its agreement rose (and, with gold diagnostics, "
+                  "its pseudo-label accuracy fell).")
+    md += ["", f"_Source: {source}; rule in `vlm_corl.collapse`._", ""]
+    n = len(steps)
+    md += ["## First vs last", "",
+           f"Mean over the first and the last {edge_window(n)} logged step(s) of each slot.", ""]
+    md += first_last_table(run.rows)
+    if run.eval_rows:
+        md += ["", "## Evaluation", ""] + eval_table(run.eval_rows)
+    md += ["", "## Plots", ""]
+    md.append(f"One line per slot (cohort-level metrics: one line); faint: per step, bold: moving average over "
+              f"{smooth} logged steps.")
+    for stem, path in plots.items():
+        md += ["", f"![{stem}]({path.relative_to(out).as_posix()})"]
+    report = out / "report.md"
+    report.write_text("\n".join(md) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="python -m vlm_corl.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="training run directory (holds metrics.jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="where report.md and the PNGs go (default: RUN_DIR)")
+    parser.add_argument("--smooth", type=int, default=5, help="moving-average window in logged steps (1 = none)")
+    args = parser.parse_args(argv)
+    report = render_report(args.run_dir, args.out, args.smooth)
+    print(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
