@@ -44,6 +44,7 @@ class BaseRecipe:
     steps: int
     lr: float = 2e-3
     batch_size: int = 32
+    init_seed: int = 0  # added to the run seed for the zoo initialisation (two members of one family differ)
 
 
 # Different labelled slices per member (warm-start data diversity lowers the correlation of their errors),
@@ -59,8 +60,10 @@ RECIPES = {
 def build_base(member_id: str, recipe: BaseRecipe, out: Path, seed: int) -> dict:
     """Zoo member -> warm start on its labelled slice -> saved at `out` (the path the cohort config names)."""
     torch.set_num_threads(1)  # one thread per worker: the two warm starts share the machine's cores
-    zoo_dir = out.parent.parent / "zoo" / f"{recipe.family}-{recipe.size}"
-    build_member(FAMILIES.get(recipe.family), zoo_dir, size=recipe.size, seed=seed)
+    init = seed + recipe.init_seed
+    # One directory per initialisation: parallel workers never write a zoo member another one is reading.
+    zoo_dir = out.parent.parent / "zoo" / f"{recipe.family}-{recipe.size}-init{init}"
+    build_member(FAMILIES.get(recipe.family), zoo_dir, size=recipe.size, seed=init)
     examples = labelled_slice("easyvqa", None, "train", recipe.slice_start, recipe.slice_size, "question_type")
     torch.manual_seed(seed)
     member = load_member(MemberConfig(id=member_id, model=str(zoo_dir)))

@@ -60,7 +60,7 @@ def base_recipes(budget: Budget, seed: int) -> dict[str, BaseRecipe]:
     return {
         "qwen": BaseRecipe("qwen2_vl", "tiny", off, 1000, steps=budget.warm_steps),
         "llama": BaseRecipe("mllama", "tiny", 10000 + off, 1000, steps=budget.warm_steps, lr=4e-3),
-        "qwen_b": BaseRecipe("qwen2_vl", "tiny", 5000 + off, 1000, steps=budget.warm_steps),
+        "qwen_b": BaseRecipe("qwen2_vl", "tiny", 5000 + off, 1000, steps=budget.warm_steps, init_seed=100),
     }
 
 
