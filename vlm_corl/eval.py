@@ -39,6 +39,7 @@ class Benchmark:
     path: str | None = None
     balance_by: str | None = None
     temperature: float = 0.0  # greedy, as the paper evaluates multimodal benchmarks
+    top_p: float = 1.0
     max_new_tokens: int = 64
 
 
@@ -56,7 +57,7 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
     """Accuracy of `member` on `examples` (overall and per question type) and every prediction."""
     render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
     engine = make_engine("hf", member)
-    params = SamplingParams(n=1, temperature=bench.temperature, max_new_tokens=bench.max_new_tokens)
+    params = SamplingParams(n=1, temperature=bench.temperature, top_p=bench.top_p, max_new_tokens=bench.max_new_tokens)
     records = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
