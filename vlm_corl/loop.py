@@ -167,7 +167,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     members = [load_member(m, resume_from / m.id if resume_from else None) for m in cfg.members]
     for m in members:
         if m.cfg.trainable:
-            m.setup_optimizer(cfg.train, cfg.train.max_steps)
+            # one optimizer step per pass over a rollout batch: the schedule spans all of them
+            m.setup_optimizer(cfg.train, cfg.train.max_steps * cfg.algo.updates_per_batch)
             if resume_from:
                 m.load_trainer_state(resume_from / m.id)
             if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume

@@ -94,7 +94,7 @@ class Member:
 
     # ---- optimisation -----------------------------------------------------------------------------------
 
-    def setup_optimizer(self, train, max_steps: int) -> None:
+    def setup_optimizer(self, train, total_updates: int) -> None:
         """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr (and gradient checkpointing)."""
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -109,8 +109,8 @@ class Member:
         for p in params:
             p.grad = torch.zeros_like(p)
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            self.optimizer, num_warmup_steps=round(train.warmup_ratio * max_steps),
-            num_training_steps=max_steps, min_lr_rate=train.min_lr_ratio,
+            self.optimizer, num_warmup_steps=round(train.warmup_ratio * total_updates),
+            num_training_steps=total_updates, min_lr_rate=train.min_lr_ratio,
         )
 
     def autocast(self):
