@@ -132,7 +132,7 @@ def test_draw_samples_the_given_distribution():
     probs[[0, 7, 39]] = 0.0  # suppressed tokens, first and last included
     probs /= probs.sum()
     n = 100_000
-    drawn = draw(probs.expand(n, -1))
+    drawn = draw(probs.expand(n, -1), torch.rand(n, dtype=torch.float64))
     freq = torch.bincount(drawn, minlength=40).double() / n
     assert freq[[0, 7, 39]].sum() == 0
     assert (freq - probs.double()).abs().max() < 4 * (probs.max().item() / n) ** 0.5  # 4 standard deviations

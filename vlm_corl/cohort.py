@@ -24,10 +24,21 @@ from vlm_corl.rollout import RolloutEngine, make_engine
 TEACHER_SUFFIX = ".teacher"
 
 
+@dataclass(frozen=True)
+class SlotSpec:
+    """A slot as every rank knows it from the config alone (whether or not it hosts the slot's member)."""
+
+    id: str
+    member_id: str  # the member whose ranks host the slot (a teacher lives with its student)
+    view: str
+    teacher: bool = False  # the member's EMA teacher (co_rewarding_2) rather than the member itself
+
+
 @dataclass
 class Slot:
-    """One (model, view) pair in the step; `member` may be shared with another slot."""
+    """One (model, view) pair in the step, hosted by this process; `member` may be shared with another slot."""
 
+    index: int  # position among all the cohort's slots (`slot_specs`): rows of the exchange and the reward
     id: str
     member: Member
     view: str
@@ -36,28 +47,40 @@ class Slot:
     follows: Member | None = None  # an EMA teacher's student: its weights move toward them after each update
 
 
-def build_slots(cfg, members: list[Member], layout: str, max_images: int, resume_from: Path | None) -> list[Slot]:
-    """The slots of a reward layout ("members", "two_views", "ema_teacher"); builds the EMA teacher if needed."""
-    engines = {id(m): make_engine(cfg.rollout.engine, m, cfg.rollout, max_images) for m in members}
-
-    def slot(slot_id: str, member: Member, view: str, engine=None, follows=None) -> Slot:
-        renderer = Renderer(member, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens,
-                            view=view)
-        return Slot(slot_id, member, view, engine or engines[id(member)], renderer, follows)
-
+def slot_specs(member_cfgs, layout: str) -> list[SlotSpec]:
+    """Every slot of the cohort, in exchange order, for a reward layout ("members", "two_views", "ema_teacher")."""
     if layout == "members":
-        return [slot(m.id, m, m.cfg.view) for m in members]
-    slots = []
-    for m in members:
+        return [SlotSpec(m.id, m.id, m.view) for m in member_cfgs]
+    specs = []
+    for m in member_cfgs:
         if layout == "two_views":
-            second = m.cfg.view if m.cfg.view != "original" else "paraphrase:1"
-            slots += [slot(f"{m.id}@original", m, "original"), slot(f"{m.id}@{second}", m, second)]
+            second = m.view if m.view != "original" else "paraphrase:1"
+            specs += [SlotSpec(f"{m.id}@original", m.id, "original"), SlotSpec(f"{m.id}@{second}", m.id, second)]
         elif layout == "ema_teacher":
-            teacher = load_teacher(m, resume_from)
-            engine = make_engine(cfg.rollout.engine, teacher, cfg.rollout, max_images)
-            slots += [slot(m.id, m, m.cfg.view), slot(teacher.id, teacher, m.cfg.view, engine, follows=m)]
+            specs += [SlotSpec(m.id, m.id, m.view), SlotSpec(m.id + TEACHER_SUFFIX, m.id, m.view, teacher=True)]
         else:
             raise ValueError(f"unknown cohort layout {layout!r}")
+    return specs
+
+
+def build_slots(cfg, members: list[Member], specs: list[SlotSpec], max_images: int,
+                resume_from: Path | None) -> list[Slot]:
+    """The slots of `specs` whose member this process hosts (`members`), with their engines and renderers;
+    builds an EMA teacher where a slot is one."""
+    local = {m.id: m for m in members}
+    engines = {m.id: make_engine(cfg.rollout.engine, m, cfg.rollout, max_images) for m in members}
+    slots = []
+    for index, spec in enumerate(specs):
+        member = local.get(spec.member_id)
+        if member is None:
+            continue
+        model, engine, follows = member, engines[member.id], None
+        if spec.teacher:
+            model = load_teacher(member, resume_from)
+            engine, follows = make_engine(cfg.rollout.engine, model, cfg.rollout, max_images), member
+        renderer = Renderer(model, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens,
+                            view=spec.view)
+        slots.append(Slot(index, spec.id, model, spec.view, engine, renderer, follows))
     return slots
 
 
@@ -84,8 +107,9 @@ def load_teacher(student: Member, resume_from: Path | None) -> Member:
     """The EMA teacher: the student's initial weights, or the teacher saved in the checkpoint when resuming."""
     cfg = replace(student.cfg, id=student.id + TEACHER_SUFFIX, trainable=False)
     source = resume_from / cfg.id if resume_from else student.cfg.model
-    teacher = load_member(cfg, source)
-    teacher.model.eval()
+    teacher = load_member(cfg, source, student.device)
+    # fp32 like its student: an EMA step of (1 - 0.9999) x a small difference vanishes in bf16 rounding.
+    teacher.model.float().eval()
     return teacher
 
 

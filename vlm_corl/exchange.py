@@ -1,49 +1,63 @@
-"""The exchange phase: every member's extracted answers reach every other member.
+"""The exchange phase: every slot's per-response results reach every rank.
 
-Members on disjoint groups of ranks contribute their rows through one `all_gather_object` over the default
-process group; in a single process all members are local and the exchange only assembles. Either way the
-rows are keyed by (member, example id) and laid out in the batch's example order, so a member that answered
-different examples than its peers (a broken lockstep) fails the step loudly instead of mixing up labels.
+Each rank contributes the rows of the slots it hosts, for the batch positions it rolled out, through one
+`all_gather_object` over the world group (in a single process the exchange only assembles). Rows are keyed
+by (slot, batch position), never by example id: a batch may hold one example twice, and positions are what
+the reward lines up. Every rank also sends the example ids of its batch, so a rank whose data order drifted
+(a broken lockstep) stops the step loudly instead of mixing up labels.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from typing import Any
 
 
 class LockstepError(RuntimeError):
-    """Members did not answer the same examples at the same step."""
+    """Ranks or slots did not answer the same examples at the same step."""
 
 
 Row = tuple[list, ...]  # per-response fields of one group, e.g. (answers, format flags, texts), K each
 
 
-def exchange(batch_ids: list[str], local: dict[str, dict[str, Row]], member_ids: list[str]) -> list[list]:
-    """Gather rows {member: {example_id: (field_1, field_2, …)}} from every rank.
+def exchange(world, batch_ids: list[str], local: dict[str, dict[int, Row]], slot_ids: list[str],
+             extra: Any = None) -> tuple[list[list], list]:
+    """Gather rows {slot id: {batch position: (field_1, field_2, …)}} from every rank.
 
-    Returns one (N, B, K) nested list per field, in `member_ids` × `batch_ids` order.
+    Returns one (N, B, K) nested list per field, in `slot_ids` × batch-position order, and every rank's
+    `extra` (in rank order: small per-rank facts such as rollout seconds).
     """
-    merged: dict[str, dict[str, Row]] = {m: {} for m in member_ids}
-    parts = [local]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, local)
-    for part in parts:
-        for member, rows in part.items():
-            merged[member].update(rows)
-    fields: list[list] | None = None
-    for member in member_ids:
-        rows = merged[member]
-        missing = [i for i in batch_ids if i not in rows]
-        extra = sorted(set(rows) - set(batch_ids))
-        if missing or extra:
+    parts = world.all_gather({"batch": batch_ids, "rows": local, "extra": extra})
+    for rank, part in enumerate(parts):
+        if part["batch"] != batch_ids:
             raise LockstepError(
-                f"member {member!r} answered a different set of examples than the step's batch "
-                f"(missing {missing[:3]}, unexpected {extra[:3]}): every member must see the same example ids "
-                "in the same order (one data seed); check data.* is identical on every rank"
+                f"rank {rank} drew other examples than rank {world.rank} at this step (e.g. "
+                f"{_first_difference(part['batch'], batch_ids)}): every rank must see the same data in the same "
+                "order; check data.* and the code version are identical on every node"
             )
-        per_example = [rows[i] for i in batch_ids]
-        fields = fields or [[] for _ in per_example[0]]
+    merged: dict[str, dict[int, Row]] = {s: {} for s in slot_ids}
+    for part in parts:
+        for slot, rows in part["rows"].items():
+            merged[slot].update(rows)
+    positions = range(len(batch_ids))
+    fields: list[list] | None = None
+    for slot in slot_ids:
+        rows = merged[slot]
+        missing = [p for p in positions if p not in rows]
+        extra_pos = sorted(set(rows) - set(positions))
+        if missing or extra_pos:
+            raise LockstepError(
+                f"slot {slot!r} has no answers for batch positions {missing[:5]} (unexpected: {extra_pos[:5]}): "
+                "every slot must answer every position of the step's batch; check members[*].ranks"
+            )
+        per_position = [rows[p] for p in positions]
+        fields = fields or [[] for _ in per_position[0]]
         for f, values in enumerate(fields):
-            values.append([row[f] for row in per_example])
-    return fields
+            values.append([row[f] for row in per_position])
+    return fields, [part["extra"] for part in parts]
+
+
+def _first_difference(a: list[str], b: list[str]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"position {i}: {x!r} vs {y!r}"
+    return f"{len(a)} vs {len(b)} examples"

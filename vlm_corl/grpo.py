@@ -1,4 +1,5 @@
-"""GRPO maths as pure tensor functions: group advantages, the clipped surrogate, KL estimators, loss aggregation.
+"""GRPO maths as pure tensor functions: group advantages, the clipped surrogate, KL estimators, loss aggregation,
+and the policy's per-token log-probs, entropy and self-certainty (chunked over rows for large vocabularies).
 
 Shapes: G groups (one per prompt) of K responses; B = G*K sequences of T response tokens.
 Nothing here knows about models or members; `vlm_corl.update` feeds these functions.
@@ -100,9 +101,7 @@ def aggregate_loss(
 
 def token_entropy(logits: Tensor) -> Tensor:
     """Entropy of each next-token distribution. (..., V) -> (...). Tokens at -inf (suppressed) count as 0."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p_logp = torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp))
-    return -p_logp.sum(dim=-1)
+    return _entropy(torch.log_softmax(logits.float(), dim=-1))
 
 
 def token_self_certainty(logits: Tensor) -> Tensor:
@@ -111,8 +110,102 @@ def token_self_certainty(logits: Tensor) -> Tensor:
     Intuitor's self-certainty: KL(U || p) = -log V' - mean_v log p_v over the V' tokens not at -inf
     (suppressed control tokens are not part of the policy's choices); zero for a uniform p.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    return _self_certainty(torch.log_softmax(logits.float(), dim=-1))
+
+
+def _entropy(logp: Tensor) -> Tensor:
+    return -torch.where(torch.isfinite(logp), logp.exp() * logp, 0.0).sum(dim=-1)
+
+
+def _self_certainty(logp: Tensor) -> Tensor:
     finite = torch.isfinite(logp)
     count = finite.sum(dim=-1).clamp(min=1)
-    mean_logp = torch.where(finite, logp, torch.zeros_like(logp)).sum(dim=-1) / count
+    mean_logp = torch.where(finite, logp, 0.0).sum(dim=-1) / count
     return -mean_logp - torch.log(count.float())
+
+
+# Policy statistics over a full vocabulary, row chunk by row chunk. A (B, T, V) fp32 copy of the logits is
+# 2x their bf16 size and the unchunked maths makes several, so only one chunk of rows is ever upcast.
+CHUNK_ELEMENTS = 1 << 23  # fp32 elements per chunk (32 MiB) when chunk_rows is not given
+
+
+def selective_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, suppressed=(),
+                       chunk_rows: int | None = None, inplace_backward: bool = False) -> Tensor:
+    """log pi(target) under the policy of `logits`: tempered, `suppressed` ids removed. (..., V), (...) -> (...) fp32.
+
+    Equals log_softmax(logits.float() / temperature with suppressed ids at -inf).gather(targets) (a suppressed
+    target gets -inf), but only `chunk_rows` rows at a time are upcast, and backward saves the logits
+    themselves plus one float per row, recomputing each chunk's softmax. With `inplace_backward` the gradient
+    is written over the logits (contiguous non-leaf ones only; they must not be used after backward): the
+    backward then needs no second logits-sized buffer.
+    """
+    return _SelectiveLogprobs.apply(logits, targets, float(temperature), tuple(suppressed),
+                                    chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1]), inplace_backward)
+
+
+@torch.no_grad()
+def token_stats(logits: Tensor, temperature: float = 1.0, suppressed=(),
+                chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """(`token_entropy`, `token_self_certainty`) of the policy of `logits` (tempered, `suppressed` ids removed),
+    (..., V) -> (...) each, computed `chunk_rows` rows at a time. No gradients."""
+    rows = _rows(logits)
+    out = torch.empty(2, rows.shape[0], device=logits.device)
+    for s, e in _spans(rows.shape[0], chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1])):
+        logp = torch.log_softmax(_policy_chunk(rows[s:e], temperature, suppressed), dim=-1)
+        out[0, s:e], out[1, s:e] = _entropy(logp), _self_certainty(logp)
+    return out[0].view(logits.shape[:-1]), out[1].view(logits.shape[:-1])
+
+
+def _rows(logits: Tensor) -> Tensor:
+    return logits.reshape(-1, logits.shape[-1])  # a view when contiguous (the model's own logits are)
+
+
+def _spans(n: int, size: int):
+    return ((s, min(s + size, n)) for s in range(0, n, size))
+
+
+def _policy_chunk(chunk: Tensor, temperature: float, suppressed: tuple) -> Tensor:
+    """fp32 logits of the sampling distribution for a (rows, V) chunk, as `update` defines it (the same ops)."""
+    x = chunk.float()
+    if temperature != 1.0:
+        x = x / temperature
+    if suppressed:
+        x = x.index_fill(-1, torch.tensor(suppressed, device=x.device), float("-inf"))
+    return x
+
+
+class _SelectiveLogprobs(torch.autograd.Function):
+    """Chunked log pi(target); see `selective_logprobs`. Saves the logits and log-normalisers (N,), not the
+    softmax: d logp_t / d logits = (onehot(t) - softmax) / temperature is recomputed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, suppressed, chunk_rows, inplace_backward):
+        rows, index = _rows(logits), targets.reshape(-1, 1)
+        logp = torch.empty(rows.shape[0], device=logits.device)
+        log_norm = torch.empty_like(logp)
+        with torch.autocast(logits.device.type, enabled=False):
+            for s, e in _spans(rows.shape[0], chunk_rows):
+                x = _policy_chunk(rows[s:e], temperature, suppressed)
+                top = x.amax(dim=-1, keepdim=True)
+                # the order of log_softmax's own kernel (shift by the max, then log-sum-exp): equal results
+                log_sum = torch.log((x - top).exp_().sum(dim=-1, keepdim=True))
+                logp[s:e] = ((x.gather(-1, index[s:e]) - top) - log_sum).squeeze(-1)
+                log_norm[s:e] = (top + log_sum).squeeze(-1)
+        ctx.save_for_backward(logits, targets, log_norm)
+        ctx.args = temperature, suppressed, chunk_rows
+        ctx.inplace = inplace_backward and logits.is_contiguous() and not logits.is_leaf
+        return logp.view(targets.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp):
+        logits, targets, log_norm = ctx.saved_tensors
+        temperature, suppressed, chunk_rows = ctx.args
+        rows, index = _rows(logits), targets.reshape(-1, 1)
+        grad = rows if ctx.inplace else torch.empty_like(rows)
+        scale = grad_logp.reshape(-1, 1).float() / temperature  # (N, 1)
+        with torch.autocast(logits.device.type, enabled=False):
+            for s, e in _spans(rows.shape[0], chunk_rows):
+                probs = (_policy_chunk(rows[s:e], temperature, suppressed) - log_norm[s:e, None]).exp_()
+                grad[s:e] = probs.mul_(-scale[s:e]).scatter_add_(-1, index[s:e], scale[s:e])
+        return grad.view(logits.shape), None, None, None, None, None

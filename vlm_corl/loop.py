@@ -17,12 +17,14 @@ import torch
 from tqdm import tqdm
 
 from vlm_corl.answers import extract_answer
-from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, save_checkpoint, set_rng_states
-from vlm_corl.cohort import Slot, build_slots, check_views, ema_update, models_to_save, teacher_decay
+from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, required_files, restore_rng, save_checkpoint
+from vlm_corl.cohort import (Slot, SlotSpec, build_slots, check_views, ema_update, models_to_save, slot_specs,
+                             teacher_decay)
 from vlm_corl.collapse import collapse_warnings, flag_step
-from vlm_corl.config import CohortConfig, save_config
+from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.data import load_examples
 from vlm_corl.eval import benchmark_examples, evaluate_member
+from vlm_corl.distributed import World, build_groups, describe, launch_world, place_members, shard, weights_checksum
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.member import load_member
@@ -52,13 +54,16 @@ class PhaseTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def sampling_params(cfg: CohortConfig, member_index: int, member_seed: int, step: int) -> SamplingParams:
-    """A member's sampling parameters at `step`; its seed is a pure function of (run, member, step), so a
-    resumed run samples exactly what the uninterrupted one would have."""
+def sampling_params(cfg: CohortConfig, slot_index: int, member_seed: int, step: int,
+                    first_position: int = 0) -> SamplingParams:
+    """A slot's sampling parameters at `step` for prompts from batch position `first_position` on; its seed
+    is a pure function of (run, slot, step), so a resumed run samples exactly what the uninterrupted one
+    would have (engines derive each prompt's stream from the seed and the prompt's batch position)."""
     r = cfg.rollout
-    seed = (cfg.seed * 1_000_003 + (member_index * 7919 + member_seed) * 104_729 + step) % (2**63)
+    seed = (cfg.seed * 1_000_003 + (slot_index * 7919 + member_seed) * 104_729 + step) % (2**63)
     return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed)
+                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed,
+                          first_position=first_position)
 
 
 def format_ok(text: str, style: str) -> bool:
@@ -68,28 +73,31 @@ def format_ok(text: str, style: str) -> bool:
 
 @dataclass
 class CohortRun:
-    """Everything a run holds between steps: data order, members, their slots (engines, renderers), sinks."""
+    """Everything a run holds between steps: data order, placement, this process's members and slots, sinks."""
 
     cfg: CohortConfig
     run_dir: Path
+    world: World
+    placement: dict[str, tuple[int, ...]]  # member id -> its ranks (vlm_corl.distributed)
     examples: list
     sampler: LockstepSampler
-    members: list  # the configured members (trained, or frozen peers)
-    slots: list[Slot]  # who renders, rolls out and gets a label this step (vlm_corl.cohort)
-    sink: MetricsSink
+    members: list  # the configured members this process hosts (trained, or frozen peers)
+    specs: list[SlotSpec]  # every slot of the cohort, in exchange order
+    slots: list[Slot]  # the slots this process hosts (vlm_corl.cohort)
+    shards: dict[str, range]  # member id -> the batch positions this process rolls out and trains on
+    sink: MetricsSink | None  # world rank 0 only
     reward_spec: RewardSpec
     start: int
-    history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume)
+    history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
 
 
 def run_cohort(cfg: CohortConfig) -> dict:
-    """Train the cohort described by `cfg`; returns the summary also written to summary.json."""
+    """Train the cohort described by `cfg`; returns the summary also written to summary.json (by rank 0)."""
     run = start_run(cfg)
-    slots = run.slots
+    slots, world = run.slots, run.world
     const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
     bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
-               disable=not cfg.logging.progress, desc="cohort", dynamic_ncols=True)
-    history = run.history
+               disable=not (cfg.logging.progress and world.is_main), desc="cohort", dynamic_ncols=True)
     # The next batch is rendered (images decoded and preprocessed) in a background thread while this step
     # rolls out and updates; the render phase then only collects it from the renderers' caches.
     prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
@@ -102,60 +110,73 @@ def run_cohort(cfg: CohortConfig) -> dict:
         with timer("render"):
             if prefetch is not None:
                 prefetch.result()
-            prompts = [[s.renderer(ex) for ex in batch] for s in slots]
+            prompts = render_phase(run, batch)
             if step + 1 < cfg.train.max_steps:
                 upcoming = [run.examples[i] for i in run.sampler.peek_batch()]
-                prefetch = prefetcher.submit(lambda exs=upcoming: [s.renderer(ex) for s in slots for ex in exs])
+                prefetch = prefetcher.submit(render_phase, run, upcoming)
         with timer("rollout"):
-            groups, rollout_s = rollout_phase(cfg, slots, prompts, step)
+            groups, rollout_s = rollout_phase(run, prompts, step)
         with timer("extract"):
-            answers, formats = extract_phase(cfg, slots, groups, batch)
+            local = extract_phase(run, groups, batch)
         with timer("exchange"):
-            local = {s.id: {g.prompt.example_id: (a, f, [r.text for r in g.responses]) for g, a, f in zip(gs, ans, fmt)}
-                     for s, gs, ans, fmt in zip(slots, groups, answers, formats)}
-            answers, formats, texts = exchange([ex.id for ex in batch], local, [s.id for s in slots])
+            answers, formats, texts, lengths, entropy, certainty = exchange(
+                world, [ex.id for ex in batch], local, [s.id for s in run.specs])[0]
         with timer("reward"):
             gold = [ex.answer for ex in batch]
             cohort = CohortBatch(
-                member_ids=tuple(s.id for s in slots), answers=answers, format_ok=formats, texts=texts,
+                member_ids=tuple(s.id for s in run.specs), answers=answers, format_ok=formats, texts=texts,
                 choices=[ex.choices for ex in batch],
                 gold=gold if run.reward_spec.uses_gold else [None] * len(batch),  # labels reach `gt` only
-                scores=intrinsic_scores(cfg, slots, groups) if run.reward_spec.needs_scores else {},
+                scores={"entropy": torch.tensor(entropy).float(), "self_certainty": torch.tensor(certainty).float()}
+                if run.reward_spec.needs_scores else {},
             )
             scored = run.reward_spec.fn(cohort, cfg.reward)
         with timer("advantage"):
             advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
-                          for n in range(len(slots))]
+                          for n in range(len(run.specs))]
         with timer("update"):
-            updates = update_phase(cfg, run.members, slots, groups, advantages, scored.rewards, const_norm, step)
+            updates = update_phase(run, groups, advantages, scored.rewards, lengths, const_norm, step)
         with timer("log"):
-            rows = _rows(step + 1, slots, groups, cohort, scored, gold, updates, rollout_s, history,
-                         cfg.reward.vote_threshold)
-            history.extend(rows)
-            bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
+            updates, rollout_s = _gather_step_facts(world, updates, rollout_s)
+            rows = []
+            if world.is_main:
+                rows = _rows(step + 1, run.specs, cohort, scored, gold, lengths, updates, rollout_s, run.history,
+                             cfg.reward.vote_threshold)
+                run.history.extend(rows)
+                bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
             with timer("checkpoint"):
-                save_checkpoint(run.run_dir, step + 1, models_to_save(slots), {"sampler": run.sampler.state_dict()},
-                                cfg.train.keep_last)
+                checkpoint_phase(run, step + 1, rows)
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             with timer("eval"):
-                run.sink.write_eval(evaluate_cohort(run.members, cfg.eval, step + 1))
-        if (step + 1) % cfg.logging.log_every == 0:
+                eval_rows = evaluate_cohort(run, cfg.eval, step + 1)
+                if run.sink is not None:
+                    run.sink.write_eval(eval_rows)
+        if (step + 1) % cfg.logging.log_every == 0 and run.sink is not None:
             times = {f"time_{k}": v for k, v in timer.seconds.items()}
             times["time_step"] = time.perf_counter() - step_start  # everything but this write
             run.sink.write([{**row, **times} for row in rows])
     prefetcher.shutdown()
-    run.sink.close()
-    summary = _summary(cfg, history, run.run_dir, slots)
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    fallbacks = {sid: n for part in world.all_gather({s.id: s.renderer.view_fallbacks for s in slots})
+                 for sid, n in part.items()}
+    summary = _summary(cfg, run.history, run.run_dir, fallbacks)
+    if run.sink is not None:
+        run.sink.close()
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
-    """Load data and members, build slots (engines, renderers), and restore the newest checkpoint if resuming."""
+    """Join the launch, place members on ranks, load data and this process's members, build their slots
+    (engines, renderers), and restore the newest checkpoint if resuming."""
+    world = launch_world(cfg.train.dist_timeout_s)
+    placement = place_members(cfg.members, world.size)
+    build_groups(world, placement)
     run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        log.info("placement over %d process(es): %s", world.size, describe(placement))
     torch.manual_seed(cfg.seed)
     reward_spec = resolve_reward(cfg.reward)
     examples = load_training_examples(cfg.data.train)
@@ -163,89 +184,143 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
         log.info("paraphrases: %s", report.summary())
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
+    specs = slot_specs(cfg.members, reward_spec.layout)
+    lacking = check_views(examples, specs, cfg.data.view_fallback)
+    if lacking and world.is_main:
+        log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
+    _check_shards(cfg, placement)
     resume_from = _resume_point(cfg, run_dir)
-    members = [load_member(m, resume_from / m.id if resume_from else None) for m in cfg.members]
+    world.barrier()  # every rank has chosen its resume point before anything new is written
+    mine = [m for m in cfg.members if world.rank in placement[m.id]]
+    members = [load_member(m, resume_from / m.id if resume_from else None, world.device) for m in mine]
     for m in members:
+        m.group = world.group(placement[m.id])
         if m.cfg.trainable:
             # one optimizer step per pass over a rollout batch: the schedule spans all of them
             m.setup_optimizer(cfg.train, cfg.train.max_steps * cfg.algo.updates_per_batch)
             if resume_from:
                 m.load_trainer_state(resume_from / m.id)
             if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
-                m.reference = load_member(replace(m.cfg, trainable=False)).model.eval()
+                m.reference = load_member(replace(m.cfg, trainable=False), device=world.device).model.eval()
     max_images = max(len(ex.images) for ex in examples)
-    slots = build_slots(cfg, members, reward_spec.layout, max_images, resume_from)
-    lacking = check_views(examples, slots, cfg.data.view_fallback)
-    if lacking:
-        log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
-    sink = MetricsSink(run_dir, cfg.logging.tensorboard)
+    slots = build_slots(cfg, members, specs, max_images, resume_from)
+    shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
+    sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
     start, history = 0, []
     if resume_from:
         state = load_cohort_state(resume_from)
         start = state["step"]
         sampler.load_state_dict(state["sampler"])
-        set_rng_states(state["rng"])
-        history = sink.truncate_after(start)
+        restore_rng(state["rng"], world)
+        if sink is not None:
+            history = sink.truncate_after(start)
+            if not any(row["step"] == start for row in history):  # killed between checkpoint and metrics write
+                sink.write(state.get("rows", []))
+                history += state.get("rows", [])
         log.info("resumed from %s (step %d)", resume_from, start)
-    return CohortRun(cfg, run_dir, examples, sampler, members, slots, sink, reward_spec, start, history)
+    return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
+                     reward_spec, start, history)
 
 
-def rollout_phase(cfg, slots: list[Slot], prompts, step: int) -> tuple[list, list[float]]:
-    """Each slot samples K responses per prompt; returns its groups and its rollout seconds."""
-    groups, seconds = [], []
-    for i, (s, slot_prompts) in enumerate(zip(slots, prompts)):
+def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> None:
+    widest = max(len(r) for r in placement.values())
+    if cfg.data.batch_size < widest:
+        raise ConfigError([f"data.batch_size={cfg.data.batch_size} is smaller than the {widest} ranks of a member: "
+                           "every rank needs at least one example per step; raise data.batch_size"],
+                          ["data.batch_size"])
+
+
+def render_phase(run: CohortRun, batch) -> list[list]:
+    """Each hosted slot's prompts for its member's shard of the batch."""
+    return [[s.renderer(batch[p]) for p in run.shards[_owner(s)]] for s in run.slots]
+
+
+def rollout_phase(run: CohortRun, prompts, step: int) -> tuple[list, dict[str, float]]:
+    """Each hosted slot samples K responses per prompt of its shard; returns its groups and rollout seconds.
+
+    Samples are a pure function of (run seed, slot, step, batch position, k), so splitting the batch over
+    more ranks draws the same responses."""
+    groups, seconds = [], {}
+    for s, slot_prompts in zip(run.slots, prompts):
         t0 = time.perf_counter()
-        groups.append(s.engine.generate(slot_prompts, sampling_params(cfg, i, s.member.cfg.seed, step)))
-        seconds.append(time.perf_counter() - t0)
+        params = sampling_params(run.cfg, s.index, s.member.cfg.seed, step, run.shards[_owner(s)].start)
+        groups.append(s.engine.generate(slot_prompts, params))
+        seconds[s.id] = time.perf_counter() - t0
     return groups, seconds
 
 
-def extract_phase(cfg, slots: list[Slot], groups, batch) -> tuple[list, list]:
-    """(N, B, K) extracted answers and format flags, each slot read in its member's prompt style."""
-    style = cfg.reward.answer_style
-    answers = [[[extract_answer(r.text, s.member.prompt_style if style == "auto" else style, ex.choices)
-                 for r in g.responses] for g, ex in zip(gs, batch)] for gs, s in zip(groups, slots)]
-    formats = [[[format_ok(r.text, s.member.prompt_style) for r in g.responses] for g in gs]
-               for gs, s in zip(groups, slots)]
-    return answers, formats
+def extract_phase(run: CohortRun, groups, batch) -> dict[str, dict[int, tuple]]:
+    """This process's rows for the exchange: {slot id: {batch position: (answers, format flags, texts,
+    lengths, mean entropies, mean self-certainties)}}, K each; answers read in the member's prompt style."""
+    style = run.cfg.reward.answer_style
+    scores = intrinsic_scores(run, groups) if run.reward_spec.needs_scores else None
+    local = {}
+    for n, (s, gs) in enumerate(zip(run.slots, groups)):
+        read = s.member.prompt_style if style == "auto" else style
+        rows = {}
+        for j, (p, g) in enumerate(zip(run.shards[_owner(s)], gs)):
+            k = len(g.responses)
+            rows[p] = ([extract_answer(r.text, read, batch[p].choices) for r in g.responses],
+                       [format_ok(r.text, s.member.prompt_style) for r in g.responses],
+                       [r.text for r in g.responses],
+                       [len(r.token_ids) for r in g.responses],
+                       scores[n]["entropy"][j].tolist() if scores else [0.0] * k,
+                       scores[n]["self_certainty"][j].tolist() if scores else [0.0] * k)
+        local[s.id] = rows
+    return local
 
 
-def update_phase(cfg, members, slots: list[Slot], groups, advantages, rewards, const_norm: int, step: int) -> dict:
-    """Each trainable member takes one optimizer step on the sequences of all its slots; engines re-sync.
-
-    An EMA teacher (co_rewarding_2) then moves toward its student. Returns {member id: update stats}.
-    """
-    updates = {}
-    for m in members:
-        mine = [n for n, s in enumerate(slots) if s.member is m]
+def update_phase(run: CohortRun, groups, advantages, rewards, lengths, const_norm: int, step: int) -> dict:
+    """Each hosted trainable member takes one optimizer step on its shard of all its slots' sequences
+    (gradients summed over its ranks); engines re-sync. An EMA teacher (co_rewarding_2) then moves toward
+    its student. Returns {member id: update stats}."""
+    cfg, updates = run.cfg, {}
+    for m in run.members:
         if not m.cfg.trainable:
             continue
-        seqs = [seq for n in mine for seq in _sequences(groups[n], advantages[n], rewards[n], cfg)]
-        if not seqs:
+        mine = [n for n, s in enumerate(run.slots) if s.member is m]
+        seqs = [seq for n in mine for seq in _sequences(groups[n], run.shards[m.id], advantages[run.slots[n].index],
+                                                        rewards[run.slots[n].index], cfg)]
+        trained = [n for n, spec in enumerate(run.specs) if spec.member_id == m.id and not spec.teacher]
+        totals = batch_totals([lengths[n] for n in trained], [rewards[n] for n in trained],
+                              cfg.algo.filter_zero_variance)
+        if totals[1] == 0:
             updates[m.id] = {"trained_seqs": 0}
             continue
-        updates[m.id] = policy_update(m, seqs, cfg.algo, cfg.train, cfg.rollout.temperature, const_norm)
-        slots[mine[0]].engine.sync_weights()  # the next rollout samples from the updated policy
+        updates[m.id] = policy_update(m, seqs, cfg.algo, cfg.train, cfg.rollout.temperature, const_norm, totals)
+        run.slots[mine[0]].engine.sync_weights()  # the next rollout samples from the updated policy
     decay = teacher_decay(step, cfg.train.max_steps, cfg.reward.teacher_decay_start, cfg.reward.teacher_decay_end)
-    for s in slots:
+    for s in run.slots:
         if s.follows is not None:  # an EMA teacher (co_rewarding_2)
             ema_update(s.member.model, s.follows.model, decay)
             s.engine.sync_weights()
     return updates
 
 
-def _sequences(groups, advantages: torch.Tensor, rewards: torch.Tensor, cfg) -> list[Sequence]:
-    """One slot's training sequences (zero-variance groups dropped when algo.filter_zero_variance)."""
-    keep = nonzero_variance_groups(rewards) if cfg.algo.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
-    return [Sequence(g.prompt.inputs, r.token_ids, float(advantages[j, k]))
-            for j, g in enumerate(groups) if keep[j] for k, r in enumerate(g.responses)]
+def batch_totals(lengths, rewards, filter_zero_variance: bool) -> tuple[int, int]:
+    """(response tokens, responses) a member trains on over the whole batch, all its ranks and slots: the
+    loss normaliser, so that the ranks' shares add up to the full-batch loss. lengths, rewards: (B, K) each."""
+    tokens = seqs = 0
+    for lens, r in zip(lengths, rewards):
+        keep = nonzero_variance_groups(r) if filter_zero_variance else torch.ones(len(lens), dtype=torch.bool)
+        tokens += sum(sum(row) for row, k in zip(lens, keep.tolist()) if k)
+        seqs += sum(len(row) for row, k in zip(lens, keep.tolist()) if k)
+    return tokens, seqs
 
 
-def intrinsic_scores(cfg, slots: list[Slot], groups) -> dict[str, torch.Tensor]:
-    """(N, B, K) per-response mean entropy and self-certainty: from the rollout where the engine recorded them
-    (HF), else from one batched scoring pass per slot (vLLM returns only top-k log-probs)."""
+def _sequences(groups, positions: range, advantages: torch.Tensor, rewards: torch.Tensor, cfg) -> list[Sequence]:
+    """One slot's training sequences at its batch `positions` (zero-variance groups dropped when
+    algo.filter_zero_variance). advantages, rewards: (B, K) over the whole batch."""
+    keep = nonzero_variance_groups(rewards) if cfg.algo.filter_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
+    return [Sequence(g.prompt.inputs, r.token_ids, float(advantages[p, k]))
+            for p, g in zip(positions, groups) if keep[p] for k, r in enumerate(g.responses)]
+
+
+def intrinsic_scores(run: CohortRun, groups) -> list[dict[str, torch.Tensor]]:
+    """Per hosted slot, (G, K) per-response mean entropy and self-certainty of its shard: from the rollout
+    where the engine recorded them (HF), else from one batched scoring pass (vLLM returns only top-k log-probs)."""
     per_slot = []
-    for s, gs in zip(slots, groups):
+    for s, gs in zip(run.slots, groups):
         responses = [r for g in gs for r in g.responses]
         if all(r.entropy_sum is not None for r in responses):
             stats = {k: torch.tensor([r.mean(k) for r in responses]) for k in ("entropy", "self_certainty")}
@@ -253,9 +328,58 @@ def intrinsic_scores(cfg, slots: list[Slot], groups) -> dict[str, torch.Tensor]:
             m = s.member
             stats = response_token_stats(m.model, [g.prompt.inputs for g in gs for _ in g.responses],
                                          [r.token_ids for r in responses], m.tokenizer.pad_token_id,
-                                         cfg.rollout.temperature, m.mrope, m.suppressed_ids)
-        per_slot.append({k: v.view(len(gs), -1) for k, v in stats.items()})
-    return {k: torch.stack([p[k] for p in per_slot]).float() for k in ("entropy", "self_certainty")}
+                                         run.cfg.rollout.temperature, m.mrope, m.suppressed_ids)
+        per_slot.append({k: v.float().cpu().view(len(gs), -1) for k, v in stats.items()})
+    return per_slot
+
+
+def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
+    """Every rank takes part; each model's first rank writes it, world rank 0 the cohort state (atomic).
+
+    The step's metrics rows go into the cohort state too: they are written to metrics.jsonl after the
+    checkpoint, and a run killed in between gets them back on resume."""
+    models = models_to_save(run.slots)
+    replicas = _check_replicas(run, models)
+    writers = {}
+    for s in run.slots:
+        writers[s.member.id] = run.world.rank == run.placement[_owner(s)][0]
+    required = {}
+    for spec in run.specs:
+        cfg_of = next(m for m in run.cfg.members if m.id == spec.member_id)
+        model_id = spec.id if spec.teacher else spec.member_id
+        required[model_id] = required_files(trainable=cfg_of.trainable and not spec.teacher)
+    save_checkpoint(run.world, run.run_dir, step, models, writers,
+                    {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}, run.cfg.train.keep_last)
+
+
+def _check_replicas(run: CohortRun, models) -> dict[str, dict[int, float]]:
+    """Every rank of a member must hold the same weights (data parallel keeps them so); a divergence is a
+    bug that would silently corrupt the saved member, so it stops the run."""
+    sums: dict[str, dict[int, float]] = {}
+    for rank, part in enumerate(run.world.all_gather({m.id: weights_checksum(m.model) for m in models})):
+        for mid, value in part.items():
+            sums.setdefault(mid, {})[rank] = value
+    diverged = {mid: by_rank for mid, by_rank in sums.items() if len(set(by_rank.values())) > 1}
+    if diverged:
+        raise RuntimeError(f"the ranks of a member hold different weights: {diverged}")
+    return sums  # {model id: {rank: checksum}}, recorded in the checkpoint's manifest
+
+
+def _owner(slot: Slot) -> str:
+    """The member whose ranks host `slot` (a teacher lives with its student)."""
+    return slot.follows.id if slot.follows is not None else slot.member.id
+
+
+def _gather_step_facts(world: World, updates: dict, rollout_s: dict) -> tuple[dict, dict]:
+    """Every member's update stats (from its first rank; identical on the others) and each slot's rollout
+    seconds (the slowest of its ranks), on every rank."""
+    updates_all, seconds = {}, {}
+    for part in world.all_gather((updates, rollout_s)):
+        for mid, stats in part[0].items():
+            updates_all.setdefault(mid, stats)
+        for sid, sec in part[1].items():
+            seconds[sid] = max(seconds.get(sid, 0.0), sec)
+    return updates_all, seconds
 
 
 def load_training_examples(spec) -> list:
@@ -266,8 +390,9 @@ def load_training_examples(spec) -> list:
     return data.examples[spec.skip :]
 
 
-def evaluate_cohort(members, eval_cfg, step: int) -> list[dict]:
-    """The eval hook: every member on every configured benchmark (one row per member and benchmark)."""
+def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:
+    """The eval hook: every member on every configured benchmark, by the member's first rank (one row per
+    member and benchmark, gathered on every rank)."""
     rows = []
     for name in eval_cfg.benchmarks:
         bench = BENCHMARKS.get(name)
@@ -275,11 +400,13 @@ def evaluate_cohort(members, eval_cfg, step: int) -> list[dict]:
             bench = replace(bench, max_new_tokens=eval_cfg.max_new_tokens)
         bench = replace(bench, temperature=eval_cfg.temperature)
         examples = benchmark_examples(bench, eval_cfg.limit)
-        for m in members:
+        for m in run.members:
+            if run.world.rank != run.placement[m.id][0]:
+                continue
             result = evaluate_member(m, examples, bench)
             rows.append({"step": step, "member": m.id, "benchmark": name, "accuracy": result["accuracy"],
                          "n": result["n"], **{f"accuracy_{t}": a for t, a in result["by_type"].items()}})
-    return rows
+    return [row for part in run.world.all_gather(rows) for row in part]
 
 
 def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
@@ -294,7 +421,7 @@ def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
     return found
 
 
-def _rows(step, slots, groups, cohort, scored, gold, updates, rollout_s, history=(), vote_threshold=0.0) -> list[dict]:
+def _rows(step, specs, cohort, scored, gold, lengths, updates, rollout_s, history=(), vote_threshold=0.0) -> list[dict]:
     """One metrics row per slot (per member, in the usual layout); update stats on the member's first slot.
 
     Cohort-level diagnostics (unanimity) are the same in every row; the collapse detector runs on `history`
@@ -302,32 +429,32 @@ def _rows(step, slots, groups, cohort, scored, gold, updates, rollout_s, history
     """
     rows, reported = [], set()
     shared = cohort_metrics(cohort, gold, vote_threshold)
-    for n, s in enumerate(slots):
-        lengths = [[len(r.token_ids) for r in g.responses] for g in groups[n]]
+    for n, s in enumerate(specs):
         row = {"step": step, "member": s.id}
-        row.update(member_metrics(n, cohort, scored, lengths, gold))
+        row.update(member_metrics(n, cohort, scored, lengths[n], gold))
         row.update(shared)
-        stats = updates.get(s.member.id, {}) if s.member.id not in reported else {}
-        reported.add(s.member.id)
+        stats = updates.get(s.member_id, {}) if s.member_id not in reported else {}
+        reported.add(s.member_id)
         row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr")})
-        row["tokens_per_s"] = sum(map(sum, lengths)) / rollout_s[n]
+        row["tokens_per_s"] = sum(map(sum, lengths[n])) / rollout_s[s.id]
         rows.append(row)
     flag_step(history, rows)
     return rows
 
 
-def _summary(cfg, history: list[dict], run_dir: Path, slots) -> dict:
+def _summary(cfg, history: list[dict], run_dir: Path, view_fallbacks: dict[str, int]) -> dict:
     last = {}
     for row in history:
         last[row["member"]] = row
+    newest = latest_checkpoint(run_dir)
     return {
         "run_dir": str(run_dir),
         "steps": cfg.train.max_steps,
         "reward_mode": cfg.reward.custom or cfg.reward.mode,
         "members": {mid: {k: row.get(k) for k in ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc")}
                     for mid, row in last.items()},
-        "view_fallbacks": {s.id: s.renderer.view_fallbacks for s in slots},
+        "view_fallbacks": view_fallbacks,
         # each slot's first detection of "diversity falls while agreement rises" (vlm_corl.collapse)
         "collapse_warnings": collapse_warnings(history),
-        "checkpoint": str(latest_checkpoint(run_dir)) if latest_checkpoint(run_dir) else None,
+        "checkpoint": str(newest) if newest else None,
     }

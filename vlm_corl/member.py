@@ -12,10 +12,11 @@ import torch
 from transformers import AutoProcessor, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
+from vlm_corl.checkpoint import TRAINER_STATE
+from vlm_corl.distributed import sum_over
 from vlm_corl.families import Family, detect_family
 from vlm_corl.registry import FAMILIES
 
-TRAINER_STATE = "trainer_state.pt"
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,6 +30,7 @@ class Member:
         self.scheduler = None
         self.reference = None  # frozen initial weights, only when the KL penalty is on
         self.autocast_dtype: torch.dtype | None = None
+        self.group = None  # process group of the member's ranks when it is data-parallel (vlm_corl.distributed)
 
     @property
     def id(self) -> str:
@@ -122,8 +124,13 @@ class Member:
         loss.backward()
 
     def step(self, grad_clip: float) -> float:
-        """Clip, step the optimizer and the schedule, zero the gradients; returns the pre-clip grad norm."""
+        """Sum the gradients over the member's ranks, clip, step the optimizer and the schedule, zero the
+        gradients; returns the pre-clip grad norm.
+
+        Each rank's loss is already normalised by the whole batch's totals, so the sum over ranks is the
+        full-batch gradient and every rank applies the same update (its weights stay identical)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        sum_over(self.group, [p.grad for p in params])
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
@@ -132,14 +139,33 @@ class Member:
 
     # ---- persistence ------------------------------------------------------------------------------------
 
-    def save(self, directory: Path) -> None:
-        """HF-format weights + processor (loadable by from_pretrained), and the optimizer/schedule state."""
+    def save(self, directory: Path, write: bool = True) -> None:
+        """HF-format weights + processor (loadable by from_pretrained), and the optimizer/schedule state.
+
+        Every rank of the member calls this; only the one with `write` (its first rank) writes: the others
+        hold identical weights and optimizer state."""
+        if not write:
+            return
         directory = Path(directory)
-        self.model.save_pretrained(directory, safe_serialization=True)
+        # transformers 5 writes only on world rank 0 once torch.distributed is up (`should_save_on_this_rank`);
+        # a member's writer is its own first rank, so that decision is ours (the instance attribute wins).
+        self.model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            self.model.save_pretrained(directory, safe_serialization=True)
+        finally:
+            del self.model.should_save_on_this_rank
         (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
         if self.optimizer is not None:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        directory / TRAINER_STATE)
+
+    def sum_over_ranks(self, value: float) -> float:
+        """A per-rank number (a loss share, a count) summed over the member's ranks."""
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        sum_over(self.group, [t])
+        return float(t.item())
 
     def load_trainer_state(self, directory: Path) -> None:
         state = torch.load(Path(directory) / TRAINER_STATE, weights_only=True)
@@ -156,6 +182,10 @@ def load_member(cfg, model_dir: str | Path | None = None, device: torch.device |
         path, dtype=_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
     ).to(device)
+    if cfg.trainable:
+        # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
+        # every update to rounding. Compute runs in bf16 under train.mixed_precision=bf16 (autocast).
+        model.float()
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     processor = tokenizer
     if family.modality == "vision":

@@ -61,6 +61,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int = 0
+    first_position: int = 0  # batch position of the first prompt: each prompt's random stream follows from it
 
 
 class RolloutEngine(Protocol):

@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
+import torch.distributed as dist
 import transformers
 
 from vlm_corl.config import ConfigError, check_registered, load_config
+from vlm_corl.distributed import PlacementError
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
@@ -33,9 +36,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # per-file load/save bars drown the step progress
 
-    summary = run_cohort(cfg)
-    print(json.dumps(summary, indent=2))
-    print(f"run directory: {summary['run_dir']}")
+    try:
+        summary = run_cohort(cfg)
+    except (ConfigError, PlacementError) as err:  # found once the data is loaded or the launch is known
+        print(f"{args.config}: invalid {err}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(json.dumps(summary, indent=2))
+        print(f"run directory: {summary['run_dir']}")
     return 0
 
 

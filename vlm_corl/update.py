@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vlm_corl.batching import collate, continuation, model_positions, prefill, response_mask
-from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty, token_entropy, token_self_certainty
+from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty, selective_logprobs, token_stats
 
 
 @dataclass
@@ -31,11 +31,12 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
     dict object once per response), each distinct prompt and its images go through the model once and its
     responses continue from its KV cache (`batching.prefill`); gradients reach the prompt through the cache.
     Otherwise (or under gradient checkpointing, which drops caches) one pass over prompt + response, of which
-    only the last T+1 positions become logits (`logits_to_keep`).
+    only the T positions that predict response tokens become logits (`logits_to_keep`).
+    Memory: besides the model's logits, only row chunks are upcast (`grpo.selective_logprobs`), and the
+    backward writes the logits' gradient over them.
     """
     def policy_logp(logits, targets):  # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
-        return torch.log_softmax(policy_logits(logits, temperature, suppressed), dim=-1).gather(
-            -1, targets.unsqueeze(-1)).squeeze(-1)
+        return selective_logprobs(logits, targets, temperature, suppressed, inplace_backward=True)
 
     logp, mask = _per_position(model, prompt_inputs, responses, pad_id, mrope, policy_logp)
     # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
@@ -44,32 +45,26 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
 
 @torch.no_grad()
 def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
-                         temperature: float, mrope: bool, suppressed: list[int] = ()) -> dict[str, torch.Tensor]:
+                         temperature: float, mrope: bool, suppressed: list[int] = (),
+                         micro_batch_size: int | None = None) -> dict[str, torch.Tensor]:
     """Per-response means of the policy's token entropy and self-certainty: (B,) each.
 
     The scoring pass for intrinsic rewards when the rollout engine did not record them (vLLM returns only
-    top-k log-probs): one batched forward per member and step, like `response_logprobs` without gradients.
+    top-k log-probs): like `response_logprobs` without gradients, `micro_batch_size` responses per forward
+    (default: all at once), so at most one micro-batch of logits is alive.
     """
     def stats(logits, targets):  # (B, t, V) -> (B, t, 2)
-        logits = policy_logits(logits, temperature, suppressed)
-        return torch.stack([token_entropy(logits), token_self_certainty(logits)], dim=-1)
+        return torch.stack(token_stats(logits, temperature, suppressed), dim=-1)
 
-    values, mask = _per_position(model, prompt_inputs, responses, pad_id, mrope, stats)
-    lengths = mask.sum(dim=1).clamp(min=1)
-    means = torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None]  # (B, 2)
+    step = micro_batch_size or len(responses)
+    means = []
+    for i in range(0, len(responses), step):
+        values, mask = _per_position(model, prompt_inputs[i : i + step], responses[i : i + step], pad_id, mrope,
+                                     stats)
+        lengths = mask.sum(dim=1).clamp(min=1)
+        means.append(torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None])  # (b, 2)
+    means = torch.cat(means)
     return {"entropy": means[:, 0], "self_certainty": means[:, 1]}
-
-
-def policy_logits(logits: torch.Tensor, temperature: float, suppressed) -> torch.Tensor:
-    """The sampling distribution's logits: float, tempered, suppressed control tokens at -inf."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if suppressed:
-        removed = torch.zeros(logits.shape[-1], device=logits.device)
-        removed[list(suppressed)] = float("-inf")
-        logits = logits + removed
-    return logits
 
 
 def _per_position(model, prompt_inputs, responses, pad_id, mrope, fn):
@@ -81,11 +76,14 @@ def _per_position(model, prompt_inputs, responses, pad_id, mrope, fn):
 
 
 def _full_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):
-    """One pass over prompt + response; only the last T+1 positions become logits."""
+    """One pass over prompt + response; only the T positions that predict response tokens become logits."""
     inputs, mask = collate(prompt_inputs, pad_id, responses)
-    t = mask.shape[1]
+    t, length = mask.shape[1], inputs["input_ids"].shape[1]
     inputs["position_ids"], _ = model_positions(model, inputs, mrope)
-    logits = model(**inputs, logits_to_keep=t + 1, use_cache=False).logits[:, :-1]  # (B, T, V)
+    # Positions by index, not the last T+1 then [:, :-1]: slicing the logits would make the backward allocate
+    # another logits-sized (zero-padded) gradient.
+    keep = torch.arange(length - t - 1, length - 1, device=inputs["input_ids"].device)
+    logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits  # (B, T, V)
     return policy_logp(logits, inputs["input_ids"][:, -t:]), mask
 
 
@@ -104,16 +102,18 @@ def _shared_prompt_logprobs(model, prompt_inputs, responses, pad_id, mrope, poli
     return logp, mask
 
 
-def policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int) -> dict:
-    """One optimizer step of `member` on `seqs` (all of one rollout batch), in micro-batches.
+def policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int,
+                  totals: tuple[int, int] | None = None) -> dict:
+    """One optimizer step of `member` on `seqs` (this rank's share of one rollout batch), in micro-batches.
 
-    With one update per rollout batch and no KL, the rollout policy is the current one: old log-probs are
-    the current ones detached (no extra forward pass), and sequences with zero advantage contribute exactly
-    zero loss, so they are skipped but still counted in the normaliser (the loss equals the full-batch one).
-    Returns loss, grad_norm, lr, clip_frac.
+    `totals` = (response tokens, responses) of the member's whole batch over all its ranks (default: `seqs`'
+    own): the loss normaliser, so the ranks' losses and gradients add up to the full-batch ones (the member
+    sums gradients over its ranks). With one update per rollout batch and no KL, the rollout policy is the
+    current one: old log-probs are the current ones detached (no extra forward pass), and sequences with
+    zero advantage contribute exactly zero loss, so they are skipped but still counted in the normaliser.
+    Returns loss, grad_norm, lr, clip_frac (over all the member's ranks).
     """
-    total_tokens = sum(len(s.token_ids) for s in seqs)
-    total_seqs = len(seqs)
+    total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in seqs), len(seqs))
     need_all = algo.kl_beta > 0 or algo.updates_per_batch > 1
     work = seqs if need_all else [s for s in seqs if s.advantage != 0.0]
     micro = [work[i : i + train.micro_batch_size] for i in range(0, len(work), train.micro_batch_size)]
@@ -142,11 +142,11 @@ def policy_update(member, seqs: list[Sequence], algo, train, temperature: float,
             clipped_tokens += float((clipped * mask).sum())
         grad_norm = member.step(train.grad_clip)
     return {
-        "loss": loss_sum / algo.updates_per_batch,
+        "loss": member.sum_over_ranks(loss_sum) / algo.updates_per_batch,
         "grad_norm": grad_norm,
         "lr": lr,
-        "clip_frac": clipped_tokens / max(total_tokens * algo.updates_per_batch, 1),
-        "trained_seqs": len(work),
+        "clip_frac": member.sum_over_ranks(clipped_tokens) / max(total_tokens * algo.updates_per_batch, 1),
+        "trained_seqs": int(member.sum_over_ranks(len(work))),
     }
 
 

@@ -44,6 +44,12 @@ def validate(cfg: CohortConfig) -> None:
                 f" with `python -m vlm_corl.zoo --out DIR` (then use DIR/<family>) or download one with"
                 f" `huggingface-cli download ORG/NAME --local-dir DIR`",
             )
+        if m.trainable and m.dtype == "float16":
+            problems.add(
+                f"members[{i}].dtype",
+                "float16 training needs loss scaling, which this trainer does not do: use bfloat16 or auto (a "
+                "trainable member keeps fp32 master weights anyway; train.mixed_precision=bf16 for bf16 compute)",
+            )
         if cfg.reward.answer_style != "auto" and m.prompt_style not in (None, cfg.reward.answer_style):
             problems.add(
                 "reward.answer_style",
@@ -69,6 +75,9 @@ def validate(cfg: CohortConfig) -> None:
                 "reward.mode", "with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
             )
 
+    if cfg.train.deepspeed is not None and not Path(cfg.train.deepspeed).is_file():
+        problems.add("train.deepspeed", f"file {cfg.train.deepspeed!r} does not exist; name a DeepSpeed JSON "
+                     "config (e.g. configs/deepspeed/zero2.json) or set it to null")
     if cfg.eval.every > 0 and not cfg.eval.benchmarks:
         problems.add(
             "eval.benchmarks",

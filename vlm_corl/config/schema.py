@@ -46,6 +46,10 @@ class MemberConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("weights dtype when loading", "auto")
     attn_implementation: str = _f("transformers attention implementation: sdpa, eager, flash_attention_2, ...", "sdpa")
     trust_remote_code: bool = _f("allow custom modelling code shipped with the checkpoint", False)
+    ranks: list[int] | None = _f(
+        "process ranks this member runs on (data-parallel over them); null = an even automatic split of the "
+        "launched processes", None, min_items=1, why="a member needs at least one rank",
+    )
 
 
 @dataclass(kw_only=True)
@@ -165,6 +169,11 @@ class TrainConfig:
     keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
     resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
     mixed_precision: Literal["no", "bf16"] = _f("update forward under bf16 autocast (weights and optimizer stay fp32): no | bf16", "no")
+    deepspeed: str | None = _f(
+        "DeepSpeed JSON config for every trainable member's update (ZeRO 2/3, e.g. configs/deepspeed/zero2.json); "
+        "null = plain data parallel (gradients summed over the member's ranks)", None,
+    )
+    dist_timeout_s: float = _f("seconds a collective may wait for the other ranks before the job stops", 1800.0, gt=0)
 
 
 @dataclass(kw_only=True)

@@ -42,10 +42,7 @@ class HFEngine:
         model = member.generation_module
         was_training = model.training
         model.eval()
-        # fork_rng: a member's sampling stream is a pure function of its seed, whatever ran before.
-        cuda = [member.device] if member.device.type == "cuda" else []
-        with torch.inference_mode(), torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(params.seed)
+        with torch.inference_mode():
             tokens, stopped, sums = sample(
                 model, [p.inputs for p in prompts], params, pad_id=tok.pad_token_id, eos_ids=member.eos_token_ids,
                 suppressed=member.suppressed_ids, mrope=member.mrope, tokenizer=tok,
@@ -80,6 +77,7 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
     prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], pad_id, mrope)
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
+    uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
     greedy = params.temperature == 0
     warpers = [] if greedy else (
         ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else [])
@@ -110,9 +108,9 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
             drawn = scores
             for warp in warpers:
                 drawn = warp(None, drawn)
-            choice = draw(torch.softmax(drawn, dim=-1))
+            choice = draw(torch.softmax(drawn, dim=-1), uniforms[active, t])
         else:
-            choice = draw(probs)
+            choice = draw(probs, uniforms[active, t])
         next_tokens = samplable[choice]  # (A,)
         # token_entropy / token_self_certainty of vlm_corl.grpo, from this one log-softmax over the V' tokens
         for name, value in (("logprob", logp.gather(-1, choice[:, None]).squeeze(-1)),
@@ -137,15 +135,27 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
     return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}
 
 
-def draw(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row of (R, V) probabilities, by inverse CDF: one uniform number per row.
+def row_uniforms(params: SamplingParams, rows: int) -> torch.Tensor:
+    """(rows, max_new_tokens) float64 uniforms in [0, 1): row i's stream is seeded by the step's seed and the
+    row's place in the whole batch ((first_position + prompt) * n + k), so a prompt draws the same samples
+    whichever rank rolls it out and whatever else is in its call, and whatever ran before (no global RNG)."""
+    first = params.first_position * params.n
+    gen = torch.Generator()
+    out = torch.empty(rows, params.max_new_tokens, dtype=torch.float64)
+    for i in range(rows):
+        gen.manual_seed((params.seed * 1_000_003 + first + i) % (2**63))
+        out[i] = torch.rand(params.max_new_tokens, dtype=torch.float64, generator=gen)
+    return out
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of (R, V) probabilities, by inverse CDF of one uniform number u (R,) per row.
 
     The same distribution as `torch.multinomial(probs, 1)`, which draws V exponentials per row (on CPU that
     alone was ~20% of a tiny model's rollout). A zero-probability token is never drawn.
     """
     cdf = probs.double().cumsum(dim=-1)  # (R, V)
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+    return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)
 
 
 def _stop_strings(tokenizer, tokens: torch.Tensor, rows: list[int], texts: list[str],

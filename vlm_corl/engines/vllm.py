@@ -132,7 +132,7 @@ class VLLMEngine:
             stop_token_ids=self.member.eos_token_ids,
             # vLLM seeds child j of a request with seed + j; spreading the prompts apart keeps every sample of a
             # call, and of neighbouring steps (seeds s and s+1), on its own stream.
-            seed=(params.seed * 1_000_003 + index * params.n) % (1 << 62),
+            seed=(params.seed * 1_000_003 + (params.first_position + index) * params.n) % (1 << 62),
             logprobs=0 if exact else None,
             logit_bias=self._bias,
         )

@@ -1,0 +1,203 @@
+"""Scale-out: the launch environment, members placed on groups of ranks, and the collectives the loop uses.
+
+One job runs the whole cohort. `accelerate launch` or `torchrun` starts W processes; each reads its rank from
+the launch environment (RANK, WORLD_SIZE, LOCAL_RANK), uses `cuda:LOCAL_RANK` when CUDA is there (CPU and gloo
+otherwise, or with ACCELERATE_USE_CPU=true), and joins one process group. Every member owns a group of ranks
+(`members[i].ranks`, or an even automatic split): a process loads only the members placed on it, and a member
+with several ranks is data-parallel over them (each rank rolls out and trains on its shard of the batch,
+gradients are summed over the member's group only). Members sharing one rank list are hosted in turn by the
+same processes (e.g. a frozen peer beside a member, or the whole cohort when W=1).
+
+Answers cross between members in the exchange phase through `all_gather_object` over the world group, keyed
+by batch position (`vlm_corl.exchange`); every rank then computes the same rewards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("vlm_corl")
+
+
+class PlacementError(ValueError):
+    """Members cannot be placed on the launched ranks as configured (a user error: names the fix)."""
+
+
+@dataclass
+class World:
+    """This process's place in the launch: rank, world size, device, and the member groups built on it."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout_s: float = 1800.0
+    groups: dict = field(default_factory=dict)  # rank tuple -> process group (only groups of 2+ ranks)
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """World rank 0: the only process that writes the run directory's files."""
+        return self.rank == 0
+
+    def group(self, ranks: tuple[int, ...]):
+        """The process group of a member's ranks (None for a one-rank group: nothing to reduce)."""
+        return self.groups.get(tuple(ranks))
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order (just [obj] in one process)."""
+        if not self.distributed:
+            return [obj]
+        parts = [None] * self.size
+        dist.all_gather_object(parts, obj)
+        return parts
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def launch_world(timeout_s: float = 1800.0) -> World:
+    """Read the launch environment, pick the device and join the process group (once per process).
+
+    torchrun and `accelerate launch` (multi-process configs) both set RANK, WORLD_SIZE and LOCAL_RANK; a
+    plain `python -m` run is rank 0 of 1. NCCL on CUDA, gloo on CPU; collectives fail after `timeout_s`.
+    """
+    rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available() and not _env_flag("ACCELERATE_USE_CPU")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                                rank=rank, world_size=size)
+    return World(rank, size, local_rank, device, timeout_s)
+
+
+def place_members(members, world_size: int) -> dict[str, tuple[int, ...]]:
+    """{member id: its ranks}: `members[i].ranks` where given, else an even split of the W ranks.
+
+    Automatic split: W = 1 hosts every member on rank 0; W a multiple of N gives each member W/N consecutive
+    ranks; N a multiple of W puts N/W consecutive members on each rank. Two members' rank lists are either
+    identical (hosted in turn) or disjoint, and every rank hosts a member. Raises PlacementError otherwise.
+    """
+    n = len(members)
+    ids = ", ".join(m.id for m in members)
+    given = [m.ranks for m in members if m.ranks is not None]
+    if given and len(given) != n:
+        raise PlacementError("members[*].ranks is set for some members but not all: give every member its "
+                             "ranks, or none (an even automatic split)")
+    if given:
+        placement = {m.id: tuple(sorted(set(m.ranks))) for m in members}
+    elif world_size == 1:
+        placement = {m.id: (0,) for m in members}
+    elif world_size % n == 0:
+        per = world_size // n
+        placement = {m.id: tuple(range(i * per, (i + 1) * per)) for i, m in enumerate(members)}
+    elif n % world_size == 0:
+        per = n // world_size
+        placement = {m.id: (i // per,) for i, m in enumerate(members)}
+    else:
+        raise PlacementError(
+            f"{n} members ({ids}) cannot be split evenly over {world_size} processes: launch a multiple or a "
+            f"divisor of {n} processes, or give each member its ranks (members[i].ranks: [0, 1])"
+        )
+    _check_placement(placement, world_size)
+    return placement
+
+
+def _check_placement(placement: dict[str, tuple[int, ...]], world_size: int) -> None:
+    for mid, ranks in placement.items():
+        outside = [r for r in ranks if not 0 <= r < world_size]
+        if not ranks or outside:
+            raise PlacementError(
+                f"member {mid!r} is placed on ranks {list(ranks)} but the launch has {world_size} process(es) "
+                f"(ranks 0..{world_size - 1}): fix members[*].ranks or launch more processes"
+            )
+    lists = sorted(set(placement.values()))
+    for i, a in enumerate(lists):
+        for b in lists[i + 1:]:
+            if set(a) & set(b):
+                owners = [mid for mid, r in placement.items() if r in (a, b)]
+                raise PlacementError(
+                    f"members {owners} have overlapping but different ranks ({list(a)} vs {list(b)}): a rank "
+                    "list is either shared whole (members hosted in turn) or disjoint"
+                )
+    idle = sorted(set(range(world_size)) - {r for ranks in lists for r in ranks})
+    if idle:
+        raise PlacementError(
+            f"ranks {idle} host no member ({len(placement)} members on {world_size} processes): launch fewer "
+            "processes or place members on them (members[i].ranks)"
+        )
+
+
+def build_groups(world: World, placement: dict[str, tuple[int, ...]]) -> None:
+    """Create one process group per distinct multi-rank member group, on every rank in the same order
+    (torch.distributed requires every rank to take part in creating every group)."""
+    if not world.distributed:
+        return
+    for ranks in sorted(set(placement.values())):
+        if len(ranks) > 1:
+            world.groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=world.timeout_s))
+
+
+def shard(batch_size: int, ranks: tuple[int, ...], rank: int) -> range:
+    """The batch positions rank `rank` handles for a member on `ranks`: contiguous, sizes differ by at most 1."""
+    g, i = len(ranks), ranks.index(rank)
+    base, extra = divmod(batch_size, g)
+    start = i * base + min(i, extra)
+    return range(start, start + base + (i < extra))
+
+
+def describe(placement: dict[str, tuple[int, ...]]) -> str:
+    """'rank 0: qwen; rank 1: llama' (for logs and error messages)."""
+    by_rank: dict[int, list[str]] = {}
+    for mid, ranks in placement.items():
+        for r in ranks:
+            by_rank.setdefault(r, []).append(mid)
+    return "; ".join(f"rank {r}: {', '.join(ms)}" for r, ms in sorted(by_rank.items()))
+
+
+def sum_over(group, tensors: list[torch.Tensor], bucket_bytes: int = 64 << 20) -> None:
+    """All-reduce (sum) `tensors` in place over `group`, flattened into buckets of about `bucket_bytes`
+    (one collective per bucket, not per parameter). No-op for a one-rank group (None)."""
+    if group is None:
+        return
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors + [None]:
+        if t is not None:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+        if bucket and (t is None or size >= bucket_bytes):
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket, size = [], 0
+
+
+@torch.no_grad()
+def weights_checksum(model: torch.nn.Module) -> float:
+    """A float64 fingerprint of a model's weights (sum of position-weighted values): equal on every rank of
+    a member while its replicas agree, different after almost any divergence."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, p in enumerate(model.parameters()):
+        total += (p.detach().double().sum() * (i + 1)).cpu()
+    return float(total)
