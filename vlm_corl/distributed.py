@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -27,6 +29,19 @@ log = logging.getLogger("vlm_corl")
 
 class PlacementError(ValueError):
     """Members cannot be placed on the launched ranks as configured (a user error: names the fix)."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective with other ranks failed: a rank died, hung past train.dist_timeout_s, or the network broke."""
+
+
+@contextmanager
+def collective(what: str):
+    """Turn a backend's failure inside a collective (gloo/NCCL errors, timeouts) into a CollectiveError."""
+    try:
+        yield
+    except (dist.DistError, RuntimeError) as err:
+        raise CollectiveError(f"{what} failed: {str(err).splitlines()[0][:300]}") from err
 
 
 @dataclass
@@ -55,15 +70,46 @@ class World:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with collective("barrier"):
+                dist.barrier()
 
     def all_gather(self, obj) -> list:
         """Every rank's `obj`, in rank order (just [obj] in one process)."""
         if not self.distributed:
             return [obj]
         parts = [None] * self.size
-        dist.all_gather_object(parts, obj)
+        with collective("all_gather_object"):
+            dist.all_gather_object(parts, obj)
         return parts
+
+    def report(self, step: int, phase: str) -> None:
+        """Record where this rank is (step, phase) in the launch's key-value store, so that after a failed
+        collective the surviving ranks can tell which rank stopped where."""
+        store = _store() if self.distributed else None
+        if store is not None:
+            store.set(f"vlm_corl/progress/{self.rank}", f"{step} {phase}")
+
+    def progress(self) -> dict[int, str]:
+        """Every rank's last reported 'step phase' (those the store still answers for)."""
+        store, found = _store() if self.distributed else None, {}
+        if store is None:
+            return found
+        for r in range(self.size):
+            try:
+                if store.check([f"vlm_corl/progress/{r}"]):
+                    found[r] = store.get(f"vlm_corl/progress/{r}").decode()
+            except (dist.DistError, RuntimeError):
+                break
+        return found
+
+
+def _store():
+    """The default group's store (torchrun's agent or rank 0 serves it; it outlives a dead worker). Private
+    torch API (`_get_default_store`, torch 2.x): without it, failures are reported without progress."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def _env_flag(name: str) -> bool:
@@ -185,7 +231,8 @@ def sum_over(group, tensors: list[torch.Tensor], bucket_bytes: int = 64 << 20) -
             size += t.numel() * t.element_size()
         if bucket and (t is None or size >= bucket_bytes):
             flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            with collective("all_reduce over a member's ranks"):
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             offset = 0
             for b in bucket:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
@@ -201,3 +248,34 @@ def weights_checksum(model: torch.nn.Module) -> float:
     for i, p in enumerate(model.parameters()):
         total += (p.detach().double().sum() * (i + 1)).cpu()
     return float(total)
+
+
+def failure_report(world: World, placement: dict[str, tuple[int, ...]], err: CollectiveError, step: int,
+                   phase: str, checkpoint, grace_s: float = 3.0) -> str:
+    """The message a surviving rank stops with: which ranks (and members) are dead or hung, where each was,
+    and how to resume.
+
+    Every surviving rank marks itself in the launch's store and waits up to `grace_s` for the others' marks:
+    a rank that never answers died or hangs; its last reported step and phase say where."""
+    store = _store() if world.distributed else None
+    answered: set[int] = set()
+    if store is not None:
+        try:
+            store.set(f"vlm_corl/alive/{world.rank}", "1")
+            deadline = time.monotonic() + grace_s
+            while True:
+                answered = {r for r in range(world.size) if store.check([f"vlm_corl/alive/{r}"])}
+                if len(answered) == world.size or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        except (dist.DistError, RuntimeError):
+            pass
+    progress = world.progress()
+    members = {r: ", ".join(mid for mid, ranks in placement.items() if r in ranks) for r in range(world.size)}
+    silent = [r for r in range(world.size) if r not in answered] if store is not None else []
+    who = "; ".join(f"rank {r} ({members[r]}) died or hangs (last at step/phase {progress.get(r, 'unknown')!r})"
+                    for r in silent) or "every rank answered (a network failure?)"
+    resume = (f"the last complete checkpoint is {checkpoint}: after fixing the cause, relaunch with "
+              "train.resume=true" if checkpoint else "no checkpoint was written yet; relaunch from the start")
+    return (f"rank {world.rank} stopped at step {step}, phase {phase}: {err}. {who}. Collectives wait at most "
+            f"train.dist_timeout_s={world.timeout_s:g}s; {resume}.")

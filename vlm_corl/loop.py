@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -24,7 +26,8 @@ from vlm_corl.collapse import collapse_warnings, flag_step
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.data import load_examples
 from vlm_corl.eval import benchmark_examples, evaluate_member
-from vlm_corl.distributed import World, build_groups, describe, launch_world, place_members, shard, weights_checksum
+from vlm_corl.distributed import (CollectiveError, World, build_groups, describe, failure_report, launch_world,
+                                  place_members, shard, weights_checksum)
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.member import load_member
@@ -42,13 +45,23 @@ FORMAT_PATTERNS = {"boxed": "\\boxed{", "answer_tags": "<answer>"}
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase of the current step."""
+    """Wall-clock seconds per named phase of the current step; the phase is also reported to the other ranks
+    (`World.report`), so a failure can say where each rank stopped."""
 
-    def __init__(self):
+    def __init__(self, world: World | None = None, step: int = 0):
+        self.world = world
+        self.start_step(step)
+
+    def start_step(self, step: int) -> None:
+        """Reset the times for step `step` (0-based)."""
         self.seconds: dict[str, float] = {}
+        self.step, self.phase = step, "start"
 
     @contextmanager
     def __call__(self, name: str):
+        self.phase = name
+        if self.world is not None:
+            self.world.report(self.step + 1, name)
         start = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
@@ -91,10 +104,45 @@ class CohortRun:
     history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
 
 
+class RankFailure(RuntimeError):
+    """Another rank died or hung: this rank stops with a report of where every rank was (no traceback)."""
+
+
 def run_cohort(cfg: CohortConfig) -> dict:
     """Train the cohort described by `cfg`; returns the summary also written to summary.json (by rank 0)."""
     run = start_run(cfg)
-    slots, world = run.slots, run.world
+    timer = PhaseTimer(run.world, run.start)
+    try:
+        with stopped_by_launcher(run.world):
+            return train_steps(run, timer)
+    except CollectiveError as err:
+        if run.world.distributed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop may not cut the report short
+        raise RankFailure(failure_report(run.world, run.placement, err, timer.step + 1, timer.phase,
+                                         latest_checkpoint(run.run_dir))) from err
+
+
+@contextmanager
+def stopped_by_launcher(world: World):
+    """When one worker dies, torchrun/accelerate stop the others with SIGTERM: turn it into a CollectiveError
+    so that this rank, too, reports where every rank was before it exits."""
+    if not world.distributed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise CollectiveError("stopped by the launcher (SIGTERM): another process of the job failed")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
+    """The step loop from `run.start` to train.max_steps; `timer` is renewed each step (phases and times)."""
+    cfg, slots, world = run.cfg, run.slots, run.world
     const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
     bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
                disable=not (cfg.logging.progress and world.is_main), desc="cohort", dynamic_ncols=True)
@@ -104,7 +152,7 @@ def run_cohort(cfg: CohortConfig) -> dict:
     prefetch = None
     for step in bar:
         step_start = time.perf_counter()
-        timer = PhaseTimer()
+        timer.start_step(step)
         with timer("sample"):
             batch = [run.examples[i] for i in run.sampler.next_batch()]
         with timer("render"):
@@ -326,9 +374,11 @@ def intrinsic_scores(run: CohortRun, groups) -> list[dict[str, torch.Tensor]]:
             stats = {k: torch.tensor([r.mean(k) for r in responses]) for k in ("entropy", "self_certainty")}
         else:
             m = s.member
-            stats = response_token_stats(m.model, [g.prompt.inputs for g in gs for _ in g.responses],
-                                         [r.token_ids for r in responses], m.tokenizer.pad_token_id,
-                                         run.cfg.rollout.temperature, m.mrope, m.suppressed_ids)
+            with m.autocast():
+                stats = response_token_stats(m.model, [g.prompt.inputs for g in gs for _ in g.responses],
+                                             [r.token_ids for r in responses], m.tokenizer.pad_token_id,
+                                             run.cfg.rollout.temperature, m.mrope, m.suppressed_ids,
+                                             micro_batch_size=run.cfg.train.micro_batch_size)
         per_slot.append({k: v.float().cpu().view(len(gs), -1) for k, v in stats.items()})
     return per_slot
 

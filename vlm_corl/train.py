@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from vlm_corl.loop import run_cohort  # heavy imports (and the built-in registries) after the cheap checks
+        from vlm_corl.loop import RankFailure, run_cohort  # heavy imports (and the built-in registries) after the cheap checks
 
         check_registered(cfg)
     except ConfigError as err:
@@ -41,6 +41,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     except (ConfigError, PlacementError) as err:  # found once the data is loaded or the launch is known
         print(f"{args.config}: invalid {err}", file=sys.stderr)
         return 2
+    except RankFailure as err:  # another rank died or hung: where every rank was, and how to resume
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

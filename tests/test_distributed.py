@@ -1,0 +1,127 @@
+"""Scale-out pieces in one process: placement, shards, the exchange by batch position, the sampler's batches,
+the whole-batch loss normaliser, and fp32 master weights for a member saved in bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cohort_helpers import cohort, weights
+from vlm_corl.config import ConfigError, MemberConfig, config_from_dict
+from vlm_corl.distributed import PlacementError, World, describe, place_members, shard, sum_over
+from vlm_corl.exchange import LockstepError, exchange
+from vlm_corl.loop import _check_shards, batch_totals, run_cohort
+from vlm_corl.member import load_member
+from vlm_corl.sampler import LockstepSampler
+
+
+def _members(*ids, ranks=None):
+    return [MemberConfig(id=i, model="m", ranks=ranks[n] if ranks else None) for n, i in enumerate(ids)]
+
+
+def test_automatic_placement_splits_ranks_evenly():
+    assert place_members(_members("a", "b"), 1) == {"a": (0,), "b": (0,)}
+    assert place_members(_members("a", "b"), 2) == {"a": (0,), "b": (1,)}
+    assert place_members(_members("a", "b"), 4) == {"a": (0, 1), "b": (2, 3)}
+    assert place_members(_members("a", "b", "c", "d"), 2) == {"a": (0,), "b": (0,), "c": (1,), "d": (1,)}
+    assert describe({"a": (0, 1), "b": (2,)}) == "rank 0: a; rank 1: a; rank 2: b"
+
+
+def test_explicit_placement_hosts_members_in_turn_or_apart():
+    members = _members("policy", "frozen", "other", ranks=[[0, 1], [1, 0], [2]])
+    assert place_members(members, 3) == {"policy": (0, 1), "frozen": (0, 1), "other": (2,)}
+
+
+@pytest.mark.parametrize("ids, ranks, world, message", [
+    (("a", "b", "c"), None, 2, "3 members (a, b, c) cannot be split evenly over 2 processes"),
+    (("a", "b"), [[0, 1], [1, 2]], 3, "overlapping but different ranks"),
+    (("a", "b"), [[0], [5]], 2, "member 'b' is placed on ranks [5] but the launch has 2 process(es)"),
+    (("a", "b"), [[0], [1]], 3, "ranks [2] host no member"),
+    (("a", "b"), [[0], None], 2, "set for some members but not all"),
+])
+def test_placement_errors_name_the_members_and_the_fix(ids, ranks, world, message):
+    with pytest.raises(PlacementError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        place_members(_members(*ids, ranks=ranks), world)
+
+
+def test_shards_cover_the_batch_once():
+    for batch, ranks in ((8, (0, 1)), (7, (2, 3, 4)), (3, (0, 1, 2))):
+        parts = [list(shard(batch, ranks, r)) for r in ranks]
+        assert sum(parts, []) == list(range(batch))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_exchange_lines_rows_up_by_batch_position_even_for_a_repeated_example():
+    world = World()
+    local = {"a": {1: (["x1"],), 0: (["x0"],)}, "b": {0: (["y0"],), 1: (["y1"],)}}
+    (answers,) = exchange(world, ["q7", "q7"], local, ["b", "a"])[0]
+    assert answers == [[["y0"], ["y1"]], [["x0"], ["x1"]]]
+    with pytest.raises(LockstepError, match=r"slot 'a' has no answers for batch positions \[1\]"):
+        exchange(world, ["q1", "q2"], {"a": {0: (["x"],)}, "b": {0: (["y"],), 1: (["z"],)}}, ["a", "b"])
+
+
+def test_sampler_batches_never_repeat_an_example_across_an_epoch_boundary():
+    sampler = LockstepSampler(10, 4, seed=3)
+    seen = []
+    for _ in range(12):
+        batch = sampler.next_batch()
+        assert len(batch) == len(set(batch)) == 4
+        seen.append(batch)
+    assert sampler.epoch == 5  # two batches per epoch of 10, the last 2 of each permutation dropped
+    assert len({i for b in seen for i in b}) == 10  # reshuffled epochs reach every example
+    with pytest.raises(ConfigError, match="data.batch_size=11 is larger than the 10 training examples"):
+        LockstepSampler(10, 11, seed=0)
+
+
+def test_batch_totals_count_what_the_member_trains_on():
+    lengths = [[[3, 1], [2, 2]], [[5, 5], [1, 0]]]  # 2 slots of one member, (B=2, K=2)
+    rewards = [torch.tensor([[1.0, 0.0], [1.0, 1.0]]), torch.tensor([[0.0, 0.0], [0.0, 1.0]])]
+    assert batch_totals(lengths, rewards, filter_zero_variance=False) == (19, 8)
+    assert batch_totals(lengths, rewards, filter_zero_variance=True) == (5, 4)  # only groups with variance
+
+
+def test_sum_over_a_one_rank_group_changes_nothing():
+    t = torch.arange(4.0)
+    sum_over(None, [t])
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_member_saved_in_bf16_learns_at_lr_1e6(tiny_zoo, tmp_path):
+    """bf16 weights updated in bf16 at lr 1e-6 would round every change away; the member trains fp32 master
+    weights (and may compute in bf16), so one step changes them."""
+    bf16 = tmp_path / "bf16"
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
+    member.model.to(torch.bfloat16)
+    member.save(bf16)
+    loaded = load_member(MemberConfig(id="q", model=str(bf16)))
+    assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
+    frozen = load_member(MemberConfig(id="q", model=str(bf16), trainable=False))
+    assert all(p.dtype == torch.bfloat16 for p in frozen.model.parameters())  # peers may stay in bf16
+
+    cfg = cohort(tmp_path, [("q", bf16)], reward={"mode": "self_vote", "custom": "reward_fixtures:shorter_is_better"})
+    cfg["train"].update(max_steps=1, lr=1e-6, mixed_precision="bf16")
+    summary = run_cohort(config_from_dict(cfg))
+    before, after = weights(bf16), weights(Path(summary["checkpoint"]) / "q")
+    changed = [k for k in before if not torch.equal(after[k], before[k].float())]
+    assert len(changed) > len(before) // 2, f"only {len(changed)} of {len(before)} tensors changed"
+
+
+def test_fp16_training_is_refused_with_the_fix(tiny_zoo, tmp_path):
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])])
+    cfg["members"][0]["dtype"] = "float16"
+    with pytest.raises(ConfigError, match=r"members\[0\].dtype.*use bfloat16"):
+        config_from_dict(cfg)
+    cfg["members"][0]["trainable"] = False
+    cfg["members"].append({"id": "p", "model": str(tiny_zoo["mllama"])})
+    config_from_dict(cfg)  # a frozen peer may load in fp16
+
+
+def test_a_member_with_more_ranks_than_examples_per_step_is_a_config_error(tiny_zoo, tmp_path):
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], data={"train": {"loader": "easyvqa", "limit": 8},
+                                                               "batch_size": 2}, reward={"mode": "self_vote"})
+    with pytest.raises(ConfigError, match="data.batch_size=2 is smaller than the 3 ranks of a member"):
+        _check_shards(config_from_dict(cfg), {"q": (0, 1, 2)})
+    _check_shards(config_from_dict(cfg), {"q": (0, 1)})

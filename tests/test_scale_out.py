@@ -1,0 +1,154 @@
+"""The cohort as one multi-process job (torchrun / accelerate launch, CPU and gloo), against the single-process run.
+
+- 2 processes / 2 members and 3 processes / 3 members (ring): metrics and weights bit-identical to 1 process;
+- 4 processes / 2 members (2 data-parallel ranks each): each member's ranks hold identical weights, and the
+  run matches the 1-process one (weights within 1e-6, every metric but timings equal);
+- `accelerate launch` with configs/accelerate/cpu_2proc.yaml (the README command): one row per member and
+  step, a checkpoint that `from_pretrained` loads;
+- a rank killed mid-step: the job exits non-zero naming the member, no incomplete checkpoint counts, and a
+  resume finishes the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cohort_helpers import cohort, metrics, weights
+from vlm_corl.checkpoint import is_complete, list_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+TIMING = ("time_", "tokens_per_s")
+
+
+def _config(tmp: Path, members, name: str, **train) -> Path:
+    cfg = cohort(tmp / name, members, data={"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 4},
+                 reward={"mode": "ring"})
+    cfg["train"].update(max_steps=2, **train)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _launch(cfg: Path, procs: int, *overrides: str, wait: bool = True):
+    cmd = [sys.executable, "-m", "vlm_corl.train", "--config", str(cfg), *overrides]
+    if procs > 1:
+        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", "-m", "vlm_corl.train"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if wait:
+        err = proc.communicate(timeout=600)[1].decode()
+        assert proc.returncode == 0, err[-4000:]
+    return proc
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def _final(run: Path, ids) -> dict:
+    return {m: weights(run / "run" / "checkpoints" / "step-2" / m) for m in ids}
+
+
+@pytest.fixture(scope="module")
+def two_members(base_models):
+    return [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"])]
+
+
+@pytest.fixture(scope="module")
+def single(two_members, tmp_path_factory):
+    """The reference: the 2-member cohort in one process."""
+    tmp = tmp_path_factory.mktemp("single")
+    _launch(_config(tmp, two_members, "one"), 1)
+    return tmp / "one"
+
+
+def test_two_processes_equal_one_process_bit_for_bit(two_members, single, tmp_path):
+    _launch(_config(tmp_path, two_members, "two"), 2)
+    rows = metrics(tmp_path / "two" / "run")
+    assert len(rows) == 4 and {(r["step"], r["member"]) for r in rows} == {(s, m) for s in (1, 2) for m in ("qwen", "llama")}
+    assert any(r["reward_mean"] > 0 for r in rows), "no reward: the comparison proves little"
+    assert _strip(rows) == _strip(metrics(single / "run"))
+    one, two = _final(single, ["qwen", "llama"]), _final(tmp_path / "two", ["qwen", "llama"])
+    assert all(torch.equal(one[m][k], two[m][k]) for m in one for k in one[m])
+
+
+def test_three_members_on_three_processes_equal_one_process(base_models, tmp_path):
+    members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"]), ("qwen_b", base_models["qwen2_vl"])]
+    _launch(_config(tmp_path, members, "one"), 1)
+    _launch(_config(tmp_path, members, "three"), 3)
+    assert _strip(metrics(tmp_path / "three" / "run")) == _strip(metrics(tmp_path / "one" / "run"))
+    ids = [m for m, _ in members]
+    one, three = _final(tmp_path / "one", ids), _final(tmp_path / "three", ids)
+    assert all(torch.equal(one[m][k], three[m][k]) for m in one for k in one[m])
+
+
+def test_data_parallel_ranks_of_a_member_stay_identical_and_match_one_process(two_members, single, tmp_path):
+    _launch(_config(tmp_path, two_members, "four"), 4)
+    manifest = json.loads((tmp_path / "four" / "run" / "checkpoints" / "step-2" / "manifest.json").read_text())
+    assert manifest["replicas"]["qwen"].keys() == {"0", "1"} and manifest["replicas"]["llama"].keys() == {"2", "3"}
+    for by_rank in manifest["replicas"].values():
+        assert len(set(by_rank.values())) == 1, by_rank
+    # The batch is split, so sums run in another order: equal up to float rounding, not bit for bit.
+    four_rows, one_rows = _strip(metrics(tmp_path / "four" / "run")), _strip(metrics(single / "run"))
+    assert len(four_rows) == len(one_rows)
+    for a, b in zip(four_rows, one_rows):
+        assert a.keys() == b.keys()
+        for k in a:
+            close = isinstance(a[k], float) and b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7)
+            assert close or a[k] == b[k], (k, a[k], b[k])
+    one, four = _final(single, ["qwen", "llama"]), _final(tmp_path / "four", ["qwen", "llama"])
+    worst = max((one[m][k] - four[m][k]).abs().max().item() for m in one for k in one[m])
+    assert worst < 1e-6, worst
+
+
+def test_accelerate_launch_two_processes_writes_rows_and_a_loadable_checkpoint(two_members, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    cfg = _config(tmp_path, two_members, "acc")
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "-m", "vlm_corl.train", "--config", str(cfg)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "rank 0: qwen; rank 1: llama" in proc.stderr
+    rows = metrics(tmp_path / "acc" / "run")
+    assert sorted((r["step"], r["member"]) for r in rows) == [(1, "llama"), (1, "qwen"), (2, "llama"), (2, "qwen")]
+    for m in ("qwen", "llama"):
+        model = AutoModelForImageTextToText.from_pretrained(tmp_path / "acc" / "run" / "checkpoints" / "step-2" / m)
+        assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_a_killed_rank_stops_the_job_naming_its_member_and_the_run_resumes(two_members, tmp_path):
+    cfg = _config(tmp_path, two_members, "kill", save_every=2, keep_last=5)
+    proc = _launch(cfg, 2, "train.max_steps=40", "train.dist_timeout_s=60", wait=False)
+    ckpts = tmp_path / "kill" / "run" / "checkpoints"
+    deadline = time.time() + 300
+    while not (ckpts / "step-2").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-3000:]
+        time.sleep(0.05)
+    time.sleep(0.5)  # into a later step
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    killed_at = time.time()
+    os.kill(int(max(workers, key=int)), signal.SIGKILL)  # the second worker: rank 1, member llama
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode != 0
+    assert time.time() - killed_at < 60, "the job outlived its collective timeout"
+    assert "rank 1 (llama)" in err, err[-3000:]
+    assert "train.resume=true" in err
+    done = list_checkpoints(tmp_path / "kill" / "run")
+    assert done and all(is_complete(c) for c in done)
+    last = int(done[-1].name.split("-")[1])
+    assert last < 40, "the run finished before it was killed: the test proves nothing"
+    _launch(cfg, 2, "train.max_steps=" + str(last + 2), "train.resume=true")
+    rows = metrics(tmp_path / "kill" / "run")
+    assert [r["step"] for r in rows if r["member"] == "qwen"] == list(range(1, last + 3))
