@@ -152,3 +152,13 @@ def test_a_killed_rank_stops_the_job_naming_its_member_and_the_run_resumes(two_m
     _launch(cfg, 2, "train.max_steps=" + str(last + 2), "train.resume=true")
     rows = metrics(tmp_path / "kill" / "run")
     assert [r["step"] for r in rows if r["member"] == "qwen"] == list(range(1, last + 3))
+
+
+def test_scale_benchmark_runs_at_its_smallest_size():
+    proc = subprocess.run([sys.executable, "bench/scale.py", "--size", "smoke", "--rounds", "1"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["one_process_step_s"] > 0 and out["two_process_step_s"] > 0
+    assert out["ratio_two_vs_one"] == pytest.approx(out["two_process_step_s"] / out["one_process_step_s"], rel=0.01)
+    assert {"rollout", "update", "exchange"} <= out["phase_median_s"]["2p"].keys()
