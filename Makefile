@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= cpu
 
 .PHONY: setup demo test test-slow test-vllm
 
@@ -10,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 $(SETUP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.14.1 torchvision==0.29.1
-	$(VENV)/bin/pip install -e ".[dev]"
+	DS_BUILD_OPS=0 $(VENV)/bin/pip install -e ".[dev,deepspeed]"
 	touch $@
 
 setup: $(SETUP)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ class World:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout_s: float = 1800.0
-    groups: dict = field(default_factory=dict)  # rank tuple -> process group (only groups of 2+ ranks)
+    groups: dict = field(default_factory=dict)  # rank tuple -> process group (groups of 2+ ranks; all with DeepSpeed)
+    singles: dict = field(default_factory=dict)  # rank -> its own one-rank group (DeepSpeed only)
 
     @property
     def distributed(self) -> bool:
@@ -65,7 +67,7 @@ class World:
         return self.rank == 0
 
     def group(self, ranks: tuple[int, ...]):
-        """The process group of a member's ranks (None for a one-rank group: nothing to reduce)."""
+        """The process group of a member's ranks (None for a one-rank group without DeepSpeed: nothing to reduce)."""
         return self.groups.get(tuple(ranks))
 
     def barrier(self) -> None:
@@ -116,11 +118,12 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
-def launch_world(timeout_s: float = 1800.0) -> World:
+def launch_world(timeout_s: float = 1800.0, need_group: bool = False) -> World:
     """Read the launch environment, pick the device and join the process group (once per process).
 
     torchrun and `accelerate launch` (multi-process configs) both set RANK, WORLD_SIZE and LOCAL_RANK; a
-    plain `python -m` run is rank 0 of 1. NCCL on CUDA, gloo on CPU; collectives fail after `timeout_s`.
+    plain `python -m` run is rank 0 of 1 (with `need_group`, DeepSpeed's case, it still gets a one-process
+    group). NCCL on CUDA, gloo on CPU; collectives fail after `timeout_s`.
     """
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -128,7 +131,9 @@ def launch_world(timeout_s: float = 1800.0) -> World:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if size > 1 and not dist.is_initialized():
+    if size == 1 and need_group and "MASTER_PORT" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if (size > 1 or need_group) and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 rank=rank, world_size=size)
     return World(rank, size, local_rank, device, timeout_s)
@@ -191,14 +196,25 @@ def _check_placement(placement: dict[str, tuple[int, ...]], world_size: int) -> 
         )
 
 
-def build_groups(world: World, placement: dict[str, tuple[int, ...]]) -> None:
+def build_groups(world: World, placement: dict[str, tuple[int, ...]], every: bool = False) -> None:
     """Create one process group per distinct multi-rank member group, on every rank in the same order
-    (torch.distributed requires every rank to take part in creating every group)."""
-    if not world.distributed:
+    (torch.distributed requires every rank to take part in creating every group). With `every` (DeepSpeed,
+    which wants a group even for one rank), one-rank member groups too, and every rank's own group in
+    `world.singles` (DeepSpeed's model-parallel group of size 1)."""
+    if not dist.is_initialized():
         return
+    timeout = timedelta(seconds=world.timeout_s)
     for ranks in sorted(set(placement.values())):
-        if len(ranks) > 1:
-            world.groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=world.timeout_s))
+        if len(ranks) > 1 or every:
+            world.groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+    if every:
+        world.singles = {r: dist.new_group([r], timeout=timeout) for r in range(world.size)}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def shard(batch_size: int, ranks: tuple[int, ...], rank: int) -> range:

@@ -25,6 +25,7 @@ from vlm_corl.cohort import (Slot, SlotSpec, build_slots, check_views, ema_updat
 from vlm_corl.collapse import collapse_warnings, flag_step
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.data import load_examples
+from vlm_corl.deepspeed_update import state_files
 from vlm_corl.eval import benchmark_examples, evaluate_member
 from vlm_corl.distributed import (CollectiveError, World, build_groups, describe, failure_report, launch_world,
                                   place_members, shard, weights_checksum)
@@ -217,9 +218,9 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
 def start_run(cfg: CohortConfig) -> CohortRun:
     """Join the launch, place members on ranks, load data and this process's members, build their slots
     (engines, renderers), and restore the newest checkpoint if resuming."""
-    world = launch_world(cfg.train.dist_timeout_s)
+    world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)
     placement = place_members(cfg.members, world.size)
-    build_groups(world, placement)
+    build_groups(world, placement, every=cfg.train.deepspeed is not None)
     run_dir = Path(cfg.output_dir)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,6 +247,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         if m.cfg.trainable:
             # one optimizer step per pass over a rollout batch: the schedule spans all of them
             m.setup_optimizer(cfg.train, cfg.train.max_steps * cfg.algo.updates_per_batch)
+            if cfg.train.deepspeed:
+                attach_deepspeed(m, cfg.train, world, placement[m.id])
             if resume_from:
                 m.load_trainer_state(resume_from / m.id)
             if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
@@ -268,6 +271,14 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         log.info("resumed from %s (step %d)", resume_from, start)
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, history)
+
+
+def attach_deepspeed(member, train, world: World, ranks: tuple[int, ...]) -> None:
+    """Give a trainable member a DeepSpeed engine over its ranks (its AdamW and schedule are already built)."""
+    from vlm_corl.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
+
+    ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, len(ranks))
+    member.deepspeed = DeepSpeedUpdate(member, ds_config, world.group(ranks), world.singles[world.rank])
 
 
 def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> None:
@@ -340,7 +351,7 @@ def update_phase(run: CohortRun, groups, advantages, rewards, lengths, const_nor
     decay = teacher_decay(step, cfg.train.max_steps, cfg.reward.teacher_decay_start, cfg.reward.teacher_decay_end)
     for s in run.slots:
         if s.follows is not None:  # an EMA teacher (co_rewarding_2)
-            ema_update(s.member.model, s.follows.model, decay)
+            ema_update(s.member.model, s.follows.generation_module, decay)
             s.engine.sync_weights()
     return updates
 
@@ -357,11 +368,11 @@ def batch_totals(lengths, rewards, filter_zero_variance: bool) -> tuple[int, int
 
 
 def _sequences(groups, positions: range, advantages: torch.Tensor, rewards: torch.Tensor, cfg) -> list[Sequence]:
-    """One slot's training sequences at its batch `positions` (zero-variance groups dropped when
+    """One slot's sequences at its batch `positions` (those of zero-variance groups marked untrained when
     algo.filter_zero_variance). advantages, rewards: (B, K) over the whole batch."""
     keep = nonzero_variance_groups(rewards) if cfg.algo.filter_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
-    return [Sequence(g.prompt.inputs, r.token_ids, float(advantages[p, k]))
-            for p, g in zip(positions, groups) if keep[p] for k, r in enumerate(g.responses)]
+    return [Sequence(g.prompt.inputs, r.token_ids, float(advantages[p, k]), trained=bool(keep[p]))
+            for p, g in zip(positions, groups) for k, r in enumerate(g.responses)]
 
 
 def intrinsic_scores(run: CohortRun, groups) -> list[dict[str, torch.Tensor]]:
@@ -375,7 +386,7 @@ def intrinsic_scores(run: CohortRun, groups) -> list[dict[str, torch.Tensor]]:
         else:
             m = s.member
             with m.autocast():
-                stats = response_token_stats(m.model, [g.prompt.inputs for g in gs for _ in g.responses],
+                stats = response_token_stats(m.generation_module, [g.prompt.inputs for g in gs for _ in g.responses],
                                              [r.token_ids for r in responses], m.tokenizer.pad_token_id,
                                              run.cfg.rollout.temperature, m.mrope, m.suppressed_ids,
                                              micro_batch_size=run.cfg.train.micro_batch_size)
@@ -398,6 +409,8 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
         cfg_of = next(m for m in run.cfg.members if m.id == spec.member_id)
         model_id = spec.id if spec.teacher else spec.member_id
         required[model_id] = required_files(trainable=cfg_of.trainable and not spec.teacher)
+        if run.cfg.train.deepspeed and cfg_of.trainable and not spec.teacher:  # one optimizer partition per rank
+            required[model_id] = required[model_id][:-1] + state_files(len(run.placement[spec.member_id]))
     save_checkpoint(run.world, run.run_dir, step, models, writers,
                     {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}, run.cfg.train.keep_last)
 
@@ -406,7 +419,7 @@ def _check_replicas(run: CohortRun, models) -> dict[str, dict[int, float]]:
     """Every rank of a member must hold the same weights (data parallel keeps them so); a divergence is a
     bug that would silently corrupt the saved member, so it stops the run."""
     sums: dict[str, dict[int, float]] = {}
-    for rank, part in enumerate(run.world.all_gather({m.id: weights_checksum(m.model) for m in models})):
+    for rank, part in enumerate(run.world.all_gather({m.id: weights_checksum(m.generation_module) for m in models})):
         for mid, value in part.items():
             sums.setdefault(mid, {})[rank] = value
     diverged = {mid: by_rank for mid, by_rank in sums.items() if len(set(by_rank.values())) > 1}

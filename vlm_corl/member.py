@@ -6,6 +6,7 @@ shared between two members.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ class Member:
         self.reference = None  # frozen initial weights, only when the KL penalty is on
         self.autocast_dtype: torch.dtype | None = None
         self.group = None  # process group of the member's ranks when it is data-parallel (vlm_corl.distributed)
+        self.deepspeed = None  # a DeepSpeedUpdate when train.deepspeed is set (vlm_corl.deepspeed_update)
 
     @property
     def id(self) -> str:
@@ -51,7 +53,9 @@ class Member:
 
     @property
     def generation_module(self):
-        return self.model
+        """The full weights rollouts, scoring passes, EMA teachers and saved checkpoints read: the live model,
+        or under DeepSpeed ZeRO-3 (partitioned weights) a full copy refreshed after every update."""
+        return self.deepspeed.full_model if self.deepspeed is not None else self.model
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -121,7 +125,19 @@ class Member:
                               enabled=self.autocast_dtype is not None)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        if self.deepspeed is not None:
+            self.deepspeed.backward(loss)
+        else:
+            loss.backward()
+
+    def updating(self):
+        """Context around one update (DeepSpeed needs to know which member's engine runs)."""
+        return self.deepspeed.updating() if self.deepspeed is not None else contextlib.nullcontext()
+
+    def micro_batch_count(self, n: int) -> int:
+        """How many micro-batches this rank runs when it has `n`: DeepSpeed needs every rank of the member to
+        run as many as the busiest one (the rest are zero-loss fillers); plain data parallel does not."""
+        return self.deepspeed.lockstep_count(n) if self.deepspeed is not None else n
 
     def step(self, grad_clip: float) -> float:
         """Sum the gradients over the member's ranks, clip, step the optimizer and the schedule, zero the
@@ -129,6 +145,8 @@ class Member:
 
         Each rank's loss is already normalised by the whole batch's totals, so the sum over ranks is the
         full-batch gradient and every rank applies the same update (its weights stay identical)."""
+        if self.deepspeed is not None:
+            return self.deepspeed.step()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         sum_over(self.group, [p.grad for p in params])
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
@@ -142,20 +160,24 @@ class Member:
     def save(self, directory: Path, write: bool = True) -> None:
         """HF-format weights + processor (loadable by from_pretrained), and the optimizer/schedule state.
 
-        Every rank of the member calls this; only the one with `write` (its first rank) writes: the others
-        hold identical weights and optimizer state."""
+        Every rank of the member calls this; only the one with `write` (its first rank) writes the weights:
+        the others hold identical ones. Under DeepSpeed every rank writes its own optimizer-state partition."""
+        directory = Path(directory)
+        if self.deepspeed is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.deepspeed.save_state(directory)
         if not write:
             return
-        directory = Path(directory)
+        model = self.generation_module
         # transformers 5 writes only on world rank 0 once torch.distributed is up (`should_save_on_this_rank`);
         # a member's writer is its own first rank, so that decision is ours (the instance attribute wins).
-        self.model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
         try:
-            self.model.save_pretrained(directory, safe_serialization=True)
+            model.save_pretrained(directory, safe_serialization=True)
         finally:
-            del self.model.should_save_on_this_rank
+            del model.should_save_on_this_rank
         (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.deepspeed is None:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        directory / TRAINER_STATE)
 
@@ -168,6 +190,9 @@ class Member:
         return float(t.item())
 
     def load_trainer_state(self, directory: Path) -> None:
+        if self.deepspeed is not None:
+            self.deepspeed.load_state(directory)
+            return
         state = torch.load(Path(directory) / TRAINER_STATE, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -5,7 +5,7 @@ Members never share parameters, optimizer state or gradients: each call touches 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,7 @@ class Sequence:
     prompt_inputs: dict[str, torch.Tensor]
     token_ids: list[int]
     advantage: float
+    trained: bool = True  # False: its group was filtered out (algo.filter_zero_variance)
 
 
 def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
@@ -71,7 +72,10 @@ def _per_position(model, prompt_inputs, responses, pad_id, mrope, fn):
     """fn(logits, targets) at every response position, through the shared-prompt path when prompts repeat."""
     # Checkpointed layers drop the cache (HF's GradientCheckpointingLayer), so they take the one-pass route.
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    shared = len({id(p) for p in prompt_inputs}) < len(prompt_inputs) and not checkpointed
+    # ZeRO-3 gathers weights in every forward: one pass per micro-batch keeps the ranks' passes in step (the
+    # shared-prompt path skips its second pass for one-token responses).
+    partitioned = hasattr(next(model.parameters()), "ds_id")
+    shared = len({id(p) for p in prompt_inputs}) < len(prompt_inputs) and not (checkpointed or partitioned)
     return (_shared_prompt_logprobs if shared else _full_logprobs)(model, prompt_inputs, responses, pad_id, mrope, fn)
 
 
@@ -104,6 +108,13 @@ def _shared_prompt_logprobs(model, prompt_inputs, responses, pad_id, mrope, poli
 
 def policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int,
                   totals: tuple[int, int] | None = None) -> dict:
+    """One optimizer step of `member` on `seqs` (see `_policy_update`), inside the member's update context."""
+    with member.updating():
+        return _policy_update(member, seqs, algo, train, temperature, const_norm, totals)
+
+
+def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int,
+                   totals: tuple[int, int] | None = None) -> dict:
     """One optimizer step of `member` on `seqs` (this rank's share of one rollout batch), in micro-batches.
 
     `totals` = (response tokens, responses) of the member's whole batch over all its ranks (default: `seqs`'
@@ -113,10 +124,14 @@ def policy_update(member, seqs: list[Sequence], algo, train, temperature: float,
     zero advantage contribute exactly zero loss, so they are skipped but still counted in the normaliser.
     Returns loss, grad_norm, lr, clip_frac (over all the member's ranks).
     """
-    total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in seqs), len(seqs))
+    trained = [s for s in seqs if s.trained]
+    total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in trained), len(trained))
     need_all = algo.kl_beta > 0 or algo.updates_per_batch > 1
-    work = seqs if need_all else [s for s in seqs if s.advantage != 0.0]
+    work = trained if need_all else [s for s in trained if s.advantage != 0.0]
     micro = [work[i : i + train.micro_batch_size] for i in range(0, len(work), train.micro_batch_size)]
+    real = len(micro)
+    # DeepSpeed: every rank of the member runs as many passes; the extra ones are zero-loss fillers.
+    micro += [[replace(seqs[0], advantage=0.0)]] * (member.micro_batch_count(real) - real)
     model = member.model
     model.train()
     old = None
@@ -137,6 +152,8 @@ def policy_update(member, seqs: list[Sequence], algo, train, temperature: float,
                 token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
             loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=total_tokens,
                                   total_seqs=total_seqs, const_norm=const_norm)
+            if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
+                loss, mask = loss * 0.0, mask * 0
             member.backward(loss)
             loss_sum += loss.item()
             clipped_tokens += float((clipped * mask).sum())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,9 @@ def validate(cfg: CohortConfig) -> None:
                 "reward.mode", "with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
             )
 
-    if cfg.train.deepspeed is not None and not Path(cfg.train.deepspeed).is_file():
-        problems.add("train.deepspeed", f"file {cfg.train.deepspeed!r} does not exist; name a DeepSpeed JSON "
-                     "config (e.g. configs/deepspeed/zero2.json) or set it to null")
+    if cfg.train.deepspeed is not None:
+        for problem in deepspeed_problems(cfg.train.deepspeed):
+            problems.add("train.deepspeed", problem)
     if cfg.eval.every > 0 and not cfg.eval.benchmarks:
         problems.add(
             "eval.benchmarks",
@@ -89,6 +90,24 @@ def validate(cfg: CohortConfig) -> None:
 
     if problems.items:
         raise problems.error()
+
+
+def deepspeed_problems(path: str) -> list[str]:
+    """What stops `train.deepspeed` from working: a missing file, bad JSON, settings we drive, no deepspeed."""
+    from vlm_corl.deepspeed_update import DeepSpeedConfigError, load_deepspeed_config
+
+    if not Path(path).is_file():
+        return [f"file {path!r} does not exist; name a DeepSpeed JSON config (e.g. configs/deepspeed/zero2.json)"
+                " or set it to null"]
+    try:
+        load_deepspeed_config(path, grad_clip=1.0, group_size=1)
+    except DeepSpeedConfigError as err:
+        return [str(err)]
+    except ValueError as err:
+        return [f"{path} is not valid JSON ({err})"]
+    if importlib.util.find_spec("deepspeed") is None:
+        return ["DeepSpeed is not installed: `DS_BUILD_OPS=0 pip install -e '.[deepspeed]'`, or set it to null"]
+    return []
 
 
 def check_registered(cfg: CohortConfig) -> None:
