@@ -174,7 +174,8 @@ def test_deepspeed_members_on_rank_groups_match_one_process_and_resume_exactly(t
     from transformers import AutoModelForImageTextToText
 
     ds = f"train.deepspeed={ROOT / 'configs' / 'deepspeed' / (stage + '.json')}"
-    cfg = _config(tmp_path, two_members, "ds", save_every=2, keep_last=5)
+    # micro-batches of 2: several per rank and step, uneven across ranks (zero-advantage ones are skipped)
+    cfg = _config(tmp_path, two_members, "ds", save_every=2, keep_last=5, micro_batch_size=2)
     _launch(cfg, 4, ds)
     run = tmp_path / "ds" / "run"
     state_files = {p.name for p in (run / "checkpoints" / "step-2" / "qwen").iterdir()}
@@ -198,3 +199,13 @@ def test_deepspeed_members_on_rank_groups_match_one_process_and_resume_exactly(t
         a = weights(tmp_path / "full" / "checkpoints" / "step-4" / m)
         b = weights(tmp_path / "cut" / "checkpoints" / "step-4" / m)
         assert all(torch.equal(a[k], b[k]) for k in a), f"{m}: weights differ after resume"
+
+
+def test_a_launch_the_members_cannot_be_placed_on_exits_2_with_the_fix(two_members, tmp_path):
+    """3 processes for 2 members: every rank stops before loading anything, with one clear line, exit 2."""
+    proc = _launch(_config(tmp_path, two_members, "bad"), 3, wait=False)
+    err = proc.communicate(timeout=300)[1].decode()
+    assert proc.returncode != 0
+    assert "2 members (qwen, llama) cannot be split evenly over 3 processes" in err
+    assert "vlm_corl/" not in err, err[-3000:]  # no traceback through our code (torchrun prints its own)
+    assert not (tmp_path / "bad" / "run" / "checkpoints").exists()

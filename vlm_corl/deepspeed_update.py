@@ -125,6 +125,7 @@ class DeepSpeedUpdate:
         import deepspeed  # optional dependency: the `deepspeed` extra
 
         self.stage = ds_config["zero_optimization"]["stage"]
+        self.device = member.device
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
@@ -182,7 +183,7 @@ class DeepSpeedUpdate:
         """The number of micro-batches every rank of the group runs this step: the largest `n` among them,
         and at least one (DeepSpeed's step needs a backward; a zero-loss one gives the zero gradient that plain
         data parallel steps with when every advantage is zero)."""
-        t = torch.tensor([max(n, 1)], dtype=torch.long, device=next(self.module.parameters()).device)
+        t = torch.tensor([max(n, 1)], dtype=torch.long, device=self.device)  # the backend's device (NCCL: CUDA)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 

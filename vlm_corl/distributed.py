@@ -132,7 +132,9 @@ def launch_world(timeout_s: float = 1800.0, need_group: bool = False) -> World:
     if cuda:
         torch.cuda.set_device(device)
     if size == 1 and need_group and "MASTER_PORT" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        # what a launcher would set (DeepSpeed reads LOCAL_RANK from the environment)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
     if (size > 1 or need_group) and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
                                 rank=rank, world_size=size)

@@ -58,6 +58,12 @@ class Member:
         return self.deepspeed.full_model if self.deepspeed is not None else self.model
 
     @property
+    def train_module(self):
+        """What the update's forward passes call: the model, or its DeepSpeed engine (whose forward keeps ZeRO's
+        gradient accumulation across micro-batches)."""
+        return self.deepspeed.engine if self.deepspeed is not None else self.model
+
+    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         return [eos] if isinstance(eos, int) else list(eos)

@@ -170,7 +170,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float
 def _logprobs(member, mb: list[Sequence], temperature: float, model=None):
     with member.autocast():
         return response_logprobs(
-            model if model is not None else member.model,
+            model if model is not None else member.train_module,
             [s.prompt_inputs for s in mb],
             [s.token_ids for s in mb],
             member.tokenizer.pad_token_id,
