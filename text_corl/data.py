@@ -15,14 +15,17 @@ from vlm_corl.data import DataError, Skip, example_from_row, resolve_data_file
 from vlm_corl.records import Example
 
 
+MATH500_DIR = Path(__file__).resolve().parent / "datasets" / "math500"  # vendored copy (README.md there)
+
+
 def load_math500(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
     """MATH-500 as released with the Co-RL code: a JSON list of {"prompt", "answer", "source", "id"}.
 
-    `path` is the JSON file, or a directory holding `<split>.json` (e.g. `../shared/data/math500`). Ids are
-    the file's own ("test/precalculus/807.json"); metadata keeps the row's "source" and adds "subject", the
-    id's middle part. Text-only: no images.
+    `path` is the JSON file, or a directory holding `<split>.json`; None = the copy shipped with this package
+    (`text_corl/datasets/math500`). Ids are the file's own ("test/precalculus/807.json"); metadata keeps the
+    row's "source" and adds "subject", the id's middle part. Text-only: no images.
     """
-    file = resolve_data_file(path, split, (".json",), "math500")
+    file = resolve_data_file(path if path is not None else MATH500_DIR, split, (".json",), "math500")
     try:
         rows = json.loads(file.read_bytes())
     except (OSError, ValueError) as e:

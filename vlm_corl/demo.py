@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     with ProcessPoolExecutor(max(len(todo), 1), mp_context=multiprocessing.get_context("spawn")) as pool:
         jobs = {mid: pool.submit(build_base, mid, RECIPES[mid], Path(path), 0) for mid, path in todo.items()}
         base = {mid: job.result() for mid, job in jobs.items()}
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, ["train.overwrite=true", *args.overrides])  # the demo redoes its run
     bench = BENCHMARKS.get("easyvqa")
     examples = benchmark_examples(bench, args.eval_limit)
     before = {m.id: evaluate_dir(m.model, bench, examples, m.id) for m in cfg.members}

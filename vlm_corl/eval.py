@@ -43,7 +43,9 @@ class Benchmark:
     max_new_tokens: int = 64
 
 
-BENCHMARKS.register("easyvqa")(Benchmark("easyvqa", "easyvqa", "test", balance_by="question_type"))
+# Found through the `vlm_corl.benchmarks` entry point (pyproject.toml), like text_corl's: a module-level
+# registration would run twice under `python -m vlm_corl.eval` (as __main__, then as vlm_corl.eval).
+EASYVQA = Benchmark("easyvqa", "easyvqa", "test", balance_by="question_type")
 
 
 def benchmark_examples(bench: Benchmark, limit: int | None, path: str | None = None) -> list[Example]:
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="directory for results.json and results.md")
     parser.add_argument("--limit", type=int, default=None, help="examples per benchmark (balanced by type where defined)")
     parser.add_argument("--data", action="append", default=[], metavar="BENCH=PATH",
-                        help="data path for a benchmark whose loader needs one, e.g. math500=../shared/data/math500")
+                        help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 (default: the copy shipped in text_corl)")
     args = parser.parse_args(argv)
     paths = dict(item.split("=", 1) for item in args.data)
     results: dict[str, dict] = {}

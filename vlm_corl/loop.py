@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -222,6 +223,10 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     placement = place_members(cfg.members, world.size)
     build_groups(world, placement, every=cfg.train.deepspeed is not None)
     run_dir = Path(cfg.output_dir)
+    resume_from = _resume_point(cfg, run_dir)
+    if resume_from is None:
+        _claim_run_dir(cfg, run_dir, clear=world.is_main)
+    world.barrier()  # every rank has looked at the run directory before anything new is written
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -238,8 +243,6 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     if lacking and world.is_main:
         log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
     _check_shards(cfg, placement)
-    resume_from = _resume_point(cfg, run_dir)
-    world.barrier()  # every rank has chosen its resume point before anything new is written
     mine = [m for m in cfg.members if world.rank in placement[m.id]]
     members = [load_member(m, resume_from / m.id if resume_from else None, world.device) for m in mine]
     for m in members:
@@ -261,6 +264,10 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     if resume_from:
         state = load_cohort_state(resume_from)
         start = state["step"]
+        if start >= cfg.train.max_steps:
+            raise ConfigError([f"train.max_steps={cfg.train.max_steps} but {resume_from} is already at step {start}: "
+                               "raise train.max_steps to train further, or start a new output_dir"],
+                              ["train.max_steps"])
         sampler.load_state_dict(state["sampler"])
         restore_rng(state["rng"], world)
         if sink is not None:
@@ -472,15 +479,35 @@ def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:
     return [row for part in run.world.all_gather(rows) for row in part]
 
 
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard")
+
+
+def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
+    """A fresh run needs a run directory without another run in it: appending to its metrics and pruning its
+    checkpoints would mix two runs. With train.overwrite the old run's files are removed (by `clear`: rank 0)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([f"output_dir={str(run_dir)!r} is a file; choose a directory"], ["output_dir"])
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found or found == ["config.yaml"]:
+        return
+    if not cfg.train.overwrite:
+        go_on = "continue it with train.resume=true, " if latest_checkpoint(run_dir) else ""
+        raise ConfigError([f"output_dir={str(run_dir)!r} already holds a run ({', '.join(found)}): {go_on}replace it "
+                           "with train.overwrite=true, or choose another output_dir"], ["output_dir"])
+    if clear:
+        log.warning("train.overwrite=true: removing the run in %s (%s)", run_dir, ", ".join(found))
+        for name in found:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
     if cfg.train.resume is False:
         return None
     found = latest_checkpoint(run_dir)
     if found is None and cfg.train.resume is True:
-        raise FileNotFoundError(
-            f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: "
-            "use train.resume=auto to start fresh when there is none"
-        )
+        raise ConfigError([f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: use "
+                           "train.resume=auto to start fresh when there is none"], ["train.resume"])
     return found
 
 

@@ -3,7 +3,7 @@
 Gold answers are read here for diagnostics only (pseudo-label accuracy, answer accuracy, unanimous-wrong
 rate); they never reach a label-free reward.
 
-Collapse diagnostics (DESIGN.md section 2), all in nats where an entropy:
+Collapse diagnostics (docs/method.md), all in nats where an entropy:
 
 - ``answer_entropy``: per group (one slot, one example, its K answers), the entropy of the distribution of its
   answers over equivalence classes (``group_equivalent``, the classes plurality voting counts); mean over the
@@ -26,6 +26,7 @@ Collapse diagnostics (DESIGN.md section 2), all in nats where an entropy:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 from collections import Counter
@@ -127,6 +128,16 @@ def member_metrics(n: int, batch: CohortBatch, out: RewardOutput, lengths: list[
     }
 
 
+def _step_of(line: str, path: Path) -> float:
+    """A row's step; a torn row (the process died while writing it) counts as after any checkpoint, so it is
+    dropped and recomputed on resume."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        logging.getLogger("vlm_corl").warning("%s: dropping a torn or unreadable row: %.80s", path, line)
+        return math.inf
+
+
 class MetricsSink:
     """Appends one JSON object per member per step to metrics.jsonl, and mirrors scalars to TensorBoard."""
 
@@ -165,7 +176,7 @@ class MetricsSink:
         kept: dict[Path, list[str]] = {}
         for path in (self.path, self.eval_path):
             lines = path.read_text().splitlines() if path.exists() else []
-            kept[path] = [line for line in lines if line and json.loads(line)["step"] <= step]
+            kept[path] = [line for line in lines if line and _step_of(line, path) <= step]
             if path.exists():
                 path.write_text("".join(r + "\n" for r in kept[path]))
         return [json.loads(line) for line in kept[self.path]]

@@ -1,6 +1,6 @@
 """Cohort probe: `python -m vlm_corl.probe --models A B [C …] --benchmark easyvqa --limit N [--out DIR]`.
 
-A pre-training diagnostic (DESIGN.md §2): before training a cohort, evaluate each candidate member on a probe
+A pre-training diagnostic (docs/method.md): before training a cohort, evaluate each candidate member on a probe
 set and measure, for every pair, how correlated their errors are. LABELS ARE USED HERE ONLY, as this
 pre-training diagnostic, to score the probe set; label-free training never reads them.
 

@@ -12,7 +12,7 @@ from vlm_corl.images import load_image
 from vlm_corl.records import Example, ViewError
 from vlm_corl.rollout import Prompt
 
-# The instruction each prompt style appends to the question (DESIGN.md §2: the paper's prompts).
+# The instruction each prompt style appends to the question (docs/method.md: the paper's prompts).
 PROMPT_STYLES = {
     "boxed": "{question}\nLet's think step by step and output the final answer within \\boxed{{}}.",
     "answer_tags": (

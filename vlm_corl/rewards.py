@@ -63,7 +63,10 @@ class RewardSpec:
 def resolve_reward(cfg) -> RewardSpec:
     """The reward of a `RewardConfig`: `custom` ("module:function", never given gold) or the registered mode."""
     if cfg.custom:
-        return RewardSpec(REWARDS.get(cfg.custom), uses_gold=False)
+        # A custom reward that reads `CohortBatch.scores` (entropy, self-certainty) says so with an attribute:
+        # `fn.needs_scores = True`; it is never given gold.
+        fn = REWARDS.get(cfg.custom)
+        return RewardSpec(fn, uses_gold=False, needs_scores=bool(getattr(fn, "needs_scores", False)))
     return REWARDS.get(cfg.mode)
 
 

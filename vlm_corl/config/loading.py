@@ -116,7 +116,6 @@ def check_registered(cfg: CohortConfig) -> None:
     Loading does not check these names: the registries fill up only when `vlm_corl`'s data/family modules,
     `text_corl` or a user's package are imported, which the config layer must not do itself.
     """
-    import vlm_corl.eval  # noqa: F401  (registers the built-in benchmarks)
     import vlm_corl.rewards  # noqa: F401  (registers the built-in reward modes)
 
     problems = Problems()

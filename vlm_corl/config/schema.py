@@ -114,7 +114,7 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    """How each response is scored (DESIGN.md section 2)."""
+    """How each response is scored (docs/method.md)."""
 
     mode: RewardMode = _f("reward: ring | peers | soft (Co-RL) or a baseline", "ring")
     custom: str | None = _f(
@@ -168,6 +168,7 @@ class TrainConfig:
     save_every: int = _f("checkpoint every N steps; 0 = only at the end", 50, ge=0)
     keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
     resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
+    overwrite: bool = _f("clear a run already in output_dir when not resuming (otherwise such a run is an error)", False)
     mixed_precision: Literal["no", "bf16"] = _f("update forward under bf16 autocast (weights and optimizer stay fp32): no | bf16", "no")
     deepspeed: str | None = _f(
         "DeepSpeed JSON config for every trainable member's update (ZeRO 2/3, e.g. configs/deepspeed/zero2.json); "

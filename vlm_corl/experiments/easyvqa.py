@@ -87,7 +87,8 @@ def method_config(method: str, seed: int, budget: Budget, out: Path, bases: dict
                  "batch_size": budget.batch_size, "seed": seed},
         "rollout": {"n": 4, "max_new_tokens": 12},
         "reward": {"mode": mode},
-        "train": {"max_steps": budget.rl_steps, "lr": budget.rl_lr, "save_every": 0, "micro_batch_size": 32},
+        "train": {"max_steps": budget.rl_steps, "lr": budget.rl_lr, "save_every": 0, "micro_batch_size": 32,
+                  "overwrite": True},  # a re-run of the experiment redoes its runs
         "eval": {"benchmarks": ["easyvqa"], "every": budget.curve_every, "limit": budget.curve_limit},
         "logging": {"tensorboard": False, "progress": False},
     }
