@@ -30,6 +30,7 @@ names another column for a field, which then must exist):
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlm_corl.errors import UserError
 from vlm_corl.images import BadImage, load_image
 from vlm_corl.records import Example, ImageSource
 from vlm_corl.registry import LOADERS
@@ -59,7 +61,7 @@ SAMPLES_PER_REASON = 5
 """How many dropped records a `LoadReport` names per reason (all of them are counted)."""
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A dataset that cannot be read at all; the message names the path and what to do."""
 
 
@@ -140,7 +142,14 @@ def load_examples(
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, or None for every record (got {limit})")
-    items = LOADERS.get(loader)(path, split, **options)
+    fn = LOADERS.get(loader)
+    try:
+        inspect.signature(fn).bind(path, split, **options)
+    except TypeError as err:
+        accepted = [p for p in list(inspect.signature(fn).parameters)[2:]]
+        raise DataError(f"the {loader!r} loader does not take these options {sorted(options)} ({err}); it accepts "
+                        f"{accepted or 'no options'} (data.train.options)") from err
+    items = fn(path, split, **options)
     report = LoadReport(loader, None if path is None else os.fspath(path), split)
     examples: list[Example] = []
     kept_ids: set[str] = set()
@@ -213,7 +222,7 @@ def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tupl
     Raises DataError naming the path when there is none.
     """
     if path is None:
-        raise DataError(f"the {loader!r} loader needs a path: set data.path to a {'/'.join(suffixes)} file or a "
+        raise DataError(f"the {loader!r} loader needs a path: set data.train.path to a {'/'.join(suffixes)} file or a "
                         f"directory holding <split>{suffixes[0]}")
     path = Path(path)
     if path.is_file():
@@ -225,7 +234,7 @@ def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tupl
         found = sorted(p.name for p in path.iterdir())[:20]
         raise DataError(f"{path} has no {split}{suffixes[0]} for split {split!r} (found: "
                         f"{', '.join(found) or 'nothing'}); give the file itself as the path, or another split")
-    raise DataError(f"{path} does not exist: check data.path (relative paths are from {Path.cwd()})")
+    raise DataError(f"{path} does not exist: check data.train.path (relative paths are from {Path.cwd()})")
 
 
 class _BadField(ValueError):
@@ -382,11 +391,11 @@ def load_hf(
     `datasets` converts data files to Arrow (default: its own cache). `source` defaults to the directory name.
     """
     if path is None:
-        raise DataError("the 'hf' loader needs a path: set data.path to a save_to_disk directory, a directory of "
+        raise DataError("the 'hf' loader needs a path: set data.train.path to a save_to_disk directory, a directory of "
                         "parquet/arrow/json files, or one such file (nothing is downloaded)")
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path} does not exist: check data.path (relative paths are from {Path.cwd()})")
+        raise DataError(f"{path} does not exist: check data.train.path (relative paths are from {Path.cwd()})")
     names = _field_names(fields)
     dataset = _open_hf(path, split, cache_dir)
     columns = dataset.column_names
@@ -486,7 +495,7 @@ def load_easyvqa(path: str | os.PathLike | None, split: str = "train") -> Iterat
     the other wordings of its question as paraphrases, and metadata {"question_type", "image_id"}.
     """
     if path is not None:
-        raise DataError(f"the 'easyvqa' loader reads the installed easy-vqa package; leave data.path empty "
+        raise DataError(f"the 'easyvqa' loader reads the installed easy-vqa package; leave data.train.path empty "
                         f"(got {path})")
     try:
         import easy_vqa

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from vlm_corl.errors import UserError
+
 STATE_FILE = "deepspeed_state.{}.pt"
 _REFUSED = {
     "optimizer": "the member's AdamW comes from train.lr / adam_beta* / weight_decay",
@@ -39,7 +41,7 @@ _REFUSED = {
 }
 
 
-class DeepSpeedConfigError(ValueError):
+class DeepSpeedConfigError(UserError, ValueError):
     """The DeepSpeed JSON holds something this trainer sets itself (names the key and the field to use)."""
 
 

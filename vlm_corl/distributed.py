@@ -25,10 +25,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from vlm_corl.errors import UserError
+
 log = logging.getLogger("vlm_corl")
 
 
-class PlacementError(ValueError):
+class PlacementError(UserError, ValueError):
     """Members cannot be placed on the launched ranks as configured (a user error: names the fix)."""
 
 

@@ -25,14 +25,14 @@ from vlm_corl.cohort import (Slot, SlotSpec, build_slots, check_views, ema_updat
                              teacher_decay)
 from vlm_corl.collapse import collapse_warnings, flag_step
 from vlm_corl.config import CohortConfig, ConfigError, save_config
-from vlm_corl.data import load_examples
+from vlm_corl.data import DataError, load_examples
 from vlm_corl.deepspeed_update import state_files
 from vlm_corl.eval import benchmark_examples, evaluate_member
 from vlm_corl.distributed import (CollectiveError, World, build_groups, describe, failure_report, launch_world,
                                   place_members, shard, weights_checksum)
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
-from vlm_corl.member import load_member
+from vlm_corl.member import load_member, member_family
 from vlm_corl.metrics import MetricsSink, cohort_metrics, member_metrics
 from vlm_corl.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.registry import BENCHMARKS
@@ -106,6 +106,10 @@ class CohortRun:
     history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
 
 
+class Interrupted(Exception):
+    """Ctrl-C: one line with the step, the last complete checkpoint and how to resume."""
+
+
 class RankFailure(RuntimeError):
     """Another rank died or hung: this rank stops with a report of where every rank was (no traceback)."""
 
@@ -117,6 +121,10 @@ def run_cohort(cfg: CohortConfig) -> dict:
     try:
         with stopped_by_launcher(run.world):
             return train_steps(run, timer)
+    except KeyboardInterrupt:
+        last = latest_checkpoint(run.run_dir)
+        resume = f"resume from {last} with train.resume=true" if last else "no checkpoint was written yet"
+        raise Interrupted(f"interrupted at step {timer.step + 1} ({timer.phase}); {resume}") from None
     except CollectiveError as err:
         if run.world.distributed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop may not cut the report short
@@ -237,6 +245,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
         examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
         log.info("paraphrases: %s", report.summary())
+    _check_members_read_the_data(cfg, examples, resume_from)
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
     specs = slot_specs(cfg.members, reward_spec.layout)
     lacking = check_views(examples, specs, cfg.data.view_fallback)
@@ -286,6 +295,18 @@ def attach_deepspeed(member, train, world: World, ranks: tuple[int, ...]) -> Non
 
     ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, len(ranks))
     member.deepspeed = DeepSpeedUpdate(member, ds_config, world.group(ranks), world.singles[world.rank])
+
+
+def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path | None) -> None:
+    """Before any model is loaded: every member's directory names a family (agreeing with members[i].family),
+    and text-only members get no images."""
+    with_images = next((ex for ex in examples if ex.images), None)
+    for i, m in enumerate(cfg.members):
+        family = member_family(m, resume_from / m.id if resume_from else m.model)
+        if with_images is not None and family.modality != "vision":
+            raise ConfigError([f"members[{i}] ({m.id!r}) is a text-only {family.name} model but the training data "
+                               f"has images (e.g. example {with_images.id!r}): give text members text data "
+                               "(data.train), or use a vision-language model"], [f"members[{i}].model"])
 
 
 def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> None:
@@ -457,7 +478,11 @@ def load_training_examples(spec) -> list:
     stop = spec.skip + spec.limit if spec.limit else None
     data = load_examples(spec.loader, spec.path, split=spec.split, limit=stop, **spec.options)
     log.info("data: %s", data.report.summary())
-    return data.examples[spec.skip :]
+    kept = data.examples[spec.skip :]
+    if not kept:
+        raise DataError(f"data.train: no training examples left ({len(data.examples)} loaded, skip={spec.skip}; "
+                        f"{data.report.summary()}): check data.train.path, split, skip and limit")
+    return kept
 
 
 def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:

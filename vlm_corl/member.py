@@ -15,6 +15,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 
 from vlm_corl.checkpoint import TRAINER_STATE
 from vlm_corl.distributed import sum_over
+from vlm_corl.errors import UserError
 from vlm_corl.families import Family, detect_family
 from vlm_corl.registry import FAMILIES
 
@@ -204,23 +205,63 @@ class Member:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.model.v3")
+
+
+class MemberLoadError(UserError):
+    """A member's model directory cannot be loaded (names the member, the directory and what is wrong)."""
+
+
+def member_family(cfg, path: str | Path) -> Family:
+    """The member's family: `family` if set (it must agree with config.json), else from config.json."""
+    where = f"member {cfg.id!r} ({path})"
+    try:
+        detected = detect_family(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise MemberLoadError(f"{where}: cannot read the model type from config.json ({_brief(err)}); it must be a "
+                              "Hugging Face model directory (python -m vlm_corl.zoo builds tiny ones)") from err
+    if cfg.family and FAMILIES.get(cfg.family) is not detected:
+        raise MemberLoadError(f"{where}: family {cfg.family!r} contradicts its config.json, whose model_type is a "
+                              f"{detected.name!r} model; remove members[*].family or fix it")
+    return detected
+
+
 def load_member(cfg, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:
-    """Load member `cfg` from `model_dir` (default: cfg.model; a checkpoint directory when resuming)."""
+    """Load member `cfg` from `model_dir` (default: cfg.model; a checkpoint directory when resuming).
+
+    A directory that cannot be loaded (missing or corrupt weights, tokenizer files, config) raises
+    MemberLoadError naming the member and the directory."""
     path = str(model_dir or cfg.model)
-    family = FAMILIES.get(cfg.family) if cfg.family else detect_family(path)
+    family = member_family(cfg, path)
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would quietly build a tokenizer without the model's special (image) tokens
+        raise MemberLoadError(f"member {cfg.id!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)});"
+                              " save the tokenizer/processor beside the weights (save_pretrained)")
     device = device or torch.device("cpu")
-    model = family.model_class.from_pretrained(
-        path, dtype=_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
-        trust_remote_code=cfg.trust_remote_code,
-    ).to(device)
+    try:
+        model = family.model_class.from_pretrained(
+            path, dtype=_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        ).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        processor = tokenizer
+        if family.modality == "vision":
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - third-party loaders raise many types for a bad directory
+        if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
+            raise
+        raise MemberLoadError(f"member {cfg.id!r}: cannot load {path} ({_brief(err)}); it needs config.json, the "
+                              "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
+                              "writes them") from err
     if cfg.trainable:
         # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
         # every update to rounding. Compute runs in bf16 under train.mixed_precision=bf16 (autocast).
         model.float()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    processor = tokenizer
-    if family.modality == "vision":
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     if not cfg.trainable:
         model.requires_grad_(False)
     return Member(cfg, family, model, processor, tokenizer, device)
+
+
+def _brief(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"

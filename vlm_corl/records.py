@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from vlm_corl.errors import UserError
+
 ImageSource = Union[str, bytes]
 """An image as a record holds it: an absolute file path, or the encoded file's bytes (PNG, JPEG, ...).
 Records never hold decoded pixels; `vlm_corl.images.load_image` decodes a source when it is rendered."""
@@ -16,7 +18,7 @@ Records never hold decoded pixels; `vlm_corl.images.load_image` decodes a source
 ORIGINAL_VIEW = "original"
 
 
-class ViewError(ValueError):
+class ViewError(UserError, ValueError):
     """A view name that is malformed, or that asks for a paraphrase the example does not have."""
 
 

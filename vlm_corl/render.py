@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from vlm_corl.errors import UserError
 from vlm_corl.images import load_image
 from vlm_corl.records import Example, ViewError
 from vlm_corl.rollout import Prompt
@@ -22,7 +23,7 @@ PROMPT_STYLES = {
 }
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(UserError, ValueError):
     """A rendered prompt exceeds rollout.max_prompt_tokens."""
 
 

@@ -18,16 +18,18 @@ import transformers
 
 from vlm_corl.config import ConfigError, check_registered, load_config
 from vlm_corl.distributed import PlacementError
+from vlm_corl.errors import UserError, debug_requested
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="cohort YAML file")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error (also VLM_CORL_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4 members.0.view=paraphrase:1")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from vlm_corl.loop import RankFailure, run_cohort  # heavy imports (and the built-in registries) after the cheap checks
+        from vlm_corl.loop import Interrupted, RankFailure, run_cohort  # heavy imports after the cheap checks
 
         check_registered(cfg)
     except ConfigError as err:
@@ -38,9 +40,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
 
     try:
         summary = run_cohort(cfg)
-    except (ConfigError, PlacementError) as err:  # found once the data is loaded or the launch is known
-        print(f"{args.config}: invalid {err}", file=sys.stderr)
+    except UserError as err:  # found once the data, the models or the launch are known
+        if debug_requested(args.debug):
+            raise
+        prefix = f"{args.config}: invalid " if isinstance(err, (ConfigError, PlacementError)) else "error: "
+        print(f"{prefix}{err}", file=sys.stderr)
         return 2
+    except Interrupted as err:  # Ctrl-C
+        print(err, file=sys.stderr)
+        return 130
     except RankFailure as err:  # another rank died or hung: where every rank was, and how to resume
         print(f"error: {err}", file=sys.stderr)
         return 1

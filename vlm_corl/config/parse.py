@@ -17,9 +17,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from vlm_corl.config.schema import CohortConfig
+from vlm_corl.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """Every problem found in a config, each a line naming the dotted field and the fix."""
 
     def __init__(self, problems: list[str], fields: Sequence[str] = ()):

@@ -1,0 +1,107 @@
+"""User mistakes with `python -m vlm_corl.train`: each exits 2 with one message naming the file or field and
+what to do, before any training (no traceback); Ctrl-C exits 130 with the checkpoint to resume from."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cohort_helpers import cohort, write_jsonl
+from vlm_corl.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_zoo, tmp_path_factory) -> dict[str, Path]:
+    """A good member directory and broken copies of it."""
+    root = tmp_path_factory.mktemp("broken")
+    good = Path(tiny_zoo["qwen2_vl"])
+    out = {"good": good, "text": Path(tiny_zoo["qwen3"])}
+    for name, breaks in {
+        "no_weights": lambda d: (d / "model.safetensors").unlink(),
+        "corrupt_weights": lambda d: (d / "model.safetensors").write_bytes(os.urandom(1000)),
+        "bad_config": lambda d: (d / "config.json").write_text("{nope"),
+        "unknown_type": lambda d: (d / "config.json").write_text(
+            (d / "config.json").read_text().replace('"model_type": "qwen2_vl"', '"model_type": "nosuch"')),
+        "no_tokenizer": lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+    }.items():
+        shutil.copytree(good, root / name)
+        breaks(root / name)
+        out[name] = root / name
+    return out
+
+
+MISTAKES = {  # name: (overrides, a piece of the first line of the message)
+    "weights missing": (["members.0.model={no_weights}"], "member 'q': cannot load {no_weights} (OSError"),
+    "weights corrupt": (["members.0.model={corrupt_weights}"], "member 'q': cannot load {corrupt_weights} (SafetensorError"),
+    "config.json invalid": (["members.0.model={bad_config}"], "cannot read the model type from config.json (JSONDecodeError"),
+    "unknown model_type": (["members.0.model={unknown_type}"], "no model family for model_type 'nosuch'"),
+    "tokenizer missing": (["members.0.model={no_tokenizer}"], "has no tokenizer files"),
+    "family contradicts config.json": (["members.0.family=mllama"], "family 'mllama' contradicts its config.json"),
+    "text member, image data": (["members.0.model={text}"], "is a text-only qwen3 model but the training data has images"),
+    "data file missing": (["data.train.loader=jsonl", "data.train.path={tmp}/none.jsonl"], "none.jsonl does not exist: check data.train.path"),
+    "loader option typo": (["data.train.options={{limt: 3}}"], "does not take these options ['limt']"),
+    "empty data file": (["data.train.loader=jsonl", "data.train.path={tmp}/empty.jsonl"], "no usable example in"),
+    "skip beyond the data": (["data.train.loader=jsonl", "data.train.path={tmp}/one.jsonl", "data.train.skip=5",
+                              "data.train.limit=null"], "no training examples left (1 loaded, skip=5"),
+    "prompt too long": (["rollout.max_prompt_tokens=5"], "over rollout.max_prompt_tokens=5"),
+    "output_dir is a file": (["output_dir={tmp}/a_file"], "is a file; choose a directory"),
+    "resume without a checkpoint": (["train.resume=true"], "train.resume=true but"),
+    "batch larger than the data": (["data.batch_size=20"], "data.batch_size=20 is larger than the 16 training examples"),
+    "member ranks outside the launch": (["members.0.ranks=[3]"], "is placed on ranks [3] but the launch has 1 process"),
+    "deepspeed optimizer section": (["train.deepspeed={tmp}/ds.json"], "remove the 'optimizer' section"),
+    "fp16 training": (["members.0.dtype=float16"], "members[0].dtype: float16 training needs loss scaling"),
+    "unknown key": (["train.lrr=0.1"], "unknown key 'train.lrr'"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_user_mistake_exits_2_with_the_fix(models, tmp_path, capsys, mistake):
+    (tmp_path / "empty.jsonl").write_text("")
+    write_jsonl(tmp_path / "one.jsonl", [{"id": "a", "question": "1+1?", "answer": "2"}])
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}')
+    cfg = cohort(tmp_path, [("q", models["good"])], data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 2},
+                 reward={"mode": "self_vote"})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    overrides, expected = MISTAKES[mistake]
+    names = {k: str(v) for k, v in models.items()} | {"tmp": str(tmp_path)}
+    code = main(["--config", str(path), *[o.format(**names) for o in overrides]])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected.format(**names) in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before any training
+
+
+def test_ctrl_c_exits_130_naming_the_checkpoint_to_resume_from(models, tmp_path):
+    cfg = cohort(tmp_path, [("q", models["good"])], data={"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 8},
+                 reward={"mode": "self_vote"})
+    cfg["train"].update(max_steps=100_000, save_every=5)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "vlm_corl.train", "--config", str(path)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) > 7):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"interrupted at step \d+ \(\w+\); resume from .*/checkpoints/step-\d+ with train.resume=true",
+                        last), last

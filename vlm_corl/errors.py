@@ -1,0 +1,16 @@
+"""The one base class of user mistakes: every command prints such an error's message and exits 2, without a
+traceback (tracebacks are for our bugs; `--debug` or VLM_CORL_DEBUG=1 shows one anyway)."""
+
+from __future__ import annotations
+
+import os
+
+
+class UserError(Exception):
+    """A mistake in what the user gave (config, data, model files, run directory, launch) that names the
+    file or field and what to do."""
+
+
+def debug_requested(argv_flag: bool = False) -> bool:
+    """Whether a command should let errors propagate with their traceback."""
+    return argv_flag or os.environ.get("VLM_CORL_DEBUG", "").strip().lower() in ("1", "true", "yes")
