@@ -186,7 +186,7 @@ def prompt_tokens(model_dir: str, data_file: str | None, args) -> tuple[int, int
 
     cfg = cohort_config(args, model_dir, data_file, 1, Path("."))
     member = load_member(MemberConfig(id="probe", model=model_dir))
-    example = load_training_examples(cfg.data.train)[0]
+    example = load_training_examples(cfg.data.train)[0][0]
     ids = Renderer(member, "original", cfg.data.max_image_pixels, 10**6)(example).inputs["input_ids"]
     return ids.shape[1], int((ids == member.model.config.image_token_id).sum())
 

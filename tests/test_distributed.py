@@ -3,12 +3,13 @@ the whole-batch loss normaliser, and fp32 master weights for a member saved in b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from cohort_helpers import cohort, metrics, weights
+from cohort_helpers import cohort, metrics, weights, write_jsonl
 from vlm_corl.config import ConfigError, MemberConfig, config_from_dict
 from vlm_corl.distributed import PlacementError, World, describe, place_members, shard, sum_over
 from vlm_corl.exchange import LockstepError, exchange
@@ -145,3 +146,17 @@ def test_a_run_directory_holds_one_run(tiny_zoo, tmp_path, caplog):
     summary = run_cohort(config_from_dict({**cfg, "train": {**cfg["train"], "overwrite": True, "max_steps": 1}}))
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
     assert summary["checkpoint"].endswith("step-1") and not (tmp_path / "run" / "checkpoints" / "step-3").exists()
+
+
+def test_summary_records_dropped_records_and_the_environment(tiny_zoo, tmp_path):
+    rows = [{"id": f"q{i}", "question": f"What is {i}?", "answer": str(i)} for i in range(6)] + [{"question": "no id?"}]
+    rows += [{"id": "broken", "answer": "1"}]  # no question
+    data = {"train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / "q.jsonl", rows))}, "batch_size": 2}
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen3"])], data=data, reward={"mode": "self_vote"})
+    cfg["train"]["max_steps"] = 1
+    run_cohort(config_from_dict(cfg))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["data"]["kept"] == 7 and sum(summary["data"]["skipped"].values()) == 1
+    env = summary["environment"]
+    assert env["torch_threads"] == torch.get_num_threads() and env["processes"] == 1
+    assert {"torch", "transformers"} <= env["versions"].keys()

@@ -33,3 +33,25 @@ def test_eval_cli_runs_a_text_benchmark_through_python_m(tiny_zoo, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "cli" / "results.json").read_text())[str(tiny_zoo["qwen3"])]
     assert results["math500"]["n"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--limit", "-3"], "--limit: must be at least 1 (got -3)"),
+    (["--limit", "0"], "--limit: must be at least 1 (got 0)"),
+    (["--out", "{file}"], "is a file; give a directory"),
+    (["--benchmarks", "easyvq"], "Did you mean 'easyvqa'?"),
+    (["--models", "{tmp}/none"], "member 'none'"),
+])
+def test_eval_cli_mistakes_exit_2_before_evaluating(tiny_zoo, tmp_path, capsys, args, message):
+    (tmp_path / "a_file").write_text("x")
+    base = {"--models": str(tiny_zoo["qwen2_vl"]), "--benchmarks": "easyvqa", "--limit": "2", "--out": str(tmp_path / "o")}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value.format(file=tmp_path / "a_file", tmp=tmp_path)
+    argv = [x for kv in base.items() for x in kv]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "results.json").exists()

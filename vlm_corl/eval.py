@@ -18,9 +18,10 @@ from pathlib import Path
 from vlm_corl.answers import answers_equivalent, extract_answer
 from vlm_corl.config import MemberConfig
 from vlm_corl.data import balance_by, load_examples
+from vlm_corl.errors import UserError, debug_requested
 from vlm_corl.member import Member, load_member
 from vlm_corl.records import Example
-from vlm_corl.registry import BENCHMARKS
+from vlm_corl.registry import BENCHMARKS, UnknownNameError
 from vlm_corl.render import Renderer
 from vlm_corl.rollout import SamplingParams, make_engine
 
@@ -103,23 +104,46 @@ def results_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value}); leave --limit out for every example")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_corl.eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", required=True, help="model directories (HF format)")
     parser.add_argument("--benchmarks", required=True, help=f"comma-separated; available: {', '.join(BENCHMARKS.names())}")
     parser.add_argument("--out", required=True, help="directory for results.json and results.md")
-    parser.add_argument("--limit", type=int, default=None, help="examples per benchmark (balanced by type where defined)")
+    parser.add_argument("--limit", type=_positive, default=None,
+                        help="examples per benchmark, at least 1 (balanced by type where defined)")
     parser.add_argument("--data", action="append", default=[], metavar="BENCH=PATH",
-                        help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 (default: the copy shipped in text_corl)")
+                        help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 "
+                             "(default: the copy shipped in text_corl)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
-    paths = dict(item.split("=", 1) for item in args.data)
-    results: dict[str, dict] = {}
-    for name in args.benchmarks.split(","):
-        bench = BENCHMARKS.get(name)
-        examples = benchmark_examples(bench, args.limit, paths.get(name))
-        for model_dir in args.models:
-            results.setdefault(str(model_dir), {})[name] = evaluate_dir(model_dir, bench, examples)
-    write_results(Path(args.out), results, results_markdown(results))
+    bad_data = [item for item in args.data if "=" not in item]
+    if bad_data:
+        parser.error(f"--data takes BENCH=PATH, got {bad_data}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():  # checked before the evaluation, not after it
+        parser.error(f"--out {out} is a file; give a directory")
+    try:
+        names = [name for name in args.benchmarks.split(",") if name]
+        benches = {name: BENCHMARKS.get(name) for name in names}
+        paths = dict(item.split("=", 1) for item in args.data)
+        results: dict[str, dict] = {}
+        for name, bench in benches.items():
+            examples = benchmark_examples(bench, args.limit, paths.get(name))
+            for model_dir in args.models:
+                results.setdefault(str(model_dir), {})[name] = evaluate_dir(model_dir, bench, examples)
+    except (UserError, UnknownNameError) as err:
+        if debug_requested(args.debug):
+            raise
+        print(f"error: {str(err).strip(chr(34))}", file=sys.stderr)
+        return 2
+    write_results(out, results, results_markdown(results))
     return 0
 
 

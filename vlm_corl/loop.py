@@ -9,6 +9,7 @@ import json
 import logging
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,7 @@ class CohortRun:
     reward_spec: RewardSpec
     start: int
     history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
+    data_report: object = None  # vlm_corl.data.LoadReport: records kept and skipped (into summary.json)
 
 
 class Interrupted(Exception):
@@ -218,6 +220,9 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     fallbacks = {sid: n for part in world.all_gather({s.id: s.renderer.view_fallbacks for s in slots})
                  for sid, n in part.items()}
     summary = _summary(cfg, run.history, run.run_dir, fallbacks)
+    report = run.data_report
+    summary["data"] = {"kept": report.kept, "skipped": report.skipped, "skipped_examples": report.samples}
+    summary["environment"] = environment(world)
     if run.sink is not None:
         run.sink.close()
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -241,7 +246,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         log.info("placement over %d process(es): %s", world.size, describe(placement))
     torch.manual_seed(cfg.seed)
     reward_spec = resolve_reward(cfg.reward)
-    examples = load_training_examples(cfg.data.train)
+    examples, data_report = load_training_examples(cfg.data.train)
     if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
         examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
         log.info("paraphrases: %s", report.summary())
@@ -286,7 +291,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
                 history += state.get("rows", [])
         log.info("resumed from %s (step %d)", resume_from, start)
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
-                     reward_spec, start, history)
+                     reward_spec, start, history, data_report)
 
 
 def attach_deepspeed(member, train, world: World, ranks: tuple[int, ...]) -> None:
@@ -473,8 +478,9 @@ def _gather_step_facts(world: World, updates: dict, rollout_s: dict) -> tuple[di
     return updates_all, seconds
 
 
-def load_training_examples(spec) -> list:
-    """The training examples of a `DatasetConfig`: `skip` first ones dropped, then at most `limit`."""
+def load_training_examples(spec) -> tuple[list, object]:
+    """The training examples of a `DatasetConfig` (`skip` first ones dropped, then at most `limit`) and the
+    loader's report of the records it kept and skipped (by reason)."""
     stop = spec.skip + spec.limit if spec.limit else None
     data = load_examples(spec.loader, spec.path, split=spec.split, limit=stop, **spec.options)
     log.info("data: %s", data.report.summary())
@@ -482,7 +488,7 @@ def load_training_examples(spec) -> list:
     if not kept:
         raise DataError(f"data.train: no training examples left ({len(data.examples)} loaded, skip={spec.skip}; "
                         f"{data.report.summary()}): check data.train.path, split, skip and limit")
-    return kept
+    return kept, data.report
 
 
 def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:
@@ -555,6 +561,25 @@ def _rows(step, specs, cohort, scored, gold, lengths, updates, rollout_s, histor
         rows.append(row)
     flag_step(history, rows)
     return rows
+
+
+def environment(world: World) -> dict:
+    """What a result depends on beyond the config: library versions, torch threads, processes, git commit."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "vllm"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
+                                capture_output=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"torch_threads": torch.get_num_threads(), "processes": world.size, "device": str(world.device),
+            "versions": versions, "git_commit": commit}
 
 
 def _summary(cfg, history: list[dict], run_dir: Path, view_fallbacks: dict[str, int]) -> dict:
