@@ -75,7 +75,7 @@ def test_easyvqa_test_split_and_errors():
     assert data.easyvqa_paraphrases("what color is the shape?") == ("what is the color of the shape?",)
     with pytest.raises(DataError, match="no split 'val'"):
         load_examples("easyvqa", split="val")
-    with pytest.raises(DataError, match="leave data.path empty"):
+    with pytest.raises(DataError, match="leave data.train.path empty"):
         load_examples("easyvqa", path="/somewhere")
 
 
