@@ -1,7 +1,6 @@
 """`python -m vlm_corl.eval` on both registries' benchmarks: easy-vqa (vision) and MATH-500 (text, via text_corl)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
