@@ -221,3 +221,13 @@ def test_the_deadline_holds_in_a_thread_and_falls_back_to_strings():
     thread.start()
     thread.join(timeout=60)
     assert results["verdict"] is False and results["seconds"] < 10
+
+
+def test_a_comparison_cut_by_the_deadline_is_not_cached(monkeypatch):
+    """A deadline depends on machine load: its "not equivalent" must not stick to the pair for the whole run."""
+    import vlm_corl.answers.equivalence as equivalence
+
+    verdicts = iter([None, True])  # first call: the deadline passed; second: math-verify answers
+    monkeypatch.setattr(equivalence, "math_verify_equivalent", lambda g, p, t: next(verdicts))
+    assert answers_equivalent("\\frac{7}{13}", "0.538461538", timeout_s=0.5) is False
+    assert answers_equivalent("\\frac{7}{13}", "0.538461538", timeout_s=0.5) is True

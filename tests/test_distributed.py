@@ -160,3 +160,17 @@ def test_summary_records_dropped_records_and_the_environment(tiny_zoo, tmp_path)
     env = summary["environment"]
     assert env["torch_threads"] == torch.get_num_threads() and env["processes"] == 1
     assert {"torch", "transformers"} <= env["versions"].keys()
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_a_step_with_nothing_to_learn_still_steps_the_schedule(tiny_zoo, tmp_path, filtered):
+    """All-zero advantages and all groups filtered out (algo.filter_zero_variance) behave the same: a
+    zero-gradient optimizer step, so the learning-rate schedule advances identically."""
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote",
+                                                                "custom": "reward_fixtures:constant"})
+    cfg["train"].update(max_steps=3, warmup_ratio=0.0, lr=1e-3)
+    cfg["algo"] = {"filter_zero_variance": filtered}
+    run_cohort(config_from_dict(cfg))
+    rows = metrics(tmp_path / "run")
+    assert [r["grad_norm"] for r in rows] == [0.0, 0.0, 0.0]
+    assert rows[0]["lr"] == 1e-3 and rows[0]["lr"] > rows[1]["lr"] > rows[2]["lr"]  # cosine decay went on

@@ -105,3 +105,25 @@ def test_ctrl_c_exits_130_naming_the_checkpoint_to_resume_from(models, tmp_path)
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(r"interrupted at step \d+ \(\w+\); resume from .*/checkpoints/step-\d+ with train.resume=true",
                         last), last
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos(models, tmp_path):
+    """Many released tokenizers have no pad token; batches need one (its positions are masked out)."""
+    import json
+
+    from vlm_corl.config import MemberConfig
+    from vlm_corl.member import load_member
+
+    text = tmp_path / "nopad"
+    shutil.copytree(models["text"], text)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = text / name
+        if f.exists():
+            cfg = json.loads(f.read_text())
+            cfg.pop("pad_token", None)
+            f.write_text(json.dumps(cfg))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(text).pad_token_id is None  # the case this test is about
+    member = load_member(MemberConfig(id="t", model=str(text)))
+    assert member.tokenizer.pad_token == member.tokenizer.eos_token == "<|im_end|>"

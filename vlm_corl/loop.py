@@ -376,9 +376,8 @@ def update_phase(run: CohortRun, groups, advantages, rewards, lengths, const_nor
         trained = [n for n, spec in enumerate(run.specs) if spec.member_id == m.id and not spec.teacher]
         totals = batch_totals([lengths[n] for n in trained], [rewards[n] for n in trained],
                               cfg.algo.filter_zero_variance)
-        if totals[1] == 0:
-            updates[m.id] = {"trained_seqs": 0}
-            continue
+        # Even when every group was filtered out the member takes its (zero-gradient) optimizer step, exactly as
+        # when every advantage is zero: the schedule and Adam's moments advance the same way in both cases.
         updates[m.id] = policy_update(m, seqs, cfg.algo, cfg.train, cfg.rollout.temperature, const_norm, totals)
         run.slots[mine[0]].engine.sync_weights()  # the next rollout samples from the updated policy
     decay = teacher_decay(step, cfg.train.max_steps, cfg.reward.teacher_decay_start, cfg.reward.teacher_decay_end)

@@ -247,6 +247,14 @@ def load_member(cfg, model_dir: str | Path | None = None, device: torch.device |
         processor = tokenizer
         if family.modality == "vision":
             processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            # Batches are padded (and pad positions masked out of every loss): eos is the usual stand-in.
+            if tokenizer.eos_token is None:
+                raise MemberLoadError(f"member {cfg.id!r}: the tokenizer in {path} has neither a pad nor an eos token;"
+                                      " set pad_token in its tokenizer_config.json")
+            tokenizer.pad_token = tokenizer.eos_token
+            if processor is not tokenizer and getattr(processor, "tokenizer", None) is not None:
+                processor.tokenizer.pad_token = tokenizer.eos_token
     except Exception as err:  # noqa: BLE001 - third-party loaders raise many types for a bad directory
         if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
             raise

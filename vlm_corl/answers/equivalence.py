@@ -22,6 +22,11 @@ _LABELLED_CHOICE = re.compile(r"\s*(?:\(\s*[A-Za-z]\s*\)|[A-Za-z][.:)])\s+(\S.*)
 _MARKUP = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|boxed)\s*\{([^{}]*)\}|\$|\*\*")
 
 
+class _DeadlinePassed(Exception):
+    """math-verify did not finish in time. Raised through the cached helpers, so the answer (False) is not
+    cached: the same pair is tried again later instead of staying "not equivalent" because of machine load."""
+
+
 def _plain_equivalent(gold: str, pred: str, timeout_s: float) -> bool:
     g, p = normalize_answer(gold), normalize_answer(pred)
     if not g or not p:
@@ -30,8 +35,10 @@ def _plain_equivalent(gold: str, pred: str, timeout_s: float) -> bool:
         return True
     if is_word_answer(g) and is_word_answer(p):
         return False  # math-verify reads words as products of symbols: "east" would equal "seat"
-    # None (deadline passed): fall back to the normalised comparison, which has already said no.
-    return bool(math_verify_equivalent(g, p, timeout_s))
+    verdict = math_verify_equivalent(g, p, timeout_s)
+    if verdict is None:
+        raise _DeadlinePassed
+    return verdict
 
 
 def _letter_form(answer: str, n_choices: int) -> tuple[str, bool] | None:
@@ -66,7 +73,11 @@ def choice_letter(answer: str, choices: Sequence[str], timeout_s: float = VERIFY
     choice's text ("5" for choice "5 cm", "0.5" for choice ``\\frac{1}{2}``; the first such choice wins; a label
     the choice itself carries, as in "A. 3", is not part of its text).
     """
-    return _choice_letter(answer, tuple(choices), timeout_s)
+    try:
+        return _choice_letter(answer, tuple(choices), timeout_s)
+    except _DeadlinePassed:
+        named = _letter_form(answer, len(choices))  # what is known without math-verify
+        return None if named is None else named[0]
 
 
 @lru_cache(maxsize=1 << 16)
@@ -93,12 +104,15 @@ def answers_equivalent(
     strings (``normalize_answer``) are equivalent; two plain-word answers are compared only that way; anything
     else goes to math-verify, ``verify(parse(gold), parse(pred))`` with gold first, which handles fractions vs
     decimals, sets, tuples, intervals, matrices and equations. If math-verify does not finish within
-    ``timeout_s`` seconds, the answer is the normalised comparison (False). Results are cached on the
-    arguments; safe in threads and worker processes.
+    ``timeout_s`` seconds, the answer is the normalised comparison (False), and that answer is not cached.
+    Other results are cached on the arguments; safe in threads and worker processes.
     """
     if gold is None or pred is None:
         return False
-    return _equivalent(gold, pred, tuple(choices) if choices else None, timeout_s)
+    try:
+        return _equivalent(gold, pred, tuple(choices) if choices else None, timeout_s)
+    except _DeadlinePassed:  # the normalised comparison has already said no; not cached
+        return False
 
 
 def group_equivalent(
