@@ -237,6 +237,11 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     build_groups(world, placement, every=cfg.train.deepspeed is not None)
     run_dir = Path(cfg.output_dir)
     resume_from = _resume_point(cfg, run_dir)
+    state = load_cohort_state(resume_from) if resume_from else None
+    if state is not None and state["step"] >= cfg.train.max_steps:  # before anything expensive is loaded
+        raise ConfigError([f"train.max_steps={cfg.train.max_steps} but {resume_from} is already at step "
+                           f"{state['step']}: raise train.max_steps to train further, or start a new output_dir"],
+                          ["train.max_steps"])
     if resume_from is None:
         _claim_run_dir(cfg, run_dir, clear=world.is_main)
     world.barrier()  # every rank has looked at the run directory before anything new is written
@@ -275,13 +280,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
     sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
     start, history = 0, []
-    if resume_from:
-        state = load_cohort_state(resume_from)
+    if state is not None:
         start = state["step"]
-        if start >= cfg.train.max_steps:
-            raise ConfigError([f"train.max_steps={cfg.train.max_steps} but {resume_from} is already at step {start}: "
-                               "raise train.max_steps to train further, or start a new output_dir"],
-                              ["train.max_steps"])
         sampler.load_state_dict(state["sampler"])
         restore_rng(state["rng"], world)
         if sink is not None:
