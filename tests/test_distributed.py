@@ -58,7 +58,7 @@ def test_shards_cover_the_batch_once():
 def test_exchange_lines_rows_up_by_batch_position_even_for_a_repeated_example():
     world = World()
     local = {"a": {1: (["x1"],), 0: (["x0"],)}, "b": {0: (["y0"],), 1: (["y1"],)}}
-    (answers,) = exchange(world, ["q7", "q7"], local, ["b", "a"])[0]
+    (answers,) = exchange(world, ["q7", "q7"], local, ["b", "a"])
     assert answers == [[["y0"], ["y1"]], [["x0"], ["x1"]]]
     with pytest.raises(LockstepError, match=r"slot 'a' has no answers for batch positions \[1\]"):
         exchange(world, ["q1", "q2"], {"a": {0: (["x"],)}, "b": {0: (["y"],), 1: (["z"],)}}, ["a", "b"])
@@ -174,3 +174,16 @@ def test_a_step_with_nothing_to_learn_still_steps_the_schedule(tiny_zoo, tmp_pat
     rows = metrics(tmp_path / "run")
     assert [r["grad_norm"] for r in rows] == [0.0, 0.0, 0.0]
     assert rows[0]["lr"] == 1e-3 and rows[0]["lr"] > rows[1]["lr"] > rows[2]["lr"]  # cosine decay went on
+
+
+def test_resume_falls_back_past_a_checkpoint_missing_a_members_weights(tiny_zoo, tmp_path, caplog):
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"]), ("l", tiny_zoo["mllama"])], reward={"mode": "ring"})
+    cfg["train"].update(max_steps=4, save_every=2, keep_last=5)
+    run_cohort(config_from_dict(cfg))
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step-4" / "l" / "model.safetensors").unlink()  # e.g. a disk that filled up on another node
+    resumed = {**cfg, "train": {**cfg["train"], "resume": True, "max_steps": 5}}
+    run_cohort(config_from_dict(resumed))
+    assert "step-4 is incomplete" in caplog.text
+    assert [r["step"] for r in metrics(tmp_path / "run") if r["member"] == "q"] == [1, 2, 3, 4, 5]
+    assert (ckpts / "step-5" / "l" / "model.safetensors").exists()

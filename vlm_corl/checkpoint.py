@@ -104,8 +104,8 @@ def is_complete(checkpoint: Path) -> bool:
     )
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (incomplete ones are skipped with a warning)."""
+def list_checkpoints(run_dir: Path, warn: bool = False) -> list[Path]:
+    """Complete checkpoints, oldest first; incomplete ones are skipped (with a warning when `warn`: on resume)."""
     root = Path(run_dir) / "checkpoints"
     found = []
     for d in root.glob("step-*") if root.is_dir() else []:
@@ -114,14 +114,14 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
             continue
         if is_complete(d):
             found.append((int(m.group(1)), d))
-        else:
+        elif warn:
             log.warning("checkpoint %s is incomplete (a member's files or the manifest are missing): skipped", d)
     return [d for _, d in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
-    found = list_checkpoints(run_dir)
+def latest_checkpoint(run_dir: Path, warn: bool = False) -> Path | None:
+    """The newest complete checkpoint, or None (`warn`: log the incomplete ones passed over)."""
+    found = list_checkpoints(run_dir, warn)
     return found[-1] if found else None
 
 

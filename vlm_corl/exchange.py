@@ -9,8 +9,6 @@ the reward lines up. Every rank also sends the example ids of its batch, so a ra
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class LockstepError(RuntimeError):
     """Ranks or slots did not answer the same examples at the same step."""
@@ -19,14 +17,12 @@ class LockstepError(RuntimeError):
 Row = tuple[list, ...]  # per-response fields of one group, e.g. (answers, format flags, texts), K each
 
 
-def exchange(world, batch_ids: list[str], local: dict[str, dict[int, Row]], slot_ids: list[str],
-             extra: Any = None) -> tuple[list[list], list]:
+def exchange(world, batch_ids: list[str], local: dict[str, dict[int, Row]], slot_ids: list[str]) -> list[list]:
     """Gather rows {slot id: {batch position: (field_1, field_2, …)}} from every rank.
 
-    Returns one (N, B, K) nested list per field, in `slot_ids` × batch-position order, and every rank's
-    `extra` (in rank order: small per-rank facts such as rollout seconds).
+    Returns one (N, B, K) nested list per field, in `slot_ids` × batch-position order.
     """
-    parts = world.all_gather({"batch": batch_ids, "rows": local, "extra": extra})
+    parts = world.all_gather({"batch": batch_ids, "rows": local})
     for rank, part in enumerate(parts):
         if part["batch"] != batch_ids:
             raise LockstepError(
@@ -53,7 +49,7 @@ def exchange(world, batch_ids: list[str], local: dict[str, dict[int, Row]], slot
         fields = fields or [[] for _ in per_position[0]]
         for f, values in enumerate(fields):
             values.append([row[f] for row in per_position])
-    return fields, [part["extra"] for part in parts]
+    return fields
 
 
 def _first_difference(a: list[str], b: list[str]) -> str:

@@ -180,7 +180,7 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
             local = extract_phase(run, groups, batch)
         with timer("exchange"):
             answers, formats, texts, lengths, entropy, certainty = exchange(
-                world, [ex.id for ex in batch], local, [s.id for s in run.specs])[0]
+                world, [ex.id for ex in batch], local, [s.id for s in run.specs])
         with timer("reward"):
             gold = [ex.answer for ex in batch]
             cohort = CohortBatch(
@@ -534,7 +534,7 @@ def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
 def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
     if cfg.train.resume is False:
         return None
-    found = latest_checkpoint(run_dir)
+    found = latest_checkpoint(run_dir, warn=True)
     if found is None and cfg.train.resume is True:
         raise ConfigError([f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: use "
                            "train.resume=auto to start fresh when there is none"], ["train.resume"])
