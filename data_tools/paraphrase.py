@@ -48,8 +48,10 @@ from pathlib import Path
 
 import torch
 
+from vlm_corl import cli
 from vlm_corl.config.schema import DataConfig, MemberConfig, RolloutConfig, VllmConfig
-from vlm_corl.data import DataError, load_examples
+from vlm_corl.data import load_examples
+from vlm_corl.errors import UserError
 from vlm_corl.images import load_image
 from vlm_corl.paraphrases import (
     CLOSE_TAG, MAX_LENGTH_RATIO, MIN_LENGTH_RATIO, CacheError, CacheRecord, read_cache, select_paraphrases,
@@ -196,22 +198,22 @@ def cache_totals(out: Path, examples: list[Example], n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_tools.paraphrase", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("python -m data_tools.paraphrase", __doc__, description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="dataset path, as the loader takes it (file or directory)")
     parser.add_argument("--model", required=True, help="rewriter: a local Hugging Face model directory")
     parser.add_argument("--out", required=True, type=Path, help="paraphrase cache to write or resume (JSONL)")
-    parser.add_argument("--n", type=int, default=2, help="paraphrases to keep per example (default 2)")
+    parser.add_argument("--n", type=cli.positive_int, default=2, help="paraphrases to keep per example (default 2)")
     parser.add_argument("--loader", default="jsonl", help="loader registry name or module:function (jsonl, hf, "
                         "math500, ...; see vlm_corl.data)")
     parser.add_argument("--split", default="train", help="dataset split, for a --data directory (default train)")
-    parser.add_argument("--limit", type=int, default=None, help="use the first N examples of the dataset")
+    parser.add_argument("--limit", type=cli.positive_int, default=None, help="use the first N examples of the dataset")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout engine (default hf)")
-    parser.add_argument("--batch-size", type=int, default=16, help="questions per engine call (default 16)")
-    parser.add_argument("--samples", type=int, default=None, help="responses sampled per question (default 2 x n)")
+    parser.add_argument("--batch-size", type=cli.positive_int, default=16, help="questions per engine call (default 16)")
+    parser.add_argument("--samples", type=cli.positive_int, default=None, help="responses sampled per question (default 2 x n)")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="longest response in tokens (default 256)")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=256, help="longest response in tokens (default 256)")
     parser.add_argument("--max-prompt-tokens", type=int, default=2048,
                         help="skip questions whose rewriting prompt is longer (default 2048)")
     parser.add_argument("--min-length-ratio", type=float, default=MIN_LENGTH_RATIO,
@@ -231,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"need --n >= 1 and --samples >= --n (got n={args.n}, samples={samples})")
     template, mode = (SCENARIO_PROMPT, "scenario") if args.scenario else (PROMPT, "wording")
 
-    try:
-        loaded = load_examples(args.loader, args.data, args.split, args.limit)
-        done = resume(args.out, args.model, template)
-    except DataError as e:  # CacheError included
-        parser.exit(2, f"error: {e}\n")
+    if args.out.is_dir():
+        raise UserError(f"--out {args.out} is a directory; give the paraphrase cache's file name (e.g. {args.out}/paraphrases.jsonl)")
+    cli.output_dir(args.out.parent, "the directory of --out")
+    loaded = load_examples(args.loader, args.data, args.split, args.limit)
+    done = resume(args.out, args.model, template)  # CacheError: a cache written by another rewriter or prompt
     if loaded.report.skipped:
         print(loaded.report.summary(), file=sys.stderr)
     pending = [ex for ex in loaded.examples if ex.id not in done]
@@ -266,4 +268,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

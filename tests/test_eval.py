@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from vlm_corl import cli
 from vlm_corl.eval import main
 from text_corl.data import MATH500_DIR
 
@@ -27,7 +28,7 @@ def test_eval_cli_runs_a_text_benchmark_through_python_m(tiny_zoo, tmp_path):
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "vlm_corl.eval", "--models", str(tiny_zoo["qwen3"]), "--benchmarks",
-                           "math500,easyvqa", "--limit", "2", "--out", str(tmp_path / "cli")],
+                           "math500", "--limit", "2", "--out", str(tmp_path / "cli")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "cli" / "results.json").read_text())[str(tiny_zoo["qwen3"])]
@@ -39,18 +40,20 @@ def test_eval_cli_runs_a_text_benchmark_through_python_m(tiny_zoo, tmp_path):
     (["--limit", "0"], "--limit: must be at least 1 (got 0)"),
     (["--out", "{file}"], "is a file; give a directory"),
     (["--benchmarks", "easyvq"], "Did you mean 'easyvqa'?"),
-    (["--models", "{tmp}/none"], "member 'none'"),
+    (["--models", "{tmp}/none"], "member 'none' ({tmp}/none): the model directory does not exist"),
+    (["--limit", "2"], "a limit of 2 cannot be balanced over the 3 values of 'question_type'"),
+    (["--models", "{text}"], "is a text-only qwen3 model but the data has images"),
 ])
 def test_eval_cli_mistakes_exit_2_before_evaluating(tiny_zoo, tmp_path, capsys, args, message):
     (tmp_path / "a_file").write_text("x")
-    base = {"--models": str(tiny_zoo["qwen2_vl"]), "--benchmarks": "easyvqa", "--limit": "2", "--out": str(tmp_path / "o")}
+    base = {"--models": str(tiny_zoo["qwen2_vl"]), "--benchmarks": "easyvqa", "--limit": "3", "--out": str(tmp_path / "o")}
     for flag, value in zip(args[::2], args[1::2]):
-        base[flag] = value.format(file=tmp_path / "a_file", tmp=tmp_path)
+        base[flag] = value.format(file=tmp_path / "a_file", tmp=tmp_path, text=tiny_zoo["qwen3"])
     argv = [x for kv in base.items() for x in kv]
     try:
-        code = main(argv)
+        code = cli.run(main, argv)
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
     assert code == 2
-    assert message in capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
     assert not (tmp_path / "o" / "results.json").exists()

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from data_tools import paraphrase as tool
+from vlm_corl import cli
 from vlm_corl.config import MemberConfig
 from vlm_corl.member import load_member
 from vlm_corl.paraphrases import (
@@ -227,9 +228,7 @@ def test_tool_resumes_without_redoing_finished_rows(tmp_path, rewriter, capsys):
 def test_tool_refuses_to_mix_prompts(tmp_path, rewriter, capsys):
     data, out = write_data(tmp_path / "data.jsonl", 1), tmp_path / "cache.jsonl"
     out.write_text(CacheRecord("q0", "What is 0 plus 1?", (), str(rewriter), tool.PROMPT).to_json() + "\n")
-    with pytest.raises(SystemExit) as exit:
-        tool.main(["--data", str(data), "--model", str(rewriter), "--out", str(out), "--scenario"])
-    assert exit.value.code == 2
+    assert cli.run(tool.main, ["--data", str(data), "--model", str(rewriter), "--out", str(out), "--scenario"]) == 2
     assert "written with another prompt (mode None: check --scenario)" in capsys.readouterr().err
 
 

@@ -48,8 +48,8 @@ MISTAKES = {  # name: (overrides, a piece of the first line of the message)
     "unknown model_type": (["members.0.model={unknown_type}"], "no model family for model_type 'nosuch'"),
     "tokenizer missing": (["members.0.model={no_tokenizer}"], "has no tokenizer files"),
     "family contradicts config.json": (["members.0.family=mllama"], "family 'mllama' contradicts its config.json"),
-    "text member, image data": (["members.0.model={text}"], "is a text-only qwen3 model but the training data has images"),
-    "data file missing": (["data.train.loader=jsonl", "data.train.path={tmp}/none.jsonl"], "none.jsonl does not exist: check data.train.path"),
+    "text member, image data": (["members.0.model={text}"], "is a text-only qwen3 model but the data has images"),
+    "data file missing": (["data.train.loader=jsonl", "data.train.path={tmp}/none.jsonl"], "none.jsonl does not exist: check the data path (data.train.path"),
     "loader option typo": (["data.train.options={{limt: 3}}"], "does not take these options ['limt']"),
     "empty data file": (["data.train.loader=jsonl", "data.train.path={tmp}/empty.jsonl"], "no usable example in"),
     "skip beyond the data": (["data.train.loader=jsonl", "data.train.path={tmp}/one.jsonl", "data.train.skip=5",
@@ -91,16 +91,21 @@ def test_ctrl_c_exits_130_naming_the_checkpoint_to_resume_from(models, tmp_path)
     cfg["train"].update(max_steps=100_000, save_every=5)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    # A job started in the background by a non-interactive shell inherits SIGINT ignored (so that Ctrl-C in
+    # the terminal spares it); Python then installs no KeyboardInterrupt handler. Restore the default.
     proc = subprocess.Popen([sys.executable, "-m", "vlm_corl.train", "--config", str(path)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) > 7):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=120)[1]
+    try:
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()  # never leave a training process behind
     assert proc.returncode == 130, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(r"interrupted at step \d+ \(\w+\); resume from .*/checkpoints/step-\d+ with train.resume=true",
@@ -127,3 +132,35 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(models, tmp_path):
     assert AutoTokenizer.from_pretrained(text).pad_token_id is None  # the case this test is about
     member = load_member(MemberConfig(id="t", model=str(text)))
     assert member.tokenizer.pad_token == member.tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def trained(models, tmp_path_factory) -> Path:
+    """A finished 2-step run with a checkpoint per step, and its config."""
+    root = tmp_path_factory.mktemp("trained")
+    cfg = cohort(root, [("q", models["good"])], data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 2},
+                 reward={"mode": "self_vote"})
+    cfg["train"]["save_every"] = 1
+    (root / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(root / "c.yaml")]) == 0
+    return root
+
+
+@pytest.mark.parametrize("mistake, breaks, expected", [
+    ("member renamed", None, "holds members ['q'] but the config has ['renamed']: members are matched by id"),
+    ("corrupt trainer_state.pt", "step-2/q/trainer_state.pt", "step-2/q/trainer_state.pt cannot be read"),
+    ("empty cohort_state.pt", "step-2/cohort_state.pt", "step-2/cohort_state.pt cannot be read (EOFError"),
+])
+def test_a_resume_mistake_names_the_file(trained, tmp_path, capsys, mistake, breaks, expected):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    overrides = ["train.resume=true", "train.max_steps=3", f"output_dir={run}"]
+    if breaks is None:
+        overrides.append("members.0.id=renamed")
+    else:
+        (run / "checkpoints" / breaks).write_bytes(b"" if breaks.endswith("cohort_state.pt") else os.urandom(64))
+    assert main(["--config", str(trained / "c.yaml"), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    if breaks is not None:  # and what to do about it
+        assert f"Move {run / 'checkpoints' / 'step-2'} out of checkpoints/ to resume from the one before it" in err

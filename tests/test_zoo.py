@@ -20,6 +20,7 @@ from vlm_corl.families import TEXT_DIMS, detect_family, family_for_model_type
 from vlm_corl.families.qwen import mrope_section
 from vlm_corl.registry import FAMILIES
 from vlm_corl.tokenizer_train import BASE_VOCAB_SIZE, FORMAT_TOKENS, _trained_bpe
+from vlm_corl import cli
 from vlm_corl.zoo import build_member, main, member_dir
 
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl")
@@ -203,7 +204,7 @@ def test_cli_builds_prints_table_and_rejects_unknown_family(tmp_path, capsys):
     assert table[0].split() == ["family", "path", "parameters"]
     assert [row.split()[0] for row in table[1:]] == ["llama", "gemma3"]
     assert json.loads((tmp_path / "gemma3" / "config.json").read_text())["model_type"] == "gemma3"
-    assert main(["--out", str(tmp_path), "--families", "qwen2vl"]) == 2
+    assert cli.run(main, ["--out", str(tmp_path), "--families", "qwen2vl"]) == 2
     assert "Did you mean 'qwen2_vl'?" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])

@@ -19,8 +19,25 @@ import torch
 from torch import Tensor
 
 # Processor outputs laid out along the token axis (dim 1); everything else is per image and is concatenated
-# along dim 0 (flattened patches for Qwen-VL, (1, images, tiles, …) pixel tensors for Mllama, …).
+# along dim 0 (flattened patches for Qwen-VL, …), except a family's batch-aligned keys (Mllama's
+# (1, images, tiles, …) pixel tensors), which get one row per prompt.
 SEQ_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "cross_attention_mask")
+
+
+@functools.cache
+def _aligned_for(model_type: str) -> tuple[str, ...]:
+    from vlm_corl.families import family_for_model_type
+
+    try:
+        return family_for_model_type(model_type).batch_aligned_keys
+    except ValueError:  # a member whose family was set by hand: per-image inputs, the common layout
+        return ()
+
+
+def aligned_keys(model) -> tuple[str, ...]:
+    """The batch-aligned image inputs of `model`'s family (see Family.batch_aligned_keys)."""
+    config = getattr(getattr(model, "module", model), "config", None)  # a DeepSpeed engine wraps the model
+    return _aligned_for(getattr(config, "model_type", ""))
 
 
 def _pad_value(key: str, pad_id: int) -> int:
@@ -28,20 +45,31 @@ def _pad_value(key: str, pad_id: int) -> int:
 
 
 def collate(
-    prompts: list[dict[str, Tensor]], pad_id: int, responses: list[list[int]] | None = None
+    prompts: list[dict[str, Tensor]], pad_id: int, responses: list[list[int]] | None = None,
+    aligned: tuple[str, ...] = (),
 ) -> tuple[dict[str, Tensor], Tensor | None]:
     """Stack prompts (optionally each followed by its response) into one batch.
 
     prompts[i]: processor output of one prompt (batch dim 1); the same dict may appear K times, once per
     response. Returns (inputs, response_mask): inputs hold (B, L + T) token tensors with prompts left-padded
     to L and responses right-padded to T; response_mask is (B, T) with 1 on real response tokens (None when
-    no responses are given).
+    no responses are given). Prompts may differ in their image inputs (some have none): per-image inputs are
+    concatenated over the prompts that have them; `aligned` keys (one row per prompt) are zero-filled for
+    prompts without images and zero-padded to the largest image and tile counts, as the processor pads a batch.
     """
     longest = max(p["input_ids"].shape[1] for p in prompts)
+    lengths = [p["input_ids"].shape[1] for p in prompts]
     t_max = max((len(r) for r in responses), default=0) if responses is not None else 0
     out: dict[str, Tensor] = {}
-    for key in prompts[0]:
-        values = [p[key] for p in prompts]
+    for key in dict.fromkeys(k for p in prompts for k in p):  # every key, in first-seen order
+        values = [p.get(key) for p in prompts]
+        if key in aligned:
+            values = _aligned_rows(values, key, lengths)
+        elif key in SEQ_KEYS:  # a token-axis key only some prompts have (token types): absent is plain text, 0
+            values = [p["input_ids"].new_zeros(p["input_ids"].shape) if v is None else v
+                      for p, v in zip(prompts, values)]
+        else:
+            values = [v for v in values if v is not None]
         if key not in SEQ_KEYS:
             out[key] = torch.cat(values, dim=0)
             continue
@@ -57,6 +85,21 @@ def collate(
     if responses is None:
         return out, None
     return out, response_mask(responses, out["input_ids"].device)
+
+
+def _aligned_rows(values: list[Tensor | None], key: str, lengths: list[int]) -> list[Tensor]:
+    """One row per prompt of a batch-aligned image input: zeros where a prompt has none, and every row
+    zero-padded to the largest size of each image axis (the token axis of a SEQ key stays the prompt's own)."""
+    present = [v for v in values if v is not None]
+    first = 2 if key in SEQ_KEYS else 1
+    sizes = [max(v.shape[d] for v in present) for d in range(first, present[0].dim())]
+    rows = []
+    for v, n in zip(values, lengths):
+        row = present[0].new_zeros((1, n, *sizes) if key in SEQ_KEYS else (1, *sizes))
+        if v is not None:
+            row[tuple(slice(0, s) for s in v.shape)] = v
+        rows.append(row)
+    return rows
 
 
 def _response_part(key: str, prompt_value: Tensor, response: list[int], t_max: int, pad_id: int) -> Tensor:
@@ -136,7 +179,7 @@ def prefill(model, prompts: list[dict[str, Tensor]], pad_id: int, mrope: bool) -
     index: dict[int, int] = {}
     rows = torch.tensor([index.setdefault(id(p), len(index)) for p in prompts], device=prompts[0]["input_ids"].device)
     unique = list({id(p): p for p in prompts}.values())
-    inputs, _ = collate(unique, pad_id)
+    inputs, _ = collate(unique, pad_id, aligned=aligned_keys(model))
     inputs["position_ids"], rope_delta = model_positions(model, inputs, mrope)
     out = model(**inputs, use_cache=True, logits_to_keep=1)
     cache_arg = cache_argument(type(model))

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlm_corl.errors import UserError
+
 STATE_FILE = "cohort_state.pt"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"  # a trained member's optimizer and schedule
@@ -125,10 +127,28 @@ def latest_checkpoint(run_dir: Path, warn: bool = False) -> Path | None:
     return found[-1] if found else None
 
 
+class CheckpointError(UserError):
+    """A checkpoint file that cannot be read (names the file and how to go on)."""
+
+
+def read_state(path: Path, weights_only: bool = True) -> dict:
+    """torch.load of a state file we wrote; a truncated or corrupt one is a CheckpointError naming it."""
+    try:
+        return torch.load(path, weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001 - pickle/zip/OS errors all mean "this file is unusable"
+        if isinstance(err, MemoryError):
+            raise
+        checkpoint = path.parent if path.parent.name.startswith("step-") else path.parent.parent
+        detail = (str(err).splitlines() or [""])[0].split(". ")[0][:120]
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {detail}); the file is truncated or "
+                              f"corrupt. Move {checkpoint} out of checkpoints/ to resume from the one before "
+                              "it") from err
+
+
 def load_cohort_state(checkpoint: Path) -> dict:
     """The cohort-level state (step, RNG states, data position, …) of a checkpoint."""
     # weights_only=False: the file holds RNG tuples and numpy state we wrote ourselves.
-    return torch.load(Path(checkpoint) / STATE_FILE, weights_only=False)
+    return read_state(Path(checkpoint) / STATE_FILE, weights_only=False)
 
 
 def restore_rng(states, world) -> None:

@@ -141,7 +141,7 @@ def load_examples(
     Raises `DataError` when the source cannot be read or no record survives.
     """
     if limit is not None and limit < 1:
-        raise ValueError(f"limit must be at least 1, or None for every record (got {limit})")
+        raise DataError(f"limit must be at least 1, or None for every record (got {limit})")
     fn = LOADERS.get(loader)
     try:
         inspect.signature(fn).bind(path, split, **options)
@@ -177,16 +177,28 @@ def load_examples(
     return LoadResult(examples, report)
 
 
+def missing_path(path: Path) -> DataError:
+    """The error for a data path that does not exist."""
+    return DataError(f"{path} does not exist: check the data path (data.train.path in a cohort config; relative "
+                     f"paths are from {Path.cwd()})")
+
+
 def balance_by(examples: list[Example], key: str, limit: int | None = None) -> list[Example]:
     """An equal number of examples of every value of metadata[key] (at most `limit` in all), in source order.
 
     easy-vqa is 74% yes/no questions: a balanced slice keeps a few answerable-from-text questions from
     dominating a warm start or an accuracy figure.
     """
+    if examples and not any(key in ex.metadata for ex in examples):
+        found = sorted({k for ex in examples for k in ex.metadata})
+        raise DataError(f"cannot balance by {key!r}: no example has that metadata key (keys: {found or 'none'})")
     groups: dict[str, list[Example]] = {}
     for ex in examples:
         groups.setdefault(str(ex.metadata.get(key)), []).append(ex)
     per_value = min(len(g) for g in groups.values())
+    if limit is not None and limit < len(groups):
+        raise DataError(f"a limit of {limit} cannot be balanced over the {len(groups)} values of {key!r} "
+                        f"({', '.join(sorted(groups))}); give at least {len(groups)}")
     if limit is not None:
         per_value = min(per_value, limit // len(groups))
     return [ex for group in groups.values() for ex in group[:per_value]]
@@ -234,7 +246,7 @@ def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tupl
         found = sorted(p.name for p in path.iterdir())[:20]
         raise DataError(f"{path} has no {split}{suffixes[0]} for split {split!r} (found: "
                         f"{', '.join(found) or 'nothing'}); give the file itself as the path, or another split")
-    raise DataError(f"{path} does not exist: check data.train.path (relative paths are from {Path.cwd()})")
+    raise missing_path(path)
 
 
 class _BadField(ValueError):
@@ -395,7 +407,7 @@ def load_hf(
                         "parquet/arrow/json files, or one such file (nothing is downloaded)")
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path} does not exist: check data.train.path (relative paths are from {Path.cwd()})")
+        raise missing_path(path)
     names = _field_names(fields)
     dataset = _open_hf(path, split, cache_dir)
     columns = dataset.column_names

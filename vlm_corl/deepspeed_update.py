@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from vlm_corl.checkpoint import read_state
 from vlm_corl.errors import UserError
 
 STATE_FILE = "deepspeed_state.{}.pt"
@@ -197,7 +198,7 @@ class DeepSpeedUpdate:
 
     def load_state(self, directory: Path) -> None:
         path = Path(directory) / STATE_FILE.format(self.rank)
-        state = torch.load(path, weights_only=False)
+        state = read_state(path, weights_only=False)
         if state["group_size"] != self.size:
             raise ValueError(f"{path} was saved by a member on {state['group_size']} ranks, this run gives it "
                              f"{self.size}: resume with the same members[*].ranks and number of processes")

@@ -11,6 +11,10 @@ class UserError(Exception):
     file or field and what to do."""
 
 
+class Interrupted(Exception):
+    """Ctrl-C during training: one line with the step, the last complete checkpoint and how to resume."""
+
+
 def debug_requested(argv_flag: bool = False) -> bool:
     """Whether a command should let errors propagate with their traceback."""
     return argv_flag or os.environ.get("VLM_CORL_DEBUG", "").strip().lower() in ("1", "true", "yes")

@@ -8,20 +8,21 @@ and every prediction) and `results.md`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from vlm_corl import cli
 from vlm_corl.answers import answers_equivalent, extract_answer
 from vlm_corl.config import MemberConfig
 from vlm_corl.data import balance_by, load_examples
-from vlm_corl.errors import UserError, debug_requested
-from vlm_corl.member import Member, load_member
+from vlm_corl.member import Member, check_modality, load_member, member_family
 from vlm_corl.records import Example
-from vlm_corl.registry import BENCHMARKS, UnknownNameError
+from vlm_corl.registry import BENCHMARKS
 from vlm_corl.render import Renderer
 from vlm_corl.rollout import SamplingParams, make_engine
 
@@ -56,14 +57,18 @@ def benchmark_examples(bench: Benchmark, limit: int | None, path: str | None = N
 
 
 def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, batch_size: int = 64,
-                    max_image_pixels: int = 1280 * 28 * 28) -> dict:
-    """Accuracy of `member` on `examples` (overall and per question type) and every prediction."""
+                    max_image_pixels: int = 1280 * 28 * 28, progress: bool = False) -> dict:
+    """Accuracy of `member` on `examples` (overall and per question type) and every prediction; `progress`
+    shows a bar (with ETA) on a terminal."""
     render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
     engine = make_engine("hf", member)
     params = SamplingParams(n=1, temperature=bench.temperature, top_p=bench.top_p, max_new_tokens=bench.max_new_tokens)
     records = []
+    bar = tqdm(total=len(examples), desc=f"eval {member.id} on {bench.name}", unit="q",
+               disable=None if progress else True)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
+        bar.update(len(chunk))
         groups = engine.generate([render(ex) for ex in chunk], params)
         for ex, group in zip(chunk, groups):
             text = group.responses[0].text
@@ -73,6 +78,7 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
                 "pred": pred, "gold": ex.answer, "correct": answers_equivalent(ex.answer, pred, ex.choices),
                 "response": text,
             })
+    bar.close()
     return {"accuracy": _acc(records), "by_type": _by_type(records), "n": len(records), "records": records}
 
 
@@ -88,10 +94,18 @@ def _by_type(records: list[dict]) -> dict[str, float]:
     return {t: _acc(rs) for t, rs in sorted(groups.items())}
 
 
-def evaluate_dir(model_dir: str | Path, bench: Benchmark, examples: list[Example], name: str | None = None) -> dict:
+def check_models(models: dict[str, str], examples: list[Example]) -> None:
+    """Before evaluating any: every model directory names a family and can read the examples (no text-only
+    model on image questions)."""
+    for name, path in models.items():
+        check_modality(member_family(MemberConfig(id=name, model=str(path)), path), examples, f"model {name} ({path})")
+
+
+def evaluate_dir(model_dir: str | Path, bench: Benchmark, examples: list[Example], name: str | None = None,
+                 progress: bool = False) -> dict:
     """Load a saved model (zoo member or checkpoint) as a frozen member and evaluate it."""
     cfg = MemberConfig(id=name or Path(model_dir).name, model=str(model_dir), trainable=False)
-    return evaluate_member(load_member(cfg), examples, bench)
+    return evaluate_member(load_member(cfg), examples, bench, progress=progress)
 
 
 def results_markdown(results: dict) -> str:
@@ -104,45 +118,33 @@ def results_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value}); leave --limit out for every example")
-    return value
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlm_corl.eval", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m vlm_corl.eval", __doc__)
     parser.add_argument("--models", nargs="+", required=True, help="model directories (HF format)")
     parser.add_argument("--benchmarks", required=True, help=f"comma-separated; available: {', '.join(BENCHMARKS.names())}")
     parser.add_argument("--out", required=True, help="directory for results.json and results.md")
-    parser.add_argument("--limit", type=_positive, default=None,
-                        help="examples per benchmark, at least 1 (balanced by type where defined)")
+    parser.add_argument("--limit", type=cli.positive_int, default=None,
+                        help="examples per benchmark, at least 1 (balanced by type where defined); leave it out "
+                             "for every example")
     parser.add_argument("--data", action="append", default=[], metavar="BENCH=PATH",
                         help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 "
                              "(default: the copy shipped in text_corl)")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error")
     args = parser.parse_args(argv)
     bad_data = [item for item in args.data if "=" not in item]
     if bad_data:
         parser.error(f"--data takes BENCH=PATH, got {bad_data}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():  # checked before the evaluation, not after it
-        parser.error(f"--out {out} is a file; give a directory")
-    try:
-        names = [name for name in args.benchmarks.split(",") if name]
-        benches = {name: BENCHMARKS.get(name) for name in names}
-        paths = dict(item.split("=", 1) for item in args.data)
-        results: dict[str, dict] = {}
-        for name, bench in benches.items():
-            examples = benchmark_examples(bench, args.limit, paths.get(name))
-            for model_dir in args.models:
-                results.setdefault(str(model_dir), {})[name] = evaluate_dir(model_dir, bench, examples)
-    except (UserError, UnknownNameError) as err:
-        if debug_requested(args.debug):
-            raise
-        print(f"error: {str(err).strip(chr(34))}", file=sys.stderr)
-        return 2
+    out = cli.output_dir(args.out, "--out")  # checked before the evaluation, not after it
+    names = [name for name in args.benchmarks.split(",") if name]
+    benches = {name: BENCHMARKS.get(name) for name in names}
+    paths = dict(item.split("=", 1) for item in args.data)
+    models = {Path(m).name: m for m in args.models}
+    examples = {name: benchmark_examples(bench, args.limit, paths.get(name)) for name, bench in benches.items()}
+    for name in benches:
+        check_models(models, examples[name])
+    results: dict[str, dict] = {}
+    for name, bench in benches.items():
+        for model_dir in args.models:
+            results.setdefault(str(model_dir), {})[name] = evaluate_dir(model_dir, bench, examples[name], progress=True)
     write_results(out, results, results_markdown(results))
     return 0
 
@@ -156,4 +158,4 @@ def write_results(out: Path, results: dict, markdown: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -27,13 +27,14 @@ from vlm_corl.cohort import (Slot, SlotSpec, build_slots, check_views, ema_updat
 from vlm_corl.collapse import collapse_warnings, flag_step
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.data import DataError, load_examples
+from vlm_corl.errors import Interrupted
 from vlm_corl.deepspeed_update import state_files
 from vlm_corl.eval import benchmark_examples, evaluate_member
 from vlm_corl.distributed import (CollectiveError, World, build_groups, describe, failure_report, launch_world,
                                   place_members, shard, weights_checksum)
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
-from vlm_corl.member import load_member, member_family
+from vlm_corl.member import check_modality, load_member, member_family
 from vlm_corl.metrics import MetricsSink, cohort_metrics, member_metrics
 from vlm_corl.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.registry import BENCHMARKS
@@ -106,10 +107,6 @@ class CohortRun:
     start: int
     history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
     data_report: object = None  # vlm_corl.data.LoadReport: records kept and skipped (into summary.json)
-
-
-class Interrupted(Exception):
-    """Ctrl-C: one line with the step, the last complete checkpoint and how to resume."""
 
 
 class RankFailure(RuntimeError):
@@ -305,13 +302,16 @@ def attach_deepspeed(member, train, world: World, ranks: tuple[int, ...]) -> Non
 def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path | None) -> None:
     """Before any model is loaded: every member's directory names a family (agreeing with members[i].family),
     and text-only members get no images."""
-    with_images = next((ex for ex in examples if ex.images), None)
+    if resume_from is not None:
+        held = sorted(p.name for p in resume_from.iterdir() if p.is_dir())
+        renamed = [m.id for m in cfg.members if m.id not in held]
+        if renamed:
+            raise ConfigError([f"the checkpoint to resume, {resume_from}, holds members {held} but the config has "
+                               f"{renamed}: members are matched by id, so use the ids of the run you resume (or "
+                               "start a new run in another output_dir)"], ["members"])
     for i, m in enumerate(cfg.members):
-        family = member_family(m, resume_from / m.id if resume_from else m.model)
-        if with_images is not None and family.modality != "vision":
-            raise ConfigError([f"members[{i}] ({m.id!r}) is a text-only {family.name} model but the training data "
-                               f"has images (e.g. example {with_images.id!r}): give text members text data "
-                               "(data.train), or use a vision-language model"], [f"members[{i}].model"])
+        check_modality(member_family(m, resume_from / m.id if resume_from else m.model), examples,
+                       f"members[{i}] ({m.id!r}, {m.model})")
 
 
 def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> None:

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoProcessor, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from vlm_corl.checkpoint import TRAINER_STATE
+from vlm_corl.checkpoint import TRAINER_STATE, read_state
 from vlm_corl.distributed import sum_over
 from vlm_corl.errors import UserError
 from vlm_corl.families import Family, detect_family
@@ -200,7 +200,7 @@ class Member:
         if self.deepspeed is not None:
             self.deepspeed.load_state(directory)
             return
-        state = torch.load(Path(directory) / TRAINER_STATE, weights_only=True)
+        state = read_state(Path(directory) / TRAINER_STATE)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -215,6 +215,8 @@ class MemberLoadError(UserError):
 def member_family(cfg, path: str | Path) -> Family:
     """The member's family: `family` if set (it must agree with config.json), else from config.json."""
     where = f"member {cfg.id!r} ({path})"
+    if not Path(path).is_dir():
+        raise MemberLoadError(f"{where}: the model directory does not exist (python -m vlm_corl.zoo builds tiny ones)")
     try:
         detected = detect_family(path)
     except (OSError, ValueError, KeyError) as err:
@@ -224,6 +226,14 @@ def member_family(cfg, path: str | Path) -> Family:
         raise MemberLoadError(f"{where}: family {cfg.family!r} contradicts its config.json, whose model_type is a "
                               f"{detected.name!r} model; remove members[*].family or fix it")
     return detected
+
+
+def check_modality(family: Family, examples, who: str) -> None:
+    """A text-only family given examples with images is a user mistake: raise before any model is loaded."""
+    with_images = next((ex for ex in examples if ex.images), None)
+    if with_images is not None and family.modality != "vision":
+        raise MemberLoadError(f"{who} is a text-only {family.name} model but the data has images (e.g. example "
+                              f"{with_images.id!r}): give text models text data, or use a vision-language model")
 
 
 def load_member(cfg, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:

@@ -35,6 +35,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from vlm_corl import cli
+from vlm_corl.errors import UserError
 from vlm_corl.answers import answers_equivalent
 
 RULE = (
@@ -279,12 +281,12 @@ def model_names(specs: Sequence[str]) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    from vlm_corl.eval import benchmark_examples, evaluate_dir  # also registers the built-in benchmarks
+    from vlm_corl.eval import benchmark_examples, check_models, evaluate_dir  # registers the built-in benchmarks
     from vlm_corl.registry import BENCHMARKS
     from vlm_corl.warmstart import labelled_slice
 
-    parser = argparse.ArgumentParser(
-        prog="python -m vlm_corl.probe", formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = cli.parser(
+        "python -m vlm_corl.probe", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog="Rule: " + RULE + "\n\nTo keep the test questions untouched, probe on a validation split carved "
                "from train: --split train --skip 35000 (easy-vqa train has 38,575 questions; the demo's labelled "
@@ -292,7 +294,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", required=True, metavar="[NAME=]DIR",
                         help="two or more model directories (HF format: zoo members, base models, checkpoints)")
     parser.add_argument("--benchmark", default="easyvqa", help="a registered benchmark (default easyvqa)")
-    parser.add_argument("--limit", type=int, default=600,
+    parser.add_argument("--limit", type=cli.positive_int, default=600,
                         help="probe questions (balanced over question types where the benchmark defines them)")
     parser.add_argument("--split", default=None,
                         help="dataset split instead of the benchmark's own (e.g. train, with --skip)")
@@ -306,8 +308,9 @@ def main(argv=None) -> int:
     try:
         models = model_names(args.models)
     except ValueError as e:
-        parser.error(str(e))
+        raise UserError(str(e)) from e
 
+    out = cli.output_dir(args.out, "--out") if args.out else None
     bench = BENCHMARKS.get(args.benchmark)
     if args.split:
         bench = dataclasses.replace(bench, split=args.split)
@@ -316,11 +319,12 @@ def main(argv=None) -> int:
                                   bench.balance_by)
     else:
         examples = benchmark_examples(bench, args.limit, args.data)
+    check_models(models, examples)
     records = {}
     for name, path in models.items():
         print(f"[probe] evaluating {name} ({path}) on {len(examples)} {bench.name}[{bench.split}] questions",
               file=sys.stderr, flush=True)
-        records[name] = evaluate_dir(path, bench, examples, name)["records"]
+        records[name] = evaluate_dir(path, bench, examples, name, progress=True)["records"]
 
     report = probe(records)
     balance = f", balanced by {bench.balance_by}" if bench.balance_by else ""
@@ -330,9 +334,7 @@ def main(argv=None) -> int:
               "n": len(examples), "model_dirs": models, **report, "records": records}
     text = probe_markdown(report, title)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         (out / "probe.json").write_text(json.dumps(report, indent=2))
         (out / "probe.md").write_text(text)
         print(f"[probe] wrote {out / 'probe.json'} and {out / 'probe.md'}", file=sys.stderr)
@@ -340,4 +342,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

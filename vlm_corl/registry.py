@@ -12,10 +12,12 @@ import importlib
 from importlib.metadata import entry_points
 from typing import Callable, Generic, TypeVar
 
+from vlm_corl.errors import UserError
+
 T = TypeVar("T")
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(UserError, KeyError):
     """A name that no registry entry or entry point provides; the message lists the valid ones."""
 
     def __str__(self) -> str:  # KeyError quotes its message; show it plainly
@@ -56,7 +58,10 @@ class Registry(Generic[T]):
             return self.register(name)(eps[name].load())
         if ":" in name:
             module, _, attr = name.partition(":")
-            return getattr(importlib.import_module(module), attr)
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as err:  # a typo in a user's extension name, not our bug
+                raise UnknownNameError(f"cannot load {self.kind} {name!r}: {err}") from err
         close = difflib.get_close_matches(name, self.names(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UnknownNameError(

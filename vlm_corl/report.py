@@ -24,17 +24,19 @@ and `eval_lines(eval_rows)` gives one line per (member, benchmark) of eval.jsonl
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from vlm_corl import cli
 from vlm_corl.collapse import collapse_warnings, describe
+from vlm_corl.errors import UserError
 
 Rows = Sequence[dict]
 
@@ -66,10 +68,22 @@ LABELS = {
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSONL file (none if it is absent). The last line of a running job's file may be half
+    written: it is left out; an unreadable line elsewhere is a UserError naming the file and line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for i, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == lines[-1][0]:
+                print(f"[report] {path}: line {i} is incomplete (a run still writing?), left out", file=sys.stderr)
+                continue
+            raise UserError(f"{path} line {i} is not JSON ({err.msg}): is this a training run's metrics file?") from err
+    return rows
 
 
 @dataclass
@@ -84,11 +98,19 @@ class RunData:
 
 def load_run(run_dir: Path) -> RunData:
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist (the output_dir of a training run)")
     if not (run_dir / "metrics.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir}/metrics.jsonl not found: is this a training run directory?")
+        raise UserError(f"{run_dir}/metrics.jsonl not found: is this a training run directory (output_dir)?")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    if not rows:
+        raise UserError(f"{run_dir}/metrics.jsonl has no rows yet: a run writes one per step (logging.every)")
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return RunData(run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "eval.jsonl"), summary)
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    except json.JSONDecodeError as err:
+        raise UserError(f"{summary_path} is not JSON ({err.msg}); move it away to report from metrics.jsonl") from err
+    return RunData(run_dir, rows, read_jsonl(run_dir / "eval.jsonl"), summary)
 
 
 def _number(v) -> bool:
@@ -280,8 +302,7 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
 def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
     """Write report.md and the PNGs of the run in `run_dir` into `out` (default: the run directory)."""
     run = load_run(run_dir)
-    out = Path(out) if out is not None else Path(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = cli.output_dir(out if out is not None else run_dir, "--out")
     plots = render_plots(run, out, smooth)
     s = run.summary
     steps = sorted({r["step"] for r in run.rows})
@@ -319,16 +340,16 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
     return report
 
 
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m vlm_corl.report", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser("python -m vlm_corl.report", __doc__.splitlines()[0], description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="training run directory (holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="where report.md and the PNGs go (default: RUN_DIR)")
-    parser.add_argument("--smooth", type=int, default=5, help="moving-average window in logged steps (1 = none)")
+    parser.add_argument("--smooth", type=cli.positive_int, default=5,
+                        help="moving-average window in logged steps (1 = none)")
     args = parser.parse_args(argv)
-    report = render_report(args.run_dir, args.out, args.smooth)
-    print(report)
-    return report
+    print(render_report(args.run_dir, args.out, args.smooth))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -6,7 +6,6 @@ short message naming the field; training itself runs `vlm_corl.loop.run_cohort`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -16,24 +15,24 @@ from typing import Sequence
 import torch.distributed as dist
 import transformers
 
+from vlm_corl import cli
 from vlm_corl.config import ConfigError, check_registered, load_config
 from vlm_corl.distributed import PlacementError
-from vlm_corl.errors import UserError, debug_requested
+from vlm_corl.errors import Interrupted, UserError, debug_requested
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = cli.parser(prog, __doc__)
     parser.add_argument("--config", required=True, help="cohort YAML file")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of a user error (also VLM_CORL_DEBUG=1)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4 members.0.view=paraphrase:1")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from vlm_corl.loop import Interrupted, RankFailure, run_cohort  # heavy imports after the cheap checks
+        from vlm_corl.loop import RankFailure, run_cohort  # heavy imports after the cheap checks
 
         check_registered(cfg)
     except ConfigError as err:
-        print(f"{args.config}: invalid {err}", file=sys.stderr)
+        print(f"{args.config}: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # per-file load/save bars drown the step progress
@@ -43,7 +42,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     except UserError as err:  # found once the data, the models or the launch are known
         if debug_requested(args.debug):
             raise
-        prefix = f"{args.config}: invalid " if isinstance(err, (ConfigError, PlacementError)) else "error: "
+        prefix = f"{args.config}: " if isinstance(err, (ConfigError, PlacementError)) else "error: "
         print(f"{prefix}{err}", file=sys.stderr)
         return 2
     except Interrupted as err:  # Ctrl-C

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vlm_corl.batching import collate, continuation, model_positions, prefill, response_mask
+from vlm_corl.batching import aligned_keys, collate, continuation, model_positions, prefill, response_mask
 from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty, selective_logprobs, token_stats
 
 
@@ -81,7 +81,7 @@ def _per_position(model, prompt_inputs, responses, pad_id, mrope, fn):
 
 def _full_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):
     """One pass over prompt + response; only the T positions that predict response tokens become logits."""
-    inputs, mask = collate(prompt_inputs, pad_id, responses)
+    inputs, mask = collate(prompt_inputs, pad_id, responses, aligned_keys(model))
     t, length = mask.shape[1], inputs["input_ids"].shape[1]
     inputs["position_ids"], _ = model_positions(model, inputs, mrope)
     # Positions by index, not the last T+1 then [:, :-1]: slicing the logits would make the backward allocate

@@ -16,11 +16,15 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from typing import Callable
 
+import torch
+from tqdm import tqdm
+
+from vlm_corl import cli
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import balance_by, load_examples
-from vlm_corl.member import Member, load_member
+from vlm_corl.data import DataError, balance_by, load_examples
+from vlm_corl.member import Member, check_modality, load_member, member_family
 from vlm_corl.records import Example
 from vlm_corl.render import Renderer
 from vlm_corl.update import response_logprobs
@@ -36,8 +40,9 @@ def target_ids(member: Member, answer: str) -> list[int]:
 
 
 def warm_start(member: Member, examples: list[Example], steps: int, batch_size: int, lr: float, seed: int,
-               max_image_pixels: int = 1280 * 28 * 28) -> list[float]:
-    """Supervised fine-tuning (cross-entropy on the response tokens); returns the loss per step."""
+               max_image_pixels: int = 1280 * 28 * 28, on_step: Callable[[float], None] | None = None) -> list[float]:
+    """Supervised fine-tuning (cross-entropy on the response tokens); returns the loss per step (also passed
+    to `on_step`, e.g. for a progress bar)."""
     render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
     optimizer = torch.optim.AdamW(member.model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
@@ -54,46 +59,61 @@ def warm_start(member: Member, examples: list[Example], steps: int, batch_size: 
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(losses[-1])
     return losses
 
 
 def labelled_slice(loader: str, path: str | None, split: str, skip: int, size: int, balance: str | None) -> list[Example]:
     """`size` labelled examples after the first `skip`; balanced over metadata[balance] when given
     (then drawn from the examples that follow `skip`, as many as needed to fill every group)."""
-    examples = load_examples(loader, path, split=split).examples[skip:]
+    examples = load_examples(loader, path, split=split).examples
+    if skip >= len(examples):
+        raise DataError(f"skip={skip} leaves no example: {loader}[{split}] has {len(examples)}")
+    examples = examples[skip:]
     return balance_by(examples, balance, size) if balance else examples[:size]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlm_corl.warmstart", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m vlm_corl.warmstart", __doc__)
     parser.add_argument("--model", required=True, help="model directory to start from (e.g. a zoo member)")
     parser.add_argument("--out", required=True, help="where to save the warm-started base model")
     parser.add_argument("--loader", default="easyvqa", help="dataset loader (registry name)")
     parser.add_argument("--path", default=None, help="dataset path, when the loader needs one")
     parser.add_argument("--split", default="train")
     parser.add_argument("--skip", type=int, default=0, help="labelled slice starts after this many examples")
-    parser.add_argument("--limit", type=int, default=1000, help="size of the labelled slice")
+    parser.add_argument("--limit", type=cli.positive_int, default=1000, help="size of the labelled slice")
     parser.add_argument("--balance-by", default=None, metavar="KEY",
                         help="take the slice balanced over metadata[KEY] (e.g. question_type for easy-vqa)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=cli.positive_int, default=300)
+    parser.add_argument("--batch-size", type=cli.positive_int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
+    out = cli.output_dir(args.out, "--out")
     examples = labelled_slice(args.loader, args.path, args.split, args.skip, args.limit, args.balance_by)
     missing = [ex.id for ex in examples if ex.answer is None]
     if missing:
-        parser.error(f"the warm start needs gold answers; {len(missing)} examples have none (e.g. {missing[0]})")
-    member = load_member(MemberConfig(id=Path(args.out).name, model=args.model))
-    losses = warm_start(member, examples, args.steps, args.batch_size, args.lr, args.seed)
-    member.save(Path(args.out))
+        raise DataError(f"the warm start needs gold answers; {len(missing)} examples have none (e.g. {missing[0]})")
+    cfg = MemberConfig(id=out.name, model=args.model)
+    check_modality(member_family(cfg, args.model), examples, f"--model {args.model}")
+    member = load_member(cfg)
+    losses = []
+    with tqdm(total=args.steps, desc=f"warm start {out.name}", unit="step", disable=None) as bar:
+        def progress(loss: float) -> None:
+            losses.append(loss)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            bar.update()
+
+        warm_start(member, examples, args.steps, args.batch_size, args.lr, args.seed, on_step=progress)
+    member.save(out)
     record = {"model": args.model, "out": args.out, "examples": len(examples), "steps": args.steps,
               "first_loss": losses[0], "last_loss": losses[-1]}
-    (Path(args.out) / "warmstart.json").write_text(json.dumps({**vars(args), **record}, indent=2))
+    (out / "warmstart.json").write_text(json.dumps({**vars(args), **record}, indent=2))
     print(json.dumps(record))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -10,15 +10,17 @@ here on a corpus shipped with the package: no network. The same seed gives byte-
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 from transformers.utils import logging as hf_logging
 
+from tqdm import tqdm
+
+from vlm_corl import cli
 from vlm_corl.families import SIZES, Family  # importing the package registers the vision families
-from vlm_corl.registry import FAMILIES, UnknownNameError
+from vlm_corl.registry import FAMILIES
 
 
 def member_dir(out: str | Path, family: str, size: str = "tiny") -> Path:
@@ -61,7 +63,7 @@ def _build(out, families, size, seed):
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints a table of family, path and parameter count."""
-    parser = argparse.ArgumentParser(prog="python -m vlm_corl.zoo", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m vlm_corl.zoo", __doc__)
     parser.add_argument("--out", required=True, help="output directory (members go to OUT/<family>[-small])")
     parser.add_argument("--families", help="comma-separated family names (default: all registered families)")
     parser.add_argument(
@@ -72,14 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per member drowns the table
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+    names = families or FAMILIES.names()
+    for name in names:
+        FAMILIES.get(name)  # an unknown name fails before anything is built
+    out = cli.output_dir(args.out, "--out")
     rows = []
-    try:
-        for name, path, n_params in _build(args.out, families, args.size, args.seed):
+    with tqdm(total=len(names), desc="zoo", unit="member", disable=None) as bar:
+        for name, path, n_params in _build(out, names, args.size, args.seed):
             rows.append((name, str(path), f"{n_params:,}"))
-            print(f"built {name}", file=sys.stderr)
-    except UnknownNameError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+            bar.set_postfix_str(name, refresh=False)
+            bar.update()
     header = ("family", "path", "parameters")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:
@@ -88,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -153,6 +153,20 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> CohortConfig
     Raises ConfigError naming every problem: unreadable or invalid YAML (with line and column), a top level that
     is not a mapping, bad overrides, and everything `config_from_dict` reports.
     """
+    problems = Problems()
+    raw = read_raw_config(path, overrides, problems)
+    try:
+        cfg = config_from_dict(raw)
+    except ConfigError as err:
+        problems.items += list(zip(err.fields, err.problems))
+    if problems.items:
+        raise problems.error()
+    return cfg
+
+
+def read_raw_config(path: str | Path, overrides: Sequence[str] = (), problems: Problems | None = None) -> dict:
+    """The YAML mapping of a cohort file with the overrides applied, before validation. Unreadable or invalid
+    YAML raises ConfigError; override problems go to `problems` (raised here when it is not given)."""
     try:
         text = Path(path).read_text()
     except OSError as err:
@@ -167,16 +181,12 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> CohortConfig
         raise ConfigError(
             [f"{path}: the top level must be a mapping of sections (members, data, ...), got a {yaml_kind(raw)}"]
         )
-    problems = Problems()
+    own = problems if problems is not None else Problems()
     for text_override in overrides:
-        apply_override(raw, text_override, problems)
-    try:
-        cfg = config_from_dict(raw)
-    except ConfigError as err:
-        problems.items += list(zip(err.fields, err.problems))
-    if problems.items:
-        raise problems.error()
-    return cfg
+        apply_override(raw, text_override, own)
+    if problems is None and own.items:
+        raise own.error()
+    return raw
 
 
 def config_to_dict(cfg: CohortConfig) -> dict:

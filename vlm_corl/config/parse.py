@@ -31,8 +31,9 @@ class ConfigError(UserError, ValueError):
         super().__init__("\n".join(self.problems))
 
     def __str__(self) -> str:
-        n = len(self.problems)
-        return f"{n} config problem{'s' * (n != 1)}:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        if len(self.problems) == 1:
+            return f"invalid config: {self.problems[0]}"
+        return f"{len(self.problems)} config problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
 
 
 class Problems:

@@ -18,7 +18,6 @@ from the end of easy-vqa train, never on test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import re
@@ -30,7 +29,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
+from vlm_corl import cli
 from vlm_corl.demo import BaseRecipe, build_base
+from vlm_corl.errors import UserError
 from vlm_corl.eval import write_results
 
 TRAIN_SKIP = 20000  # unlabelled training questions start here; the labelled slices lie before
@@ -92,6 +95,20 @@ def method_config(method: str, seed: int, budget: Budget, out: Path, bases: dict
         "eval": {"benchmarks": ["easyvqa"], "every": budget.curve_every, "limit": budget.curve_limit},
         "logging": {"tensorboard": False, "progress": False},
     }
+
+
+def relative_to(value, root: Path):
+    """`value` (nested dicts/lists) with every path string under `root` made relative to it, so results files
+    hold no absolute paths of the machine that wrote them."""
+    if isinstance(value, dict):
+        return {k: relative_to(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relative_to(v, root) for v in value]
+    if isinstance(value, str):
+        for prefix in {str(root.resolve()), str(root)}:
+            if value.startswith(prefix + "/"):
+                return value[len(prefix) + 1 :]
+    return value
 
 
 def run_method(cfg_dict: dict, eval_limit: int) -> dict:
@@ -233,20 +250,21 @@ def plot_curves(out: Path, n_seeds: int, budget: Budget) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlm_corl.experiments.easyvqa",
-                                     description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m vlm_corl.experiments.easyvqa", __doc__)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--quick", action="store_true", help="a small budget (one seed by default), for smoke runs")
-    parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3, or 1 with --quick)")
-    parser.add_argument("--workers", type=int, default=2, help="training runs in parallel (one CPU thread each)")
+    parser.add_argument("--seeds", type=cli.positive_int, default=None, help="number of seeds (default 3, or 1 with --quick)")
+    parser.add_argument("--workers", type=cli.positive_int, default=2, help="training runs in parallel (one CPU thread each)")
     parser.add_argument("--plots-only", action="store_true",
                         help="redraw the plots and results.md of a finished experiment in --out")
     args = parser.parse_args(argv)
     budget = QUICK if args.quick else FULL
     n_seeds = args.seeds or (1 if args.quick else 3)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = cli.output_dir(args.out, "--out")
     if args.plots_only:
+        if not (out / "results.json").is_file():
+            raise UserError(f"--plots-only redraws a finished experiment, but {out / 'results.json'} does not exist: "
+                            "run the experiment into --out first")
         results = json.loads((out / "results.json").read_text())
         results["plots"] = plot_curves(out, results["budget"]["seeds"], budget)
         write_results(out, results, results_markdown(results))
@@ -258,16 +276,22 @@ def main(argv=None) -> int:
         bases = {s: {mid: str(out / "base" / f"seed{s}" / mid) for mid in base_recipes(budget, s)} for s in range(n_seeds)}
         jobs = [pool.submit(build_base, mid, recipe, Path(bases[s][mid]), s)
                 for s in range(n_seeds) for mid, recipe in base_recipes(budget, s).items()]
-        warm = [j.result() for j in jobs]
-        print(f"[experiment] base models built ({len(warm)}) at {time.time() - start:.0f} s", flush=True)
-        base_evals = {s: pool.submit(evaluate_bases, bases[s], budget.eval_limit) for s in range(n_seeds)}
-        runs = {(s, m): pool.submit(run_method, method_config(m, s, budget, out, bases[s]), budget.eval_limit)
-                for s in range(n_seeds) for m in METHODS}
-        for s in range(n_seeds):
-            seeds[s] = {"bases": base_evals[s].result(), "methods": {}}
-        for (s, m), job in runs.items():
-            seeds[s]["methods"][m] = job.result()
-            print(f"[experiment] seed {s} {m}: {seeds[s]['methods'][m]['seconds']} s", flush=True)
+        total = len(jobs) + n_seeds * (1 + len(METHODS))
+        with tqdm(total=total, desc="experiment", unit="job", file=sys.stdout, mininterval=5) as bar:
+            for job in jobs:
+                job.result()
+                bar.update()
+            bar.write(f"[experiment] base models built ({len(jobs)}) at {time.time() - start:.0f} s")
+            base_evals = {s: pool.submit(evaluate_bases, bases[s], budget.eval_limit) for s in range(n_seeds)}
+            runs = {(s, m): pool.submit(run_method, method_config(m, s, budget, out, bases[s]), budget.eval_limit)
+                    for s in range(n_seeds) for m in METHODS}
+            for s in range(n_seeds):
+                seeds[s] = {"bases": base_evals[s].result(), "methods": {}}
+                bar.update()
+            for (s, m), job in runs.items():
+                seeds[s]["methods"][m] = job.result()
+                bar.write(f"[experiment] seed {s} {m}: {seeds[s]['methods'][m]['seconds']} s")
+                bar.update()
     results = {
         "budget": vars(budget) | {"seeds": n_seeds},
         "question_only": question_only_baseline(budget.eval_limit),
@@ -276,6 +300,7 @@ def main(argv=None) -> int:
         "plots": [],
         "seconds": round(time.time() - start, 1),
     }
+    results = relative_to(results, out)
     write_results(out, results, results_markdown(results))  # the table is safe on disk before plotting
     results["plots"] = plot_curves(out, n_seeds, budget)
     write_results(out, results, results_markdown(results))
@@ -283,4 +308,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

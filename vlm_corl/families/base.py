@@ -73,6 +73,10 @@ class Family:
     tokens: SpecialTokens
     build_config: Callable[[str, PreTrainedTokenizerBase], PreTrainedConfig]
     build_processor: Callable[[PreTrainedTokenizerBase, str], object] | None = None
+    # Image inputs with one row per prompt (Mllama: pixel_values (B, images, tiles, …)), as opposed to the
+    # default per-image inputs concatenated over the batch (Qwen-VL's patches): a batch that mixes prompts with
+    # and without images, or with different image counts, pads these with zeros (see batching.collate).
+    batch_aligned_keys: tuple[str, ...] = ()
 
     def build_tokenizer(self) -> PreTrainedTokenizerFast:
         """The zoo tokenizer: the shared offline BPE plus this family's control tokens and chat template."""

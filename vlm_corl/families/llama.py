@@ -71,4 +71,5 @@ MLLAMA = register(Family(
     tokens=MLLAMA_TOKENS,
     build_config=_mllama_config,
     build_processor=_mllama_processor,
+    batch_aligned_keys=("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"),
 ))

@@ -1,0 +1,76 @@
+"""How every command ends: its result, or one line for a user mistake (exit 2), or one for Ctrl-C (exit 130).
+
+A `UserError` (bad config, data, model files, paths, launch) is the user's to fix: its message names the
+file or field and what to do, and no traceback is printed (tracebacks are for our bugs). `--debug` or
+VLM_CORL_DEBUG=1 re-raises it with the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from vlm_corl.errors import Interrupted, UserError, debug_requested
+
+
+def parser(prog: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
+    """An argument parser whose description is the first paragraph of `doc`, with the `--debug` flag."""
+    description = kwargs.pop("description", (doc or "").split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    p.add_argument("--debug", action="store_true", help="show the traceback of a user error (also VLM_CORL_DEBUG=1)")
+    return p
+
+
+def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
+    """Call `main(argv)`; a user mistake prints `error: …` on stderr and returns 2, Ctrl-C returns 130."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = main(args)
+    except UserError as err:
+        if debug_requested("--debug" in args):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Interrupted as err:  # during training: names the checkpoint to resume from
+        print(err, file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise a UserError with `message` unless `condition` holds (argument checks before expensive work)."""
+    if not condition:
+        raise UserError(message)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (counts, limits, steps, sizes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
+
+
+def output_dir(path: str | Path, flag: str) -> Path:
+    """Create the output directory `path` now (before any expensive work) and return it; a path that is a file
+    or cannot be written is a UserError naming `flag`."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file; give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"{flag} {path} cannot be written ({err.strerror or err}); choose another directory") from err
+    return path
