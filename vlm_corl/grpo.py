@@ -52,6 +52,31 @@ def clipped_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def truncated_is_weights(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, dict]:
+    """Token-level truncated importance weights min(pi_train / pi_rollout, cap) for the gap between the policy
+    the rollout engine sampled from (vLLM kernels, other precision) and the trainer's own, and the mismatch.
+
+    train_logp: (B, T) the trainer's log-probs of the sampled tokens at rollout time (detached);
+    rollout_logp: (B, T) the engine's; mask: (B, T) 1 on response tokens. A token whose engine log-prob is not
+    finite gets weight 0 (excluded) and is counted. Returns (weights (B, T), sums over the finite tokens:
+    tokens, abs_dlogp (|log pi_train - log pi_rollout|), kl (k3 estimate of KL(pi_rollout || pi_train) from the
+    rollout's samples: r - 1 - log r with r = pi_train / pi_rollout), capped (tokens with r > cap), nonfinite).
+    """
+    real = mask.bool()
+    finite = torch.isfinite(rollout_logp) & real
+    delta = torch.where(finite, train_logp - torch.where(finite, rollout_logp, 0.0), 0.0)
+    ratio = delta.exp()
+    weights = torch.where(finite, ratio.clamp(max=cap), 0.0)
+    sums = {
+        "tokens": float(finite.sum()),
+        "abs_dlogp": float(delta.abs().sum()),
+        "kl": float(torch.where(finite, ratio - 1.0 - delta, 0.0).sum()),
+        "capped": float((finite & (ratio > cap)).sum()),
+        "nonfinite": float((real & ~finite).sum()),
+    }
+    return weights, sums
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi. (B, T) -> (B, T).
 

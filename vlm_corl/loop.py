@@ -193,6 +193,8 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
                           for n in range(len(run.specs))]
         with timer("update"):
             updates = update_phase(run, groups, advantages, scored.rewards, lengths, const_norm, step)
+        with timer("sync"):
+            sync_phase(run)
         with timer("log"):
             updates, rollout_s = _gather_step_facts(world, updates, rollout_s)
             rows = []
@@ -364,8 +366,8 @@ def extract_phase(run: CohortRun, groups, batch) -> dict[str, dict[int, tuple]]:
 
 def update_phase(run: CohortRun, groups, advantages, rewards, lengths, const_norm: int, step: int) -> dict:
     """Each hosted trainable member takes one optimizer step on its shard of all its slots' sequences
-    (gradients summed over its ranks); engines re-sync. An EMA teacher (co_rewarding_2) then moves toward
-    its student. Returns {member id: update stats}."""
+    (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
+    Returns {member id: update stats}."""
     cfg, updates = run.cfg, {}
     for m in run.members:
         if not m.cfg.trainable:
@@ -379,13 +381,22 @@ def update_phase(run: CohortRun, groups, advantages, rewards, lengths, const_nor
         # Even when every group was filtered out the member takes its (zero-gradient) optimizer step, exactly as
         # when every advantage is zero: the schedule and Adam's moments advance the same way in both cases.
         updates[m.id] = policy_update(m, seqs, cfg.algo, cfg.train, cfg.rollout.temperature, const_norm, totals)
-        run.slots[mine[0]].engine.sync_weights()  # the next rollout samples from the updated policy
     decay = teacher_decay(step, cfg.train.max_steps, cfg.reward.teacher_decay_start, cfg.reward.teacher_decay_end)
     for s in run.slots:
         if s.follows is not None:  # an EMA teacher (co_rewarding_2)
             ema_update(s.member.model, s.follows.generation_module, decay)
-            s.engine.sync_weights()
     return updates
+
+
+def sync_phase(run: CohortRun) -> None:
+    """The engines of trained members and EMA teachers load the new weights, so the next rollout samples from
+    the updated policy (a no-op for the HF engine, which samples from the live module; frozen peers never
+    re-sync)."""
+    synced = set()
+    for s in run.slots:
+        if id(s.engine) not in synced and (s.member.cfg.trainable or s.follows is not None):
+            s.engine.sync_weights()
+            synced.add(id(s.engine))
 
 
 def batch_totals(lengths, rewards, filter_zero_variance: bool) -> tuple[int, int]:
@@ -403,7 +414,8 @@ def _sequences(groups, positions: range, advantages: torch.Tensor, rewards: torc
     """One slot's sequences at its batch `positions` (those of zero-variance groups marked untrained when
     algo.filter_zero_variance). advantages, rewards: (B, K) over the whole batch."""
     keep = nonzero_variance_groups(rewards) if cfg.algo.filter_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
-    return [Sequence(g.prompt.inputs, r.token_ids, float(advantages[p, k]), trained=bool(keep[p]))
+    return [Sequence(g.prompt.inputs, r.token_ids, float(advantages[p, k]), trained=bool(keep[p]),
+                     rollout_logprobs=r.token_logprobs)
             for p, g in zip(positions, groups) for k, r in enumerate(g.responses)]
 
 
@@ -556,6 +568,7 @@ def _rows(step, specs, cohort, scored, gold, lengths, updates, rollout_s, histor
         stats = updates.get(s.member_id, {}) if s.member_id not in reported else {}
         reported.add(s.member_id)
         row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr")})
+        row.update({k: v for k, v in stats.items() if k.startswith("is_")})  # algo.rollout_is mismatch
         row["tokens_per_s"] = sum(map(sum, lengths[n])) / rollout_s[s.id]
         rows.append(row)
     flag_step(history, rows)

@@ -188,13 +188,16 @@ class Member:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        directory / TRAINER_STATE)
 
-    def sum_over_ranks(self, value: float) -> float:
-        """A per-rank number (a loss share, a count) summed over the member's ranks."""
+    def sum_over_ranks(self, value: float | dict[str, float]) -> float | dict[str, float]:
+        """A per-rank number (a loss share, a count), or a dict of them (one collective), summed over the
+        member's ranks."""
         if self.group is None:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        values = value if isinstance(value, dict) else {"": value}
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
         sum_over(self.group, [t])
-        return float(t.item())
+        summed = dict(zip(values, t.tolist()))
+        return summed if isinstance(value, dict) else summed[""]
 
     def load_trainer_state(self, directory: Path) -> None:
         if self.deepspeed is not None:

@@ -70,6 +70,7 @@ class Renderer:
         if length > self.max_prompt_tokens:
             raise PromptTooLong(
                 f"example {example.id!r} renders to {length} tokens for member {member.id!r}, over "
-                f"rollout.max_prompt_tokens={self.max_prompt_tokens}: raise it or lower data.max_image_pixels"
+                f"rollout.max_prompt_tokens={self.max_prompt_tokens}: raise it"
+                + (" or lower data.max_image_pixels" if example.images else "")
             )
         return Prompt(example.id, chat_text, images, inputs)

@@ -6,6 +6,7 @@ responses each. Everything downstream (extract, reward, update) reads only these
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +36,9 @@ class Response:
     logprob_sum: float | None = None
     entropy_sum: float | None = None
     self_certainty_sum: float | None = None
+    # The engine's log-prob of each sampled token (for the off-policy correction, algo.rollout_is); None when
+    # the engine could not give the untruncated policy's.
+    token_logprobs: list[float] | None = None
 
     def mean(self, stat: str) -> float | None:
         """Per-token mean of a summed statistic (e.g. "entropy")."""
@@ -76,10 +80,11 @@ class RolloutEngine(Protocol):
         ...
 
 
-def make_engine(name: str, member, rollout=None, max_images_per_prompt: int = 1) -> RolloutEngine:
+def make_engine(name: str, member, rollout=None, max_images_per_prompt: int = 1, share: float = 1.0) -> RolloutEngine:
     """Build the rollout engine `name` ("hf" or "vllm") for a loaded member; vLLM is imported only here.
 
-    `rollout` (a RolloutConfig) carries the vLLM settings; `max_images_per_prompt` sizes its image budget.
+    `rollout` (a RolloutConfig) carries the vLLM settings; `max_images_per_prompt` sizes its image budget;
+    `share` is this engine's part of the process's vLLM memory budget (several engines on one device).
     """
     if name == "hf":
         from vlm_corl.engines.hf import HFEngine
@@ -88,5 +93,13 @@ def make_engine(name: str, member, rollout=None, max_images_per_prompt: int = 1)
     if name == "vllm":
         from vlm_corl.engines.vllm import VLLMEngine
 
-        return VLLMEngine(member, rollout, max_images_per_prompt=max(max_images_per_prompt, 1))
+        return VLLMEngine(member, rollout, max_images_per_prompt=max(max_images_per_prompt, 1), share=share)
     raise ValueError(f"unknown rollout engine {name!r}; use 'hf' or 'vllm'")
+
+
+def release_engines() -> None:
+    """Before the trainer destroys its process groups: let vLLM (when loaded) tear down its own first."""
+    if "vllm" in sys.modules:
+        from vlm_corl.engines.vllm import release_distributed_state
+
+        release_distributed_state()

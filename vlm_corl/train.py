@@ -19,6 +19,7 @@ from vlm_corl import cli
 from vlm_corl.config import ConfigError, check_registered, load_config
 from vlm_corl.distributed import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
+from vlm_corl.rollout import release_engines
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
@@ -52,6 +53,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
+        release_engines()  # vLLM's groups first: its exit hooks would destroy groups that are gone
         if dist.is_initialized():
             dist.destroy_process_group()  # every group, DeepSpeed's member groups included
     if int(os.environ.get("RANK", 0)) == 0:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from vlm_corl.batching import aligned_keys, collate, continuation, model_positions, prefill, response_mask
-from vlm_corl.grpo import aggregate_loss, clipped_surrogate, kl_penalty, selective_logprobs, token_stats
+from vlm_corl.grpo import (aggregate_loss, clipped_surrogate, kl_penalty, selective_logprobs, token_stats,
+                           truncated_is_weights)
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Sequence:
     token_ids: list[int]
     advantage: float
     trained: bool = True  # False: its group was filtered out (algo.filter_zero_variance)
+    rollout_logprobs: list[float] | None = None  # the engine's per-token log-probs (algo.rollout_is)
 
 
 def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
@@ -140,12 +142,20 @@ def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float
             old = [_logprobs(member, mb, temperature)[0] for mb in micro]
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
     loss_sum, clipped_tokens, grad_norm = 0.0, 0.0, 0.0
-    for _ in range(algo.updates_per_batch):
+    mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
+    for n_pass in range(algo.updates_per_batch):
         for i, mb in enumerate(micro):
             logp, mask = _logprobs(member, mb, temperature)
             old_logp = old[i] if old is not None else logp.detach()
             adv = torch.tensor([s.advantage for s in mb], device=logp.device)
             token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
+            if algo.rollout_is == "token_truncated":
+                # The rollout engine sampled from its own copy of the policy (other kernels, precision): weigh
+                # each token's policy-gradient term by min(pi_train / pi_rollout, C), pi_train at rollout time.
+                weights, sums = truncated_is_weights(old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap)
+                token_loss = token_loss * weights
+                if n_pass == 0 and i < real:
+                    mismatch = {k: mismatch[k] + v for k, v in sums.items()}
             if algo.kl_beta > 0:
                 with torch.no_grad():
                     ref_logp, _ = _logprobs(member, mb, temperature, model=member.reference)
@@ -158,13 +168,34 @@ def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float
             loss_sum += loss.item()
             clipped_tokens += float((clipped * mask).sum())
         grad_norm = member.step(train.grad_clip)
-    return {
-        "loss": member.sum_over_ranks(loss_sum) / algo.updates_per_batch,
+    totals_over_ranks = member.sum_over_ranks({"loss": loss_sum, "clipped": clipped_tokens, "trained": len(work),
+                                               **{f"is_{k}": v for k, v in mismatch.items()}})
+    stats = {
+        "loss": totals_over_ranks["loss"] / algo.updates_per_batch,
         "grad_norm": grad_norm,
         "lr": lr,
-        "clip_frac": member.sum_over_ranks(clipped_tokens) / max(total_tokens * algo.updates_per_batch, 1),
-        "trained_seqs": int(member.sum_over_ranks(len(work))),
+        "clip_frac": totals_over_ranks["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
+        "trained_seqs": int(totals_over_ranks["trained"]),
     }
+    if algo.rollout_is != "none":
+        stats.update(rollout_mismatch({k[3:]: v for k, v in totals_over_ranks.items() if k.startswith("is_")}))
+    return stats
+
+
+def _rollout_logp(mb: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) the engine's log-probs of each sequence's tokens, 0 on padding; NaN where the engine gave none."""
+    t = mask.shape[1]
+    rows = [s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * len(s.token_ids) for s in mb]
+    return torch.tensor([r + [0.0] * (t - len(r)) for r in rows], dtype=torch.float32, device=mask.device)
+
+
+def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
+    """Per-token means of the engine/trainer gap (from truncated_is_weights' sums over a member's batch), as
+    logged in metrics.jsonl: mean |delta log p|, KL(pi_rollout || pi_train) estimate, share of capped tokens,
+    and the count of tokens whose engine log-prob was not finite (excluded from the loss)."""
+    n = max(sums["tokens"], 1.0)
+    return {"is_abs_dlogp": sums["abs_dlogp"] / n, "is_kl": sums["kl"] / n, "is_capped_frac": sums["capped"] / n,
+            "is_nonfinite_tokens": int(sums["nonfinite"])}
 
 
 def _logprobs(member, mb: list[Sequence], temperature: float, model=None):

@@ -84,6 +84,20 @@ def validate(cfg: CohortConfig) -> None:
             "eval.benchmarks",
             f"eval.every={cfg.eval.every} but no benchmark is listed; add names or set eval.every=0",
         )
+    if cfg.rollout.vllm.tensor_parallel_size > 1:
+        problems.add(
+            "rollout.vllm.tensor_parallel_size",
+            "tensor-parallel vLLM engines are not supported: the engine runs inside each training process "
+            "(weights pass by reference), and vLLM's torchrun launcher would span the whole job, not one member's "
+            "ranks. Use 1: one engine per rank, each rolling out its share of the batch",
+        )
+    if cfg.algo.rollout_is != "none" and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
+        problems.add(
+            "algo.rollout_is",
+            "importance weights compare the trainer's and the engine's probabilities of the full tempered "
+            "distribution, which top-p/top-k truncation changes: set rollout.top_p=1.0 and rollout.top_k=0, or "
+            "algo.rollout_is=none",
+        )
     for path, value in (("data.paraphrases", cfg.data.paraphrases),):
         if value is not None and not Path(value).is_file():
             problems.add(path, f"file {value!r} does not exist; fix the path or set it to null")

@@ -85,8 +85,9 @@ class DataConfig:
 class VllmConfig:
     """vLLM engine settings (used when rollout.engine=vllm)."""
 
-    gpu_memory_utilization: float = _f("share of GPU memory vLLM may take", 0.5, gt=0, le=1)
-    tensor_parallel_size: int = _f("GPUs one vLLM engine spans", 1, ge=1)
+    gpu_memory_utilization: float = _f(
+        "share of GPU memory the vLLM engines of one process may take in all (split evenly among them)", 0.5, gt=0, le=1)
+    tensor_parallel_size: int = _f("GPUs one vLLM engine spans; only 1 is supported (one engine per rank)", 1, ge=1)
     enforce_eager: bool = _f("disable CUDA graphs (faster start, slower decode)", False)
     enable_sleep_mode: bool = _f("free vLLM's GPU memory during updates (GPU only)", False)
     kv_cache_memory_bytes: int | None = _f("KV cache size in bytes (needed on CPU, where the share above is of RAM); null = use the share", None, ge=1)
@@ -149,6 +150,11 @@ class AlgoConfig:
     adv_eps: float = _f("epsilon added to the std in the advantage", 1e-6, gt=0)
     filter_zero_variance: bool = _f("drop groups whose rewards are all equal from the loss", False)
     updates_per_batch: int = _f("optimizer passes over each rollout batch", 1, ge=1)
+    rollout_is: Literal["none", "token_truncated"] = _f(
+        "off-policy correction for the engine/trainer probability gap: none | token_truncated (policy-gradient "
+        "term times min(pi_train / pi_rollout, rollout_is_cap) per token)", "none",
+    )
+    rollout_is_cap: float = _f("truncation C of the importance weight (algo.rollout_is)", 2.0, ge=1)
 
 
 @dataclass(kw_only=True)

@@ -43,7 +43,7 @@ class HFEngine:
         was_training = model.training
         model.eval()
         with torch.inference_mode():
-            tokens, stopped, sums = sample(
+            tokens, stopped, sums, token_logp = sample(
                 model, [p.inputs for p in prompts], params, pad_id=tok.pad_token_id, eos_ids=member.eos_token_ids,
                 suppressed=member.suppressed_ids, mrope=member.mrope, tokenizer=tok,
             )
@@ -60,6 +60,7 @@ class HFEngine:
                         logprob_sum=sums["logprob"][j],
                         entropy_sum=sums["entropy"][j],
                         self_certainty_sum=sums["self_certainty"][j],
+                        token_logprobs=token_logp[j],
                     )
                 )
             groups.append(group)
@@ -67,12 +68,13 @@ class HFEngine:
 
 
 def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: int, eos_ids: list[int],
-           suppressed: list[int], mrope: bool, tokenizer) -> tuple[list[list[int]], list[bool], dict]:
+           suppressed: list[int], mrope: bool, tokenizer) -> tuple[list[list[int]], list[bool], dict, list]:
     """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i.
 
     Returns per row: its tokens (up to and including the eos or the token that completes a stop string),
-    whether it stopped (eos or stop string, not the length limit), and the sums over its tokens of the
-    policy's statistics {"logprob": [...], "entropy": [...], "self_certainty": [...]}.
+    whether it stopped (eos or stop string, not the length limit), the sums over its tokens of the
+    policy's statistics {"logprob": [...], "entropy": [...], "self_certainty": [...]}, and the policy's
+    log-prob of each of its tokens.
     """
     prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], pad_id, mrope)
     rows, vocab = prefix.last_logits.shape
@@ -91,6 +93,7 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     sums = {name: torch.zeros(rows, device=device) for name in ("logprob", "entropy", "self_certainty")}
+    token_logp = torch.zeros(rows, params.max_new_tokens, device=device)
     texts = [""] * rows  # decoded responses so far, only when stop strings are checked
     generated = torch.ones(rows, params.max_new_tokens, dtype=torch.long, device=device)  # sampled tokens' mask
     # Rows still decoding (indices into the R rows): a row that ends leaves the batch and the cache.
@@ -113,8 +116,9 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
             choice = draw(probs, uniforms[active, t])
         next_tokens = samplable[choice]  # (A,)
         # token_entropy / token_self_certainty of vlm_corl.grpo, from this one log-softmax over the V' tokens
-        for name, value in (("logprob", logp.gather(-1, choice[:, None]).squeeze(-1)),
-                            ("entropy", -(probs * logp).sum(dim=-1)),
+        chosen = logp.gather(-1, choice[:, None]).squeeze(-1)
+        token_logp[active, t] = chosen
+        for name, value in (("logprob", chosen), ("entropy", -(probs * logp).sum(dim=-1)),
                             ("self_certainty", -logp.mean(dim=-1) - math.log(len(samplable)))):
             sums[name][active] += value
         tokens[active, t] = next_tokens
@@ -132,7 +136,8 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
         inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
         logits = model(**inputs).logits[:, -1]
     rows_tokens = [ids[:n] for ids, n in zip(tokens.tolist(), lengths.tolist())]
-    return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}
+    rows_logp = [lp[:n] for lp, n in zip(token_logp.tolist(), lengths.tolist())]
+    return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}, rows_logp
 
 
 def row_uniforms(params: SamplingParams, rows: int) -> torch.Tensor:

