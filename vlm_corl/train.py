@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
 
         check_registered(cfg)
     except ConfigError as err:
-        print(f"{args.config}: {err}", file=sys.stderr)
+        print(_named(args.config, err), file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # per-file load/save bars drown the step progress
@@ -43,8 +43,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     except UserError as err:  # found once the data, the models or the launch are known
         if debug_requested(args.debug):
             raise
-        prefix = f"{args.config}: " if isinstance(err, (ConfigError, PlacementError)) else "error: "
-        print(f"{prefix}{err}", file=sys.stderr)
+        print(_named(args.config, err) if isinstance(err, (ConfigError, PlacementError)) else f"error: {err}",
+              file=sys.stderr)
         return 2
     except Interrupted as err:  # Ctrl-C
         print(err, file=sys.stderr)
@@ -60,6 +60,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
         print(json.dumps(summary, indent=2))
         print(f"run directory: {summary['run_dir']}")
     return 0
+
+
+def _named(config: str, err: Exception) -> str:
+    """The error prefixed with the config file's name, unless its message already starts from it."""
+    text = str(err)
+    return text if text.removeprefix("invalid config: ").startswith(str(config)) else f"{config}: {text}"
 
 
 def exit_process(code: int) -> None:

