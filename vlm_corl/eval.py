@@ -10,20 +10,23 @@ from __future__ import annotations
 
 import json
 import sys
+import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from vlm_corl import cli
 from vlm_corl.answers import answers_equivalent, extract_answer
+from vlm_corl.answers.normalize import normalize_answer
 from vlm_corl.config import MemberConfig
 from vlm_corl.data import balance_by, load_examples
 from vlm_corl.member import Member, check_modality, load_member, member_family
 from vlm_corl.records import Example
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.render import Renderer
+from vlm_corl.rewards import plurality_vote
 from vlm_corl.rollout import SamplingParams, make_engine
 
 
@@ -43,6 +46,11 @@ class Benchmark:
     temperature: float = 0.0  # greedy, as the paper evaluates multimodal benchmarks
     top_p: float = 1.0
     max_new_tokens: int = 64
+    options: dict = field(default_factory=dict)  # loader options (field names, image root)
+    category: str | None = None  # metadata key accuracy is reported by (default: balance_by)
+    answer_type: str = "expression"  # number | expression | choice | text: "text" compares normalised strings
+    metric: str = "accuracy"  # accuracy | avg@K | maj@K | pass@K (the headline number)
+    samples: int = 1  # K answers sampled per question
 
 
 # Found through the `vlm_corl.benchmarks` entry point (pyproject.toml), like text_corl's: a module-level
@@ -52,17 +60,19 @@ EASYVQA = Benchmark("easyvqa", "easyvqa", "test", balance_by="question_type")
 
 def benchmark_examples(bench: Benchmark, limit: int | None, path: str | None = None) -> list[Example]:
     """The benchmark's examples, balanced across `balance_by` values when set, at most `limit`."""
-    examples = load_examples(bench.loader, path or bench.path, split=bench.split).examples
+    examples = load_examples(bench.loader, path or bench.path, split=bench.split, **bench.options).examples
     return balance_by(examples, bench.balance_by, limit) if bench.balance_by else examples[:limit]
 
 
 def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, batch_size: int = 64,
                     max_image_pixels: int = 1280 * 28 * 28, progress: bool = False) -> dict:
-    """Accuracy of `member` on `examples` (overall and per question type) and every prediction; `progress`
-    shows a bar (with ETA) on a terminal."""
+    """Accuracy of `member` on `examples` (overall and per category), every prediction, and with K samples per
+    question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal."""
     render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
     engine = make_engine("hf", member)
-    params = SamplingParams(n=1, temperature=bench.temperature, top_p=bench.top_p, max_new_tokens=bench.max_new_tokens)
+    params = SamplingParams(n=bench.samples, temperature=bench.temperature, top_p=bench.top_p,
+                            max_new_tokens=bench.max_new_tokens)
+    key = bench.category or bench.balance_by
     records = []
     bar = tqdm(total=len(examples), desc=f"eval {member.id} on {bench.name}", unit="q",
                disable=None if progress else True)
@@ -71,15 +81,45 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
         bar.update(len(chunk))
         groups = engine.generate([render(ex) for ex in chunk], params)
         for ex, group in zip(chunk, groups):
-            text = group.responses[0].text
-            pred = extract_answer(text, member.prompt_style, ex.choices)
+            texts = [r.text for r in group.responses]
+            preds = [extract_answer(t, member.prompt_style, ex.choices) for t in texts]
+            right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
             records.append({
-                "id": ex.id, "type": ex.metadata.get(bench.balance_by) if bench.balance_by else None,
-                "pred": pred, "gold": ex.answer, "correct": answers_equivalent(ex.answer, pred, ex.choices),
-                "response": text,
+                "id": ex.id, "type": ex.metadata.get(key) if key else None, "pred": preds[0], "gold": ex.answer,
+                "correct": sum(right) / len(right), "response": texts[0],
+                **({"preds": preds, "n_correct": sum(right),
+                    "maj_correct": grade_answer(ex.answer, plurality_vote(preds, choices=ex.choices), ex.choices,
+                                                bench.answer_type)} if bench.samples > 1 else {}),
             })
     bar.close()
-    return {"accuracy": _acc(records), "by_type": _by_type(records), "n": len(records), "records": records}
+    result = {"accuracy": _acc(records), "by_type": _by_type(records), "n": len(records), "records": records,
+              "metric": bench.metric, "samples": bench.samples,
+              "decoding": {"temperature": bench.temperature, "top_p": bench.top_p,
+                           "max_new_tokens": bench.max_new_tokens}}
+    if bench.samples > 1:
+        k = bench.samples
+        result[f"avg@{k}"] = result["accuracy"]
+        result[f"maj@{k}"] = sum(r["maj_correct"] for r in records) / max(len(records), 1)
+        result[f"pass@{k}"] = sum(pass_at_k(k, r["n_correct"], k) for r in records) / max(len(records), 1)
+    result["score"] = result.get(bench.metric, result["accuracy"])
+    return result
+
+
+def grade_answer(gold: str | None, pred: str | None, choices, answer_type: str) -> bool:
+    """Whether `pred` answers `gold`: normalised string equality for free text, math-verify equivalence (and
+    choice letters vs option texts) otherwise."""
+    if gold is None or pred is None:
+        return False
+    if answer_type == "text":
+        return normalize_answer(pred).casefold() == normalize_answer(gold).casefold()
+    return answers_equivalent(gold, pred, choices)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def _acc(records: list[dict]) -> float:
@@ -109,20 +149,27 @@ def evaluate_dir(model_dir: str | Path, bench: Benchmark, examples: list[Example
 
 
 def results_markdown(results: dict) -> str:
-    """A table: one row per model, one column per benchmark (and per question type)."""
-    lines = ["| model | benchmark | n | accuracy | by type |", "|---|---|---|---|---|"]
+    """A table: one row per model and benchmark: its metric, accuracy (avg over samples), per category, decoding."""
+    lines = ["| model | benchmark | n | metric | score | accuracy | by category | decoding |",
+             "|---|---|---|---|---|---|---|---|"]
     for model, benches in results.items():
         for bench, r in benches.items():
             types = ", ".join(f"{t} {a:.3f}" for t, a in r["by_type"].items())
-            lines.append(f"| {model} | {bench} | {r['n']} | {r['accuracy']:.3f} | {types} |")
+            d = r.get("decoding", {})
+            decoding = "greedy" if not d.get("temperature") else f"T={d['temperature']}, top-p {d['top_p']}"
+            score = r.get("score", r["accuracy"])
+            lines.append(f"| {model} | {bench} | {r['n']} | {r.get('metric', 'accuracy')} | {score:.3f} "
+                         f"| {r['accuracy']:.3f} | {types} | {decoding} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = cli.parser("python -m vlm_corl.eval", __doc__)
-    parser.add_argument("--models", nargs="+", required=True, help="model directories (HF format)")
-    parser.add_argument("--benchmarks", required=True, help=f"comma-separated; available: {', '.join(BENCHMARKS.names())}")
-    parser.add_argument("--out", required=True, help="directory for results.json and results.md")
+    parser.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
+    parser.add_argument("--models", nargs="+", help="model directories (HF format)")
+    parser.add_argument("--benchmarks", help="comma-separated registered names or benchmark YAML files "
+                        "(vlm_corl.benchmark_file); see --list")
+    parser.add_argument("--out", help="directory for results.json and results.md")
     parser.add_argument("--limit", type=cli.positive_int, default=None,
                         help="examples per benchmark, at least 1 (balanced by type where defined); leave it out "
                              "for every example")
@@ -130,6 +177,13 @@ def main(argv=None) -> int:
                         help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 "
                              "(default: the copy shipped in text_corl)")
     args = parser.parse_args(argv)
+    if args.list:
+        print(benchmark_list())
+        return 0
+    missing = [flag for flag, value in (("--models", args.models), ("--benchmarks", args.benchmarks),
+                                        ("--out", args.out)) if not value]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)} (or --list)")
     bad_data = [item for item in args.data if "=" not in item]
     if bad_data:
         parser.error(f"--data takes BENCH=PATH, got {bad_data}")
@@ -144,9 +198,21 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {}
     for name, bench in benches.items():
         for model_dir in args.models:
-            results.setdefault(str(model_dir), {})[name] = evaluate_dir(model_dir, bench, examples[name], progress=True)
+            results.setdefault(str(model_dir), {})[bench.name] = evaluate_dir(model_dir, bench, examples[name],
+                                                                             progress=True)
     write_results(out, results, results_markdown(results))
     return 0
+
+
+def benchmark_list() -> str:
+    """One line per registered benchmark: name, loader and split, decoding, metric."""
+    lines = []
+    for name in BENCHMARKS.names():
+        b = BENCHMARKS.get(name)
+        decoding = "greedy" if b.temperature == 0 else f"T={b.temperature} top-p {b.top_p}"
+        lines.append(f"{name:16s} {b.loader}[{b.split}]  {decoding}, {b.max_new_tokens} tokens, {b.metric}")
+    lines.append("(or a benchmark YAML file: see vlm_corl.benchmark_file)")
+    return "\n".join(lines)
 
 
 def write_results(out: Path, results: dict, markdown: str) -> None:

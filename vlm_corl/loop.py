@@ -516,7 +516,7 @@ def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:
             if run.world.rank != run.placement[m.id][0]:
                 continue
             result = evaluate_member(m, examples, bench)
-            rows.append({"step": step, "member": m.id, "benchmark": name, "accuracy": result["accuracy"],
+            rows.append({"step": step, "member": m.id, "benchmark": bench.name, "accuracy": result["accuracy"],
                          "n": result["n"], **{f"accuracy_{t}": a for t, a in result["by_type"].items()}})
     return [row for part in run.world.all_gather(rows) for row in part]
 

@@ -27,9 +27,11 @@ class UnknownNameError(UserError, KeyError):
 class Registry(Generic[T]):
     """A name -> object map filled by `register` and by the `vlm_corl.<kind>` entry-point group."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, file_loader: str | None = None):
         self.kind = kind
         self._items: dict[str, T] = {}
+        # "module:function" that builds an entry from a YAML file, for names that are .yaml/.yml paths
+        self._file_loader = file_loader
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator (or call with the object) that adds `name`; a second registration of a name is an error."""
@@ -50,9 +52,13 @@ class Registry(Generic[T]):
         return sorted(set(self._items) | set(self._entry_points()))
 
     def get(self, name: str) -> T:
-        """The object for `name`; `module:attr` names an object directly (for user extensions)."""
+        """The object for `name`; `module:attr` names an object directly (for user extensions), and a registry
+        with a file loader reads a `.yaml`/`.yml` path with it."""
         if name in self._items:
             return self._items[name]
+        if self._file_loader and name.endswith((".yaml", ".yml")):
+            module, _, attr = self._file_loader.partition(":")
+            return getattr(importlib.import_module(module), attr)(name)
         eps = self._entry_points()
         if name in eps:
             return self.register(name)(eps[name].load())
@@ -75,4 +81,5 @@ class Registry(Generic[T]):
 FAMILIES: Registry = Registry("families")  # model family name -> vlm_corl.families.Family
 LOADERS: Registry = Registry("loaders")  # dataset loader name -> loader function (see vlm_corl.data)
 REWARDS: Registry = Registry("rewards")  # reward mode name -> cohort reward function (see vlm_corl.rewards)
-BENCHMARKS: Registry = Registry("benchmarks")  # benchmark name -> vlm_corl.eval.Benchmark
+# benchmark name (or a benchmark YAML file, vlm_corl.benchmark_file) -> vlm_corl.eval.Benchmark
+BENCHMARKS: Registry = Registry("benchmarks", file_loader="vlm_corl.benchmark_file:load_benchmark_file")

@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from vlm_corl.errors import UserError
+
 from vlm_corl.config.parse import (
     ConfigError,
     Problems,
@@ -140,7 +142,7 @@ def check_registered(cfg: CohortConfig) -> None:
     for path, registry, name in lookups:
         try:
             registry.get(name)
-        except (KeyError, ImportError, AttributeError) as err:
+        except (KeyError, ImportError, AttributeError, UserError) as err:  # a benchmark file's mistakes too
             problems.add(path, str(err))
     if problems.items:
         raise problems.error()
