@@ -5,3 +5,10 @@ from vlm_corl.eval import Benchmark
 # The paper samples text benchmarks at T=0.6, top-p 0.95, and grades the last \boxed{}. The data is the copy
 # shipped in text_corl/datasets/math500 unless a path is given (`python -m vlm_corl.eval … --data math500=DIR`).
 MATH500 = Benchmark("math500", "math500", "test", temperature=0.6, top_p=0.95, max_new_tokens=1024)
+
+# No copy ships for these: give the official release with `--data NAME=PATH` (or a YAML benchmark file).
+GSM8K = Benchmark("gsm8k", "gsm8k", "test", temperature=0.6, top_p=0.95, max_new_tokens=1024)
+AMC23 = Benchmark("amc23", "amc23", "test", temperature=0.6, top_p=0.95, max_new_tokens=2048, metric="avg@8",
+                  samples=8)
+GPQA_DIAMOND = Benchmark("gpqa_diamond", "gpqa", "diamond", temperature=0.6, top_p=0.95, max_new_tokens=2048,
+                         answer_type="choice", category="domain")

@@ -42,3 +42,78 @@ def _math500_example(row: object, index: int, split: str, directory: Path) -> Ex
         return item
     parts = item.id.split("/")  # "test/<subject>/<number>.json"
     return replace(item, metadata={**item.metadata, "subject": parts[1]}) if len(parts) == 3 else item
+
+
+def _jsonl_rows(file: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed row) of a JSON Lines file; an unreadable line becomes a Skip row."""
+    with open(file, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield number, json.loads(line)
+                except ValueError as e:
+                    yield number, Skip("bad_json", f"{file}:{number}: {e}")
+
+
+def load_gsm8k(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
+    """GSM8K as openai/grade-school-math releases it: `<split>.jsonl` of {"question", "answer"}, the answer's
+    worked solution ending in "#### <number>". The gold answer is that number (thousands commas removed); the
+    solution stays in metadata["solution"]. Ids: gsm8k-<split>-<line>."""
+    file = resolve_data_file(path, split, (".jsonl",), "gsm8k")
+    for number, row in _jsonl_rows(file):
+        if isinstance(row, Skip):
+            yield row
+            continue
+        solution = row.get("answer") if isinstance(row, dict) else None
+        if not isinstance(solution, str) or "####" not in solution:
+            yield Skip("no_final_answer", f"{file}:{number}: the answer has no '#### <number>' line")
+            continue
+        final = solution.rsplit("####", 1)[1].strip().replace(",", "")
+        yield Example(id=f"gsm8k-{split}-{number:06d}", question=str(row.get("question") or ""), answer=final,
+                      source="gsm8k", metadata={"solution": solution})
+
+
+def load_amc23(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
+    """AMC 2023 (40 problems) as the math-evaluation harnesses ship it: `<split>.jsonl` of {"id", "question"
+    (or "problem"), "answer"}, the answer a number that may be written as a float (27.0 -> "27")."""
+    file = resolve_data_file(path, split, (".jsonl",), "amc23")
+    for number, row in _jsonl_rows(file):
+        if isinstance(row, Skip) or not isinstance(row, dict):
+            yield row if isinstance(row, Skip) else Skip("bad_record", f"{file}:{number}: not an object")
+            continue
+        answer = row.get("answer")
+        if isinstance(answer, float) and answer.is_integer():
+            answer = int(answer)
+        question = str(row.get("question") or row.get("problem") or "")
+        yield Example(id=f"amc23-{row.get('id', number)}", question=question,
+                      answer=None if answer is None else str(answer), source="amc23",
+                      metadata={k: v for k, v in row.items() if k not in ("question", "problem", "answer")})
+
+
+GPQA_CHOICES_SEED = 0  # choices are shuffled per question with this seed and the question's record id
+
+
+def load_gpqa(path: str | os.PathLike | None, split: str = "diamond") -> Iterator[Example | Skip]:
+    """GPQA as Idavidrein/gpqa releases it: `gpqa_<split>.csv` (split: diamond, main, extended) with "Question",
+    "Correct Answer", "Incorrect Answer 1..3", "Record ID", "High-level domain", "Subdomain". The four options
+    are shuffled per question by a seed made of GPQA_CHOICES_SEED and the record id (the same order on every
+    run and machine); the gold answer is the correct option's letter. metadata: domain, subdomain."""
+    import csv
+    import random
+
+    if path is not None and Path(path).is_dir():
+        path = Path(path) / f"gpqa_{split}.csv"
+    file = resolve_data_file(path, split, (".csv",), "gpqa")
+    with open(file, newline="", encoding="utf-8") as f:
+        for number, row in enumerate(csv.DictReader(f), 2):  # line 1 is the header
+            options = [row.get("Correct Answer")] + [row.get(f"Incorrect Answer {i}") for i in (1, 2, 3)]
+            if not row.get("Question") or not all(o and o.strip() for o in options):
+                yield Skip("bad_record", f"{file}:{number}: a question and four answers are needed")
+                continue
+            record = row.get("Record ID") or f"line{number}"
+            order = list(range(4))
+            random.Random(f"{GPQA_CHOICES_SEED}:{record}").shuffle(order)
+            choices = tuple(options[i].strip() for i in order)
+            yield Example(id=f"gpqa-{split}-{record}", question=row["Question"].strip(), choices=choices,
+                          answer="ABCD"[order.index(0)], source="gpqa",
+                          metadata={"domain": row.get("High-level domain"), "subdomain": row.get("Subdomain")})

@@ -234,8 +234,8 @@ def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tupl
     Raises DataError naming the path when there is none.
     """
     if path is None:
-        raise DataError(f"the {loader!r} loader needs a path: set data.train.path to a {'/'.join(suffixes)} file or a "
-                        f"directory holding <split>{suffixes[0]}")
+        raise DataError(f"the {loader!r} loader needs a path to a {'/'.join(suffixes)} file or a directory holding "
+                        f"<split>{suffixes[0]}: data.train.path in a cohort file, --data NAME=PATH for the eval CLI")
     path = Path(path)
     if path.is_file():
         return path
