@@ -89,3 +89,33 @@ def test_list_names_the_registered_benchmarks(capsys):
     assert cli.run(main, ["--list"]) == 0
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]]
     assert {"easyvqa", "math500", "gsm8k", "amc23", "gpqa_diamond"} <= set(names)
+
+
+class CannedEngine:
+    """Answers every question with the same three responses: two say red, one says blue."""
+
+    def __init__(self, member):
+        self.member = member
+
+    def generate(self, prompts, params):
+        from vlm_corl.rollout import Response, RolloutGroup
+
+        assert params.n == 3 and params.temperature == 1.0
+        texts = ["<answer>red</answer>", "<answer>blue</answer>", "<answer>red</answer>"]
+        return [RolloutGroup(p, [Response([1], t, "stop") for t in texts]) for p in prompts]
+
+
+def test_sampled_metrics_on_known_answers(tiny_zoo, bench_dir, monkeypatch):
+    """3 red and 3 blue questions, each answered red, blue, red: avg@3 = (3 x 2/3 + 3 x 1/3) / 6 = 0.5,
+    maj@3 = 0.5 (the red questions), pass@3 = 1 (each question has a right sample); text answers match
+    case-insensitively; per category (hue = the red ones, colour = the blue ones)."""
+    import vlm_corl.eval as ev
+
+    monkeypatch.setattr(ev, "make_engine", lambda name, member: CannedEngine(member))
+    bench = BENCHMARKS.get(str(bench_dir / "colours.yaml"))
+    examples = ev.benchmark_examples(bench, None)
+    r = ev.evaluate_dir(tiny_zoo["qwen2_vl"], bench, examples)
+    assert r["avg@3"] == pytest.approx(0.5) and r["maj@3"] == pytest.approx(0.5) and r["pass@3"] == 1.0
+    assert r["score"] == r["maj@3"]
+    assert r["by_type"] == pytest.approx({"hue": 2 / 3, "colour": 1 / 3})
+    assert [rec["n_correct"] for rec in r["records"]] == [2, 1, 2, 1, 2, 1]
