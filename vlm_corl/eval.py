@@ -12,6 +12,7 @@ import json
 import sys
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,8 @@ class Benchmark:
     answer_type: str = "expression"  # number | expression | choice | text: "text" compares normalised strings
     metric: str = "accuracy"  # accuracy | avg@K | maj@K | pass@K (the headline number)
     samples: int = 1  # K answers sampled per question
+    prompt_style: str | None = None  # the instruction after the question (render.PROMPT_STYLES); None: the member's
+    grade: Callable[[Example, str], bool] | None = None  # grades a whole response (code); None: extract + compare
 
 
 # Found through the `vlm_corl.benchmarks` entry point (pyproject.toml), like text_corl's: a module-level
@@ -68,7 +71,7 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
                     max_image_pixels: int = 1280 * 28 * 28, progress: bool = False) -> dict:
     """Accuracy of `member` on `examples` (overall and per category), every prediction, and with K samples per
     question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal."""
-    render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
+    render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30, style=bench.prompt_style)
     engine = make_engine("hf", member)
     params = SamplingParams(n=bench.samples, temperature=bench.temperature, top_p=bench.top_p,
                             max_new_tokens=bench.max_new_tokens)
@@ -82,14 +85,18 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
         groups = engine.generate([render(ex) for ex in chunk], params)
         for ex, group in zip(chunk, groups):
             texts = [r.text for r in group.responses]
-            preds = [extract_answer(t, member.prompt_style, ex.choices) for t in texts]
-            right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
+            if bench.grade is not None:  # the whole response is graded (code run against the tests)
+                preds, right = [None] * len(texts), [bench.grade(ex, t) for t in texts]
+            else:
+                preds = [extract_answer(t, member.prompt_style, ex.choices) for t in texts]
+                right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
             records.append({
                 "id": ex.id, "type": ex.metadata.get(key) if key else None, "pred": preds[0], "gold": ex.answer,
                 "correct": sum(right) / len(right), "response": texts[0],
                 **({"preds": preds, "n_correct": sum(right),
-                    "maj_correct": grade_answer(ex.answer, plurality_vote(preds, choices=ex.choices), ex.choices,
-                                                bench.answer_type)} if bench.samples > 1 else {}),
+                    "maj_correct": bench.grade is None and grade_answer(
+                        ex.answer, plurality_vote(preds, choices=ex.choices), ex.choices, bench.answer_type)}
+                   if bench.samples > 1 else {}),
             })
     bar.close()
     result = {"accuracy": _acc(records), "by_type": _by_type(records), "n": len(records), "records": records,

@@ -20,6 +20,8 @@ PROMPT_STYLES = {
         "{question}\nFirst think about the question inside <think> </think> tags, "
         "then give the final answer inside <answer> </answer> tags."
     ),
+    # Code benchmarks: the program is graded by running it, so the answer is a code block.
+    "code": "{question}\nWrite your solution as one Python code block (```python ... ```).",
 }
 
 
@@ -31,8 +33,9 @@ class Renderer:
     """Renders examples for one member; keeps an LRU cache of rendered prompts keyed by example id."""
 
     def __init__(self, member, view_fallback: str, max_image_pixels: int, max_prompt_tokens: int,
-                 cache_size: int = 8192, view: str | None = None):
+                 cache_size: int = 8192, view: str | None = None, style: str | None = None):
         self.member = member
+        self.style = style or member.prompt_style  # the instruction after the question (PROMPT_STYLES)
         self.view = view or member.cfg.view  # a member may be rendered in a second view (co_rewarding_1)
         self.view_fallback = view_fallback
         self.max_image_pixels = max_image_pixels
@@ -62,7 +65,7 @@ class Renderer:
                 raise
             question = example.question
             self.view_fallbacks += 1  # counted in the run log (data.view_fallback=original)
-        text = PROMPT_STYLES[member.prompt_style].format(question=question)
+        text = PROMPT_STYLES[self.style].format(question=question)
         images = [load_image(src, max_pixels=self.max_image_pixels) for src in example.images]
         chat_text = member.apply_chat_template(text, len(images), member.cfg.system_prompt)
         inputs = member.process(chat_text, images)
