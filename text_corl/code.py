@@ -9,14 +9,12 @@ block of a response (or the whole response when there is none) and pass iff ever
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
-from vlm_corl.data import DataError, Skip, resolve_data_file
+from text_corl.data import jsonl_rows
+from vlm_corl.data import Skip, resolve_data_file
 from vlm_corl.records import Example
 
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -29,28 +27,15 @@ def extract_code(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
-def _rows(file: Path) -> Iterator[tuple[int, object]]:
-    opener = gzip.open if file.suffix == ".gz" else open
-    try:
-        with opener(file, "rt", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield number, json.loads(line)
-                    except ValueError as e:
-                        yield number, Skip("bad_json", f"{file}:{number}: {e}")
-    except OSError as e:
-        raise DataError(f"cannot read {file}: {e}") from e
-
-
 def load_humaneval(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
     """HumanEval as openai/human-eval releases it: `HumanEval.jsonl(.gz)` of {"task_id", "prompt",
     "canonical_solution", "test", "entry_point"}. The question shows the function to complete."""
     file = resolve_data_file(path, split, (".jsonl", ".jsonl.gz"), "humaneval")
-    for number, row in _rows(file):
+    for number, row in jsonl_rows(file):
         if isinstance(row, Skip):
             yield row
-        elif not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "test", "entry_point")):
+        elif not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "test",
+                                                                                          "entry_point")):
             yield Skip("bad_record", f"{file}:{number}: needs prompt, test and entry_point strings")
         else:
             question = f"Complete this Python function and return the whole function:\n```python\n{row['prompt']}```"
@@ -66,7 +51,7 @@ def load_mbpp(path: str | os.PathLike | None, split: str = "test") -> Iterator[E
     file = resolve_data_file(path, split, (".jsonl",), "mbpp")
     ranges = {"test": (11, 510), "train": (601, 974), "validation": (511, 600), "prompt": (1, 10)}
     whole = file.name.startswith("mbpp") and split in ranges
-    for number, row in _rows(file):
+    for number, row in jsonl_rows(file):
         if isinstance(row, Skip):
             yield row
             continue

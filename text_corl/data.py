@@ -5,6 +5,7 @@ Each follows the loader contract of `vlm_corl.data` and is used through `vlm_cor
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -44,15 +45,20 @@ def _math500_example(row: object, index: int, split: str, directory: Path) -> Ex
     return replace(item, metadata={**item.metadata, "subject": parts[1]}) if len(parts) == 3 else item
 
 
-def _jsonl_rows(file: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed row) of a JSON Lines file; an unreadable line becomes a Skip row."""
-    with open(file, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield number, json.loads(line)
-                except ValueError as e:
-                    yield number, Skip("bad_json", f"{file}:{number}: {e}")
+def jsonl_rows(file: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed row) of a JSON Lines file (gzipped when it ends in .gz); an unreadable line becomes a
+    Skip row, an unreadable file a DataError."""
+    opener = gzip.open if file.suffix == ".gz" else open
+    try:
+        with opener(file, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield number, json.loads(line)
+                    except ValueError as e:
+                        yield number, Skip("bad_json", f"{file}:{number}: {e}")
+    except OSError as e:
+        raise DataError(f"cannot read {file}: {e}") from e
 
 
 def load_gsm8k(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
@@ -60,7 +66,7 @@ def load_gsm8k(path: str | os.PathLike | None, split: str = "test") -> Iterator[
     worked solution ending in "#### <number>". The gold answer is that number (thousands commas removed); the
     solution stays in metadata["solution"]. Ids: gsm8k-<split>-<line>."""
     file = resolve_data_file(path, split, (".jsonl",), "gsm8k")
-    for number, row in _jsonl_rows(file):
+    for number, row in jsonl_rows(file):
         if isinstance(row, Skip):
             yield row
             continue
@@ -77,7 +83,7 @@ def load_amc23(path: str | os.PathLike | None, split: str = "test") -> Iterator[
     """AMC 2023 (40 problems) as the math-evaluation harnesses ship it: `<split>.jsonl` of {"id", "question"
     (or "problem"), "answer"}, the answer a number that may be written as a float (27.0 -> "27")."""
     file = resolve_data_file(path, split, (".jsonl",), "amc23")
-    for number, row in _jsonl_rows(file):
+    for number, row in jsonl_rows(file):
         if isinstance(row, Skip) or not isinstance(row, dict):
             yield row if isinstance(row, Skip) else Skip("bad_record", f"{file}:{number}: not an object")
             continue
