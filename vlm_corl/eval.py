@@ -90,14 +90,14 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
             else:
                 preds = [extract_answer(t, member.prompt_style, ex.choices) for t in texts]
                 right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
-            records.append({
-                "id": ex.id, "type": ex.metadata.get(key) if key else None, "pred": preds[0], "gold": ex.answer,
-                "correct": sum(right) / len(right), "response": texts[0],
-                **({"preds": preds, "n_correct": sum(right),
-                    "maj_correct": bench.grade is None and grade_answer(
-                        ex.answer, plurality_vote(preds, choices=ex.choices), ex.choices, bench.answer_type)}
-                   if bench.samples > 1 else {}),
-            })
+            record = {"id": ex.id, "type": ex.metadata.get(key) if key else None, "pred": preds[0],
+                      "gold": ex.answer, "correct": sum(right) / len(right), "response": texts[0]}
+            if bench.samples > 1:
+                record.update(preds=preds, n_correct=sum(right))
+                if bench.grade is None:  # a majority needs extracted answers to vote on
+                    vote = plurality_vote(preds, choices=ex.choices)
+                    record["maj_correct"] = grade_answer(ex.answer, vote, ex.choices, bench.answer_type)
+            records.append(record)
     bar.close()
     result = {"accuracy": _acc(records), "by_type": _by_type(records), "n": len(records), "records": records,
               "metric": bench.metric, "samples": bench.samples,
@@ -106,7 +106,8 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
     if bench.samples > 1:
         k = bench.samples
         result[f"avg@{k}"] = result["accuracy"]
-        result[f"maj@{k}"] = sum(r["maj_correct"] for r in records) / max(len(records), 1)
+        if bench.grade is None:
+            result[f"maj@{k}"] = sum(r["maj_correct"] for r in records) / max(len(records), 1)
         result[f"pass@{k}"] = sum(pass_at_k(k, r["n_correct"], k) for r in records) / max(len(records), 1)
     result["score"] = result.get(bench.metric, result["accuracy"])
     return result
