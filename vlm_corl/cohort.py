@@ -11,6 +11,7 @@ one member share its engine; the update phase trains each member once, on the se
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -122,10 +123,13 @@ def teacher_decay(step: int, max_steps: int, start: float, end: float) -> float:
 
 
 @torch.no_grad()
-def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, decay: float) -> None:
-    """teacher <- decay * teacher + (1 - decay) * student, parameter by parameter."""
-    for t, s in zip(teacher.parameters(), student.parameters()):
-        t.lerp_(s, 1.0 - decay)
+def ema_update(teacher: torch.nn.Module, student_weights: Iterable[tuple[str, torch.Tensor]], decay: float) -> None:
+    """teacher <- decay * teacher + (1 - decay) * student, parameter by parameter; `student_weights` is the
+    student's (name, tensor) stream (`Member.full_weights`), whose buffers are left alone."""
+    params = dict(teacher.named_parameters())
+    for name, s in student_weights:
+        if name in params:
+            params[name].lerp_(s.to(params[name].device), 1.0 - decay)
 
 
 def models_to_save(slots: list[Slot]) -> list[Member]:

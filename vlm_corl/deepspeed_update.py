@@ -13,9 +13,13 @@ How the update is driven (measured with deepspeed 0.19.8, torch 2.14.1, CPU/gloo
   multiplied by the group size to get the sum;
 - every rank of a group must run the same number of forward/backward passes (ZeRO-2 reduces inside
   backward, ZeRO-3 gathers inside forward): `lockstep_count` pads with zero-loss micro-batches;
-- ZeRO-3 weights are partitioned, and decoding different lengths on different ranks would mismatch the
-  gathers: rollouts, scoring, EMA teachers and saved weights read a full, hook-free copy of the model that is
-  refreshed (one gather over the group) after every step. It costs one full fp32 copy per rank;
+- ZeRO-3 weights are partitioned. Whatever reads the full weights (the vLLM weight sync, an EMA teacher, a
+  checkpoint, the replica checksum) streams them (`full_weights`): parameters are gathered over the group a
+  bucket at a time (`train.gather_bucket_mb`) and released before the next bucket, so no rank ever holds a
+  second full copy. The HF rollout engine is the exception: it decodes with the module's own forward, and
+  ranks decoding different lengths would mismatch ZeRO-3's per-layer gathers, so with `rollout.engine: hf` a
+  ZeRO-3 member keeps a full, hook-free copy that is refreshed after every step (one full fp32 copy per rank);
+  scoring passes then run on it too, while without it they run through the engine in lockstep;
 - `engine.save_checkpoint` synchronises the whole world, not the member's group, so each rank saves its own
   partition of the optimizer state (`deepspeed_state.<group rank>.pt`) with no collective at all.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -124,7 +129,8 @@ def _patch_zero3_trace_check() -> None:
 class DeepSpeedUpdate:
     """A trainable member's DeepSpeed engine over its group: backward, step, lockstep, state save/load."""
 
-    def __init__(self, member, ds_config: dict, dp_group, mp_group):
+    def __init__(self, member, ds_config: dict, dp_group, mp_group, keep_full_copy: bool = False,
+                 bucket_bytes: int = 512 << 20):
         import deepspeed  # optional dependency: the `deepspeed` extra
 
         self.stage = ds_config["zero_optimization"]["stage"]
@@ -132,8 +138,10 @@ class DeepSpeedUpdate:
         self.group = dp_group
         self.size = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
-        # ZeRO-3 partitions the module's weights in place: keep a full copy first, for rollouts and saving.
-        self.full_copy = copy.deepcopy(member.model).eval().requires_grad_(False) if self.stage == 3 else None
+        self.bucket_bytes = bucket_bytes
+        # ZeRO-3 partitions the module's weights in place: the HF rollout engine needs a full copy (see above).
+        keep = self.stage == 3 and keep_full_copy
+        self.full_copy = copy.deepcopy(member.model).eval().requires_grad_(False) if keep else None
         for p in member.model.parameters():
             p.grad = None  # DeepSpeed keeps gradients in its own buffers
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -155,9 +163,35 @@ class DeepSpeedUpdate:
             _ACTIVE_GROUP[0] = None
 
     @property
+    def partitioned(self) -> bool:
+        """ZeRO-3 without a full copy: no module on this rank holds the member's whole weights."""
+        return self.stage == 3 and self.full_copy is None
+
+    @property
     def full_model(self) -> torch.nn.Module:
-        """Full weights of the member (ZeRO-2 keeps them whole on every rank; ZeRO-3 in the refreshed copy)."""
+        """A module with the member's full weights (ZeRO-2 keeps them whole on every rank; ZeRO-3 only in the
+        copy kept for HF rollouts)."""
+        if self.partitioned:
+            raise RuntimeError("a partitioned ZeRO-3 member has no full module: stream its weights (full_weights)")
         return self.full_copy if self.full_copy is not None else self.module
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state-dict name, full tensor) of every parameter and persistent buffer; a collective over the group
+        under partitioned ZeRO-3 (every rank of the member iterates to the end, in the same order).
+
+        Partitioned: parameters are gathered a bucket of `bucket_bytes` at a time; a yielded tensor is valid
+        until the next one of another bucket is asked for (consumers copy it: vLLM's loader, the EMA lerp,
+        the checkpoint writer's host copy)."""
+        if not self.partitioned:
+            yield from named_tensors(self.full_model)
+            return
+        import deepspeed
+
+        for bucket in _buckets(list(self.module.named_parameters()), self.bucket_bytes):
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                for name, p in bucket:
+                    yield name, p.data
+        yield from _persistent_buffers(self.module)
 
     def backward(self, loss: torch.Tensor) -> None:
         # x group size: DeepSpeed averages over the group, our per-rank losses add up to the batch's loss.
@@ -207,6 +241,33 @@ class DeepSpeedUpdate:
         self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
         self.scheduler.load_state_dict(state["scheduler"])
         self.engine.global_steps = state["global_steps"]
+
+
+def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's parameters (each once, tied ones under their first name) and persistent buffers: what
+    `load_state_dict` needs and vLLM's `load_weights` reads, by state-dict name."""
+    for name, p in module.named_parameters():
+        yield name, p.data
+    yield from _persistent_buffers(module)
+
+
+def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    keys = set(module.state_dict(keep_vars=True))  # non-persistent buffers (rotary tables) are left out
+    return ((name, b) for name, b in module.named_buffers() if name in keys)
+
+
+def _buckets(named: list[tuple[str, torch.nn.Parameter]], limit: int) -> Iterator[list]:
+    """Consecutive parameters in groups of at most `limit` bytes (full size; one larger tensor is its own)."""
+    bucket, size = [], 0
+    for name, p in named:
+        nbytes = p.ds_numel * p.element_size() if hasattr(p, "ds_numel") else p.numel() * p.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def state_files(group_size: int) -> list[str]:

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -261,12 +262,12 @@ def sum_over(group, tensors: list[torch.Tensor], bucket_bytes: int = 64 << 20) -
 
 
 @torch.no_grad()
-def weights_checksum(model: torch.nn.Module) -> float:
-    """A float64 fingerprint of a model's weights (sum of position-weighted values): equal on every rank of
-    a member while its replicas agree, different after almost any divergence."""
+def weights_checksum(tensors: Iterable[torch.Tensor]) -> float:
+    """A float64 fingerprint of a model's weights, given in a fixed order (sum of position-weighted values):
+    equal on every rank of a member while its replicas agree, different after almost any divergence."""
     total = torch.zeros((), dtype=torch.float64)
-    for i, p in enumerate(model.parameters()):
-        total += (p.detach().double().sum() * (i + 1)).cpu()
+    for i, t in enumerate(tensors):
+        total += (t.detach().double().sum() * (i + 1)).cpu()
     return float(total)
 
 

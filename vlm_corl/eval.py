@@ -8,9 +8,10 @@ and every prediction) and `results.md`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +22,11 @@ from tqdm import tqdm
 from vlm_corl import cli
 from vlm_corl.answers import answers_equivalent, extract_answer
 from vlm_corl.answers.normalize import normalize_answer
+from vlm_corl.checkpoint import MANIFEST, is_complete, latest_checkpoint
 from vlm_corl.config import MemberConfig
+from vlm_corl.config.schema import RolloutConfig, VllmConfig
 from vlm_corl.data import balance_by, load_examples
+from vlm_corl.errors import UserError
 from vlm_corl.member import Member, check_modality, load_member, member_family
 from vlm_corl.records import Example
 from vlm_corl.registry import BENCHMARKS
@@ -54,6 +58,9 @@ class Benchmark:
     samples: int = 1  # K answers sampled per question
     prompt_style: str | None = None  # the instruction after the question (render.PROMPT_STYLES); None: the member's
     grade: Callable[[Example, str], bool] | None = None  # grades a whole response (code); None: extract + compare
+    # scores beyond per-record correctness (We-Math's four dimensions, a second breakdown) from the records and
+    # their examples, in order; results.json keeps them under "aggregate", results.md lists them under the table
+    aggregate: Callable[[list[dict], list[Example]], dict] | None = None
 
 
 # Found through the `vlm_corl.benchmarks` entry point (pyproject.toml), like text_corl's: a module-level
@@ -68,11 +75,16 @@ def benchmark_examples(bench: Benchmark, limit: int | None, path: str | None = N
 
 
 def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, batch_size: int = 64,
-                    max_image_pixels: int = 1280 * 28 * 28, progress: bool = False) -> dict:
+                    max_image_pixels: int = 1280 * 28 * 28, progress: bool = False, engine=None,
+                    max_prompt_tokens: int = 1 << 30) -> dict:
     """Accuracy of `member` on `examples` (overall and per category), every prediction, and with K samples per
-    question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal."""
-    render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30, style=bench.prompt_style)
-    engine = make_engine("hf", member)
+    question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal.
+
+    `engine` samples the answers (default: the HF engine on the member's module; a vLLM engine must leave room
+    for `max_prompt_tokens` + the benchmark's max_new_tokens)."""
+    render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=max_prompt_tokens,
+                      style=bench.prompt_style, limit_name="--max-prompt-tokens")
+    engine = engine or make_engine("hf", member)
     params = SamplingParams(n=bench.samples, temperature=bench.temperature, top_p=bench.top_p,
                             max_new_tokens=bench.max_new_tokens)
     key = bench.category or bench.balance_by
@@ -110,6 +122,8 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
             result[f"maj@{k}"] = sum(r["maj_correct"] for r in records) / max(len(records), 1)
         result[f"pass@{k}"] = sum(pass_at_k(k, r["n_correct"], k) for r in records) / max(len(records), 1)
     result["score"] = result.get(bench.metric, result["accuracy"])
+    if bench.aggregate is not None:
+        result["aggregate"] = bench.aggregate(records, examples)
     return result
 
 
@@ -157,7 +171,8 @@ def evaluate_dir(model_dir: str | Path, bench: Benchmark, examples: list[Example
 
 
 def results_markdown(results: dict) -> str:
-    """A table: one row per model and benchmark: its metric, accuracy (avg over samples), per category, decoding."""
+    """A table: one row per model and benchmark: its metric, accuracy (avg over samples), per category, decoding;
+    then one line per benchmark with aggregate scores (`Benchmark.aggregate`)."""
     lines = ["| model | benchmark | n | metric | score | accuracy | by category | decoding |",
              "|---|---|---|---|---|---|---|---|"]
     for model, benches in results.items():
@@ -168,7 +183,20 @@ def results_markdown(results: dict) -> str:
             score = r.get("score", r["accuracy"])
             lines.append(f"| {model} | {bench} | {r['n']} | {r.get('metric', 'accuracy')} | {score:.3f} "
                          f"| {r['accuracy']:.3f} | {types} | {decoding} |")
-    return "\n".join(lines) + "\n"
+    extra = [f"- {model} / {bench}: {_compact(r['aggregate'])}" for model, benches in results.items()
+             for bench, r in benches.items() if r.get("aggregate")]
+    return "\n".join(lines + ([""] + extra if extra else [])) + "\n"
+
+
+def _compact(scores: dict) -> str:
+    """One line for a benchmark's aggregate scores: "by_level: 1 0.500, 2 0.250; IK 0.167, ..."."""
+    def show(value) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    flat = ", ".join(f"{k} {show(v)}" for k, v in scores.items() if not isinstance(v, dict))
+    nested = [f"{k}: " + ", ".join(f"{t} {show(v)}" for t, v in d.items()) for k, d in scores.items()
+              if isinstance(d, dict)]
+    return "; ".join(([flat] if flat else []) + nested)
 
 
 def main(argv=None) -> int:
@@ -184,6 +212,14 @@ def main(argv=None) -> int:
     parser.add_argument("--data", action="append", default=[], metavar="BENCH=PATH",
                         help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 "
                              "(default: the copy shipped in text_corl)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="answer sampler: hf (transformers, any machine) | vllm (one engine per model)")
+    parser.add_argument("--max-prompt-tokens", type=cli.positive_int, default=4096,
+                        help="vllm: longest prompt the engines make room for (with the benchmarks' max_new_tokens)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                        help="vllm: share of GPU memory all the engines take together (split among the models)")
+    parser.add_argument("--kv-cache-bytes", type=cli.positive_int, default=None,
+                        help="vllm on a CPU: KV cache bytes of all engines together (the share above is of RAM there)")
     args = parser.parse_args(argv)
     if args.list:
         print(benchmark_list())
@@ -195,21 +231,57 @@ def main(argv=None) -> int:
     bad_data = [item for item in args.data if "=" not in item]
     if bad_data:
         parser.error(f"--data takes BENCH=PATH, got {bad_data}")
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError("--engine vllm needs vLLM: pip install -e '.[vllm]' (or use --engine hf)")
     out = cli.output_dir(args.out, "--out")  # checked before the evaluation, not after it
     names = [name for name in args.benchmarks.split(",") if name]
     benches = {name: BENCHMARKS.get(name) for name in names}
     paths = dict(item.split("=", 1) for item in args.data)
-    models = {Path(m).name: m for m in args.models}
+    dirs = model_dirs(args.models)
     examples = {name: benchmark_examples(bench, args.limit, paths.get(name)) for name, bench in benches.items()}
     for name in benches:
-        check_models(models, examples[name])
+        check_models({d.name: d for d in dirs}, examples[name])
     results: dict[str, dict] = {}
-    for name, bench in benches.items():
-        for model_dir in args.models:
-            results.setdefault(str(model_dir), {})[bench.name] = evaluate_dir(model_dir, bench, examples[name],
-                                                                             progress=True)
+    engines = []  # vLLM engines live as long as the process (closing one tears down vLLM's shared state)
+    for model_dir in dirs:
+        member = load_member(MemberConfig(id=model_dir.name, model=str(model_dir), trainable=False))
+        engine, room = _engine(args, member, list(benches.values()), examples, share=1 / len(dirs))
+        engines.append(engine if args.engine == "vllm" else None)
+        for name, bench in benches.items():
+            results.setdefault(str(model_dir), {})[bench.name] = evaluate_member(
+                member, examples[name], bench, progress=True, engine=engine, max_prompt_tokens=room)
     write_results(out, results, results_markdown(results))
     return 0
+
+
+def model_dirs(paths: list[str]) -> list[Path]:
+    """The models `--models` names: a model directory itself (with config.json), every model of a cohort
+    checkpoint (`RUN/checkpoints/step-N`: the members and teachers its manifest lists), or those of a run
+    directory's newest complete checkpoint. A path that does not exist is kept, for `check_models` to report."""
+    found = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists() or (path / "config.json").is_file():
+            found.append(path)
+            continue
+        checkpoint = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
+        if checkpoint is None or not is_complete(checkpoint):
+            raise UserError(f"--models {raw}: not a model directory (no config.json), a complete cohort checkpoint "
+                                "(RUN/checkpoints/step-N with its manifest.json) or a run directory holding one")
+        found += [checkpoint / mid for mid in json.loads((checkpoint / MANIFEST).read_text())["members"]]
+    return found
+
+
+def _engine(args, member: Member, benches: list[Benchmark], examples: dict, share: float):
+    """The sampler for one model and the longest prompt it takes: the HF engine (no limit), or a vLLM engine
+    with room for --max-prompt-tokens plus the longest benchmark answer."""
+    if args.engine == "hf":
+        return make_engine("hf", member), 1 << 30
+    budget = VllmConfig(gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_bytes)
+    rollout = RolloutConfig(engine="vllm", max_prompt_tokens=args.max_prompt_tokens,
+                            max_new_tokens=max(b.max_new_tokens for b in benches), vllm=budget)
+    images = max(len(ex.images) for exs in examples.values() for ex in exs)
+    return make_engine("vllm", member, rollout, images, share), args.max_prompt_tokens
 
 
 def benchmark_list() -> str:

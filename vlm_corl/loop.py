@@ -269,7 +269,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
             # one optimizer step per pass over a rollout batch: the schedule spans all of them
             m.setup_optimizer(cfg.train, cfg.train.max_steps * cfg.algo.updates_per_batch)
             if cfg.train.deepspeed:
-                attach_deepspeed(m, cfg.train, world, placement[m.id])
+                attach_deepspeed(m, cfg, world, placement[m.id])
             if resume_from:
                 m.load_trainer_state(resume_from / m.id)
             if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
@@ -293,12 +293,19 @@ def start_run(cfg: CohortConfig) -> CohortRun:
                      reward_spec, start, history, data_report)
 
 
-def attach_deepspeed(member, train, world: World, ranks: tuple[int, ...]) -> None:
-    """Give a trainable member a DeepSpeed engine over its ranks (its AdamW and schedule are already built)."""
+def attach_deepspeed(member, cfg: CohortConfig, world: World, ranks: tuple[int, ...]) -> None:
+    """Give a trainable member a DeepSpeed engine over its ranks (its AdamW and schedule are already built).
+    Under ZeRO-3 only the HF rollout engine needs a full copy of the weights beside the partitions."""
     from vlm_corl.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
 
+    train = cfg.train
     ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, len(ranks))
-    member.deepspeed = DeepSpeedUpdate(member, ds_config, world.group(ranks), world.singles[world.rank])
+    member.deepspeed = DeepSpeedUpdate(member, ds_config, world.group(ranks), world.singles[world.rank],
+                                       keep_full_copy=cfg.rollout.engine == "hf",
+                                       bucket_bytes=int(train.gather_bucket_mb * (1 << 20)))
+    if member.deepspeed.full_copy is not None and world.rank == ranks[0]:
+        log.info("ZeRO-3 member %s keeps a full fp32 copy of its weights for HF rollouts (rollout.engine=vllm "
+                 "streams them instead)", member.id)
 
 
 def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path | None) -> None:
@@ -384,7 +391,7 @@ def update_phase(run: CohortRun, groups, advantages, rewards, lengths, const_nor
     decay = teacher_decay(step, cfg.train.max_steps, cfg.reward.teacher_decay_start, cfg.reward.teacher_decay_end)
     for s in run.slots:
         if s.follows is not None:  # an EMA teacher (co_rewarding_2)
-            ema_update(s.member.model, s.follows.generation_module, decay)
+            ema_update(s.member.model, s.follows.full_weights(), decay)
     return updates
 
 
@@ -428,12 +435,14 @@ def intrinsic_scores(run: CohortRun, groups) -> list[dict[str, torch.Tensor]]:
         if all(r.entropy_sum is not None for r in responses):
             stats = {k: torch.tensor([r.mean(k) for r in responses]) for k in ("entropy", "self_certainty")}
         else:
-            m = s.member
-            with m.autocast():
-                stats = response_token_stats(m.generation_module, [g.prompt.inputs for g in gs for _ in g.responses],
+            m, size = s.member, run.cfg.train.micro_batch_size
+            # A partitioned ZeRO-3 member scores through its engine: its ranks run as many passes (fillers).
+            passes = m.micro_batch_count(-(-len(responses) // size)) if m.partitioned else None
+            with m.autocast(), m.updating():
+                stats = response_token_stats(m.scoring_module, [g.prompt.inputs for g in gs for _ in g.responses],
                                              [r.token_ids for r in responses], m.tokenizer.pad_token_id,
                                              run.cfg.rollout.temperature, m.mrope, m.suppressed_ids,
-                                             micro_batch_size=run.cfg.train.micro_batch_size)
+                                             micro_batch_size=size, passes=passes)
         per_slot.append({k: v.float().cpu().view(len(gs), -1) for k, v in stats.items()})
     return per_slot
 
@@ -463,7 +472,7 @@ def _check_replicas(run: CohortRun, models) -> dict[str, dict[int, float]]:
     """Every rank of a member must hold the same weights (data parallel keeps them so); a divergence is a
     bug that would silently corrupt the saved member, so it stops the run."""
     sums: dict[str, dict[int, float]] = {}
-    for rank, part in enumerate(run.world.all_gather({m.id: weights_checksum(m.generation_module) for m in models})):
+    for rank, part in enumerate(run.world.all_gather({m.id: weights_checksum(t for _, t in m.full_weights()) for m in models})):
         for mid, value in part.items():
             sums.setdefault(mid, {})[rank] = value
     diverged = {mid: by_rank for mid, by_rank in sums.items() if len(set(by_rank.values())) > 1}
@@ -515,10 +524,21 @@ def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:
         for m in run.members:
             if run.world.rank != run.placement[m.id][0]:
                 continue
-            result = evaluate_member(m, examples, bench)
+            engine, room = _eval_engine(run, m, bench)
+            result = evaluate_member(m, examples, bench, engine=engine, max_prompt_tokens=room)
             rows.append({"step": step, "member": m.id, "benchmark": bench.name, "accuracy": result["accuracy"],
                          "n": result["n"], **{f"accuracy_{t}": a for t, a in result["by_type"].items()}})
     return [row for part in run.world.all_gather(rows) for row in part]
+
+
+def _eval_engine(run: CohortRun, member, bench):
+    """(engine, longest prompt) for an in-loop evaluation: the member's own vLLM rollout engine (synced after
+    every update; a partitioned ZeRO-3 member has no module the HF engine could run) with what its sequence
+    length leaves after the benchmark's answer, or the HF engine (None: evaluate_member's default)."""
+    r = run.cfg.rollout
+    if r.engine != "vllm":
+        return None, 1 << 30
+    return next(s.engine for s in run.slots if s.member is member), r.max_prompt_tokens + r.max_new_tokens - bench.max_new_tokens
 
 
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard")

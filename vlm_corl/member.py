@@ -7,6 +7,7 @@ shared between two members.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from transformers import AutoProcessor, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from vlm_corl.checkpoint import TRAINER_STATE, read_state
+from vlm_corl.deepspeed_update import named_tensors
 from vlm_corl.distributed import sum_over
 from vlm_corl.errors import UserError
 from vlm_corl.families import Family, detect_family
@@ -54,9 +56,29 @@ class Member:
 
     @property
     def generation_module(self):
-        """The full weights rollouts, scoring passes, EMA teachers and saved checkpoints read: the live model,
-        or under DeepSpeed ZeRO-3 (partitioned weights) a full copy refreshed after every update."""
+        """The module HF rollouts and scoring passes run: the live model, or under DeepSpeed ZeRO-3 with the HF
+        engine the full copy refreshed after every update (a partitioned member has none: see `partitioned`)."""
         return self.deepspeed.full_model if self.deepspeed is not None else self.model
+
+    @property
+    def partitioned(self) -> bool:
+        """DeepSpeed ZeRO-3 without a full copy: the weights exist whole only while streamed (`full_weights`)."""
+        return self.deepspeed is not None and self.deepspeed.partitioned
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state-dict name, tensor) of the member's full weights, each parameter once, then the persistent
+        buffers: what the vLLM sync, an EMA teacher, a checkpoint and the replica checksum read. For a
+        partitioned member it is a collective over its ranks (every rank iterates to the end) that gathers a
+        bucket of parameters at a time, never a second full copy."""
+        if self.deepspeed is not None:
+            return self.deepspeed.full_weights()
+        return named_tensors(self.model)
+
+    @property
+    def scoring_module(self):
+        """What no-gradient scoring passes run: the full module, or a partitioned member's engine (its ranks in
+        lockstep, inside `updating()`)."""
+        return self.train_module if self.partitioned else self.generation_module
 
     @property
     def train_module(self):
@@ -173,20 +195,28 @@ class Member:
         if self.deepspeed is not None:
             directory.mkdir(parents=True, exist_ok=True)
             self.deepspeed.save_state(directory)
+        self.save_weights(directory, write)
+        if write and self.optimizer is not None and self.deepspeed is None:
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       directory / TRAINER_STATE)
+
+    def save_weights(self, directory: Path, write: bool = True) -> None:
+        """HF-format weights + processor only (a best-so-far model); every rank of the member calls it (a
+        partitioned member's weights are gathered over its ranks), the one with `write` writes."""
+        state = None
+        if self.partitioned:  # the writer keeps a host copy of each gathered bucket; the others only take part
+            state = {name: t.detach().to("cpu", copy=True) for name, t in self.full_weights() if write}
         if not write:
             return
-        model = self.generation_module
+        model = self.model if self.partitioned else self.generation_module
         # transformers 5 writes only on world rank 0 once torch.distributed is up (`should_save_on_this_rank`);
         # a member's writer is its own first rank, so that decision is ours (the instance attribute wins).
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
         try:
-            model.save_pretrained(directory, safe_serialization=True)
+            model.save_pretrained(directory, safe_serialization=True, state_dict=state)
         finally:
             del model.should_save_on_this_rank
         (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
-        if self.optimizer is not None and self.deepspeed is None:
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       directory / TRAINER_STATE)
 
     def sum_over_ranks(self, value: float | dict[str, float]) -> float | dict[str, float]:
         """A per-rank number (a loss share, a count), or a dict of them (one collective), summed over the

@@ -49,23 +49,28 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
 @torch.no_grad()
 def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
                          temperature: float, mrope: bool, suppressed: list[int] = (),
-                         micro_batch_size: int | None = None) -> dict[str, torch.Tensor]:
+                         micro_batch_size: int | None = None, passes: int | None = None) -> dict[str, torch.Tensor]:
     """Per-response means of the policy's token entropy and self-certainty: (B,) each.
 
     The scoring pass for intrinsic rewards when the rollout engine did not record them (vLLM returns only
     top-k log-probs): like `response_logprobs` without gradients, `micro_batch_size` responses per forward
-    (default: all at once), so at most one micro-batch of logits is alive.
+    (default: all at once), so at most one micro-batch of logits is alive. `passes` (at least the number of
+    micro-batches) repeats the first micro-batch, discarded, until that many forwards ran: the ranks of a
+    partitioned ZeRO-3 member must run the same number.
     """
     def stats(logits, targets):  # (B, t, V) -> (B, t, 2)
         return torch.stack(token_stats(logits, temperature, suppressed), dim=-1)
 
     step = micro_batch_size or len(responses)
+    starts = list(range(0, len(responses), step))
     means = []
-    for i in range(0, len(responses), step):
+    for n in range(max(passes or 0, len(starts))):
+        i = starts[n] if n < len(starts) else 0
         values, mask = _per_position(model, prompt_inputs[i : i + step], responses[i : i + step], pad_id, mrope,
                                      stats)
         lengths = mask.sum(dim=1).clamp(min=1)
-        means.append(torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None])  # (b, 2)
+        if n < len(starts):
+            means.append(torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None])  # (b, 2)
     means = torch.cat(means)
     return {"entropy": means[:, 0], "self_certainty": means[:, 1]}
 

@@ -180,6 +180,9 @@ class TrainConfig:
         "DeepSpeed JSON config for every trainable member's update (ZeRO 2/3, e.g. configs/deepspeed/zero2.json); "
         "null = plain data parallel (gradients summed over the member's ranks)", None,
     )
+    gather_bucket_mb: float = _f(
+        "ZeRO-3: megabytes of parameters gathered at a time when the full weights are streamed (vLLM weight sync, "
+        "EMA teacher, checkpoint); the rest stays partitioned", 512.0, gt=0)
     dist_timeout_s: float = _f("seconds a collective may wait for the other ranks before the job stops", 1800.0, gt=0)
 
 
@@ -191,7 +194,7 @@ class EvalConfig:
     every: int = _f("evaluate every N steps; 0 = off", 0, ge=0)
     limit: int | None = _f("examples per benchmark; null = all", None, ge=1)
     temperature: float = _f("evaluation sampling temperature; 0 = greedy", 0.0, ge=0)
-    max_new_tokens: int | None = _f("longest evaluation response; null = rollout.max_new_tokens", None, ge=1)
+    max_new_tokens: int | None = _f("longest evaluation response; null = the benchmark's own", None, ge=1)
 
 
 @dataclass(kw_only=True)

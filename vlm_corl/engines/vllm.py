@@ -74,7 +74,7 @@ class VLLMEngine:
         try:
             self._llm = LLM(
                 model=str(member.cfg.model),
-                dtype=member.generation_module.dtype,
+                dtype=member.model.dtype,
                 trust_remote_code=member.cfg.trust_remote_code,
                 max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
                 tensor_parallel_size=settings.tensor_parallel_size,
@@ -105,11 +105,15 @@ class VLLMEngine:
 
     def sync_weights(self) -> None:
         """Load the member's current weights into the engine (woken first). The weights stream tensor by
-        tensor from the live module (references, no second copy); vLLM copies each into its own."""
+        tensor (`Member.full_weights`: references to the live module, or under ZeRO-3 gathered a bucket at a
+        time over the member's ranks, which all sync together); vLLM copies each into its own."""
         if "weights" in self._asleep:
             self._llm.wake_up(["weights"])
             self._asleep.discard("weights")
-        _push_weights(self._llm, iter(self.member.generation_module.state_dict().items()))
+        weights = self.member.full_weights()
+        _push_weights(self._llm, weights)
+        for _ in weights:  # a partitioned member's gathers are collectives: finish them whatever vLLM read
+            pass
 
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[RolloutGroup]:
         if self._asleep:
