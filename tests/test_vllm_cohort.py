@@ -64,11 +64,14 @@ def test_two_processes_one_engine_per_rank_with_the_correction(zoo, tmp_path):
 
 def test_a_zero3_member_on_two_ranks_trains_with_vllm_and_no_full_copy_like_zero2(zoo, tmp_path):
     """One member on both ranks, ZeRO-3 with vLLM rollouts: the weights stream into vLLM a bucket at a time
-    and the entropy reward's scoring pass runs through the engine in lockstep; after 2 steps the checkpoint
-    (gathered from the partitions) matches the same run under ZeRO-2, whose ranks hold the whole model."""
+    and the entropy reward's scoring pass runs through the engine in lockstep. The engine samples from exactly
+    the trainer's weights after every sync (mean |delta log p| ~1e-7 in fp32; a stale engine is off by 0.22 at
+    step 2, measured with the sync disabled), and the run follows the same run under ZeRO-2, whose ranks hold
+    the whole model. (Weights are not compared: at step 1 Adam moves every weight by ~lr whatever its gradient's
+    size, so float noise in the entropy rewards' advantages flips the sign of some tiny gradients.)"""
     from safetensors.torch import load_file
 
-    final = {}
+    final, rows = {}, {}
     for stage in ("zero2", "zero3"):
         cfg = {
             "output_dir": str(tmp_path / stage),
@@ -89,12 +92,14 @@ def test_a_zero3_member_on_two_ranks_trains_with_vllm_and_no_full_copy_like_zero
                               timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "keeps a full fp32 copy" not in proc.stderr
-        rows = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [1, 2] and all(r["time_sync"] > 0 for r in rows)
+        rows[stage] = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows[stage]] == [1, 2]
+        assert all(r["time_sync"] > 0 and r["is_abs_dlogp"] < 1e-5 for r in rows[stage]), rows[stage]
         final[stage] = load_file(str(tmp_path / stage / "checkpoints" / "step-2" / "a" / "model.safetensors"))
     assert final["zero2"].keys() == final["zero3"].keys()
-    gap = max((final["zero2"][k] - final["zero3"][k]).abs().max().item() for k in final["zero2"])
-    assert gap < 1e-4, gap
+    for two, three in zip(rows["zero2"], rows["zero3"]):
+        assert three["reward_mean"] == pytest.approx(two["reward_mean"], rel=1e-5)
+        assert three["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-2)
 
 
 def test_engines_of_one_process_split_the_budget_and_a_cache_that_cannot_fit_is_a_clear_error(zoo):
