@@ -88,7 +88,8 @@ def test_a_mistake_in_a_benchmark_file_names_it_and_exits_2(tiny_zoo, bench_dir,
 def test_list_names_the_registered_benchmarks(capsys):
     assert cli.run(main, ["--list"]) == 0
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]]
-    assert {"easyvqa", "math500", "gsm8k", "amc23", "gpqa_diamond"} <= set(names)
+    assert {"easyvqa", "math500", "gsm8k", "amc23", "gpqa_diamond", "mathvista", "mathverse", "mathvision",
+            "wemath"} <= set(names)
 
 
 class CannedEngine:

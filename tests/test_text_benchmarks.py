@@ -44,6 +44,8 @@ def test_gpqa_options_are_shuffled_the_same_way_every_time_and_the_gold_letter_f
         assert e.choices["ABCD".index(e.answer)] == f"right{i}" and sorted(e.choices) == sorted(rows[i][1:5])
     assert len({e.answer for e in first}) > 1  # the correct option does not always come first
     assert first[0].metadata == {"domain": "Physics", "subdomain": "Optics"}
+    # the prompt renders the question alone, so it lists the options in their shuffled order
+    assert first[0].question == "Q0?\nChoices:\n" + "\n".join(f"({l}) {c}" for l, c in zip("ABCD", first[0].choices))
     assert load_examples("gpqa", tmp_path, split="diamond").report.skipped == {"bad_record": 1}
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 from vlm_corl.data import DataError, Skip, example_from_row, resolve_data_file
-from vlm_corl.records import Example
+from vlm_corl.records import Example, with_choices
 
 
 MATH500_DIR = Path(__file__).resolve().parent / "datasets" / "math500"  # vendored copy (README.md there)
@@ -120,6 +121,51 @@ def load_gpqa(path: str | os.PathLike | None, split: str = "diamond") -> Iterato
             order = list(range(4))
             random.Random(f"{GPQA_CHOICES_SEED}:{record}").shuffle(order)
             choices = tuple(options[i].strip() for i in order)
-            yield Example(id=f"gpqa-{split}-{record}", question=row["Question"].strip(), choices=choices,
+            yield Example(id=f"gpqa-{split}-{record}", question=with_choices(row["Question"].strip(), choices),
+                          choices=choices,
                           answer="ABCD"[order.index(0)], source="gpqa",
                           metadata={"domain": row.get("High-level domain"), "subdomain": row.get("Subdomain")})
+
+
+# CHAMP's answers are written for a human (or GPT-4) grader: "C(10, 5), or equivalently 252", "100 (i.e., all
+# values)", "The limit exists and is equal to 2/3". These rewrites keep the one form math-verify can compare
+# (the explicit one of two equivalent forms, the value without its gloss or sentence); each is checked in
+# tests/test_champ.py. The answer as released stays in metadata["raw_answer"].
+_CHAMP_ANSWER_REWRITES = (
+    (re.compile(r".+?,? or (?:equivalently|an equivalent form such as) (?P<keep>.+)"), "keep"),
+    (re.compile(r"(?P<keep>.+?), or approximately .+"), "keep"),
+    (re.compile(r"At most (?P<keep>\S+) .+"), "keep"),  # "At most 0 values (i.e., no such values)"
+    (re.compile(r"(?P<keep>.+?) \((?:i\.e\.,|none of|no such).*\)"), "keep"),
+    (re.compile(r"(?:The limit exists and is equal to|The only possible value for the limit is) (?P<keep>.+)"), "keep"),
+    (re.compile(r"(?P<keep>\S+) (?:is the only possible value|values|pairs|roots|inequalities|times)"), "keep"),
+)
+
+
+def champ_answer(answer: str) -> str:
+    """The comparable form of a CHAMP answer (see _CHAMP_ANSWER_REWRITES); free text stays as it is."""
+    for pattern, group in _CHAMP_ANSWER_REWRITES:
+        m = pattern.fullmatch(answer.strip())
+        if m:
+            return m[group]
+    return answer.strip()
+
+
+def load_champ(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
+    """CHAMP (270 competition problems with final answers) from the installed champ-dataset package (v0 data).
+
+    One split, "test". Ids are the package's ("P_Combinatorics_1"); metadata: category (Combinatorics,
+    Inequality, Number-Theory, Polynomial, Sequence) and raw_answer. The gold answer is `champ_answer` of the
+    released one: 56 are plain words ("No", "No integer solutions"), which vlm_corl.answers compares as
+    normalised text; a few mix words and math ("376 and 625", "x(n)<y(n-1) for all n≥3") and go to math-verify
+    as they are."""
+    if path is not None:
+        raise DataError(f"the 'champ' loader reads the installed champ-dataset package; give no path (got {path})")
+    if split != "test":
+        raise DataError(f"CHAMP has one split, 'test' (got {split!r})")
+    try:
+        import champ_dataset
+    except ImportError as e:
+        raise DataError("the 'champ' loader needs the champ-dataset package: pip install champ-dataset==1.0.0") from e
+    for identifier, problem in champ_dataset.load("v0").problems.items():
+        yield Example(id=identifier, question=problem.text, answer=champ_answer(problem.answer), source="champ",
+                      metadata={"category": problem.category, "raw_answer": problem.answer})

@@ -97,10 +97,10 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
         groups = engine.generate([render(ex) for ex in chunk], params)
         for ex, group in zip(chunk, groups):
             texts = [r.text for r in group.responses]
-            if bench.grade is not None:  # the whole response is graded (code run against the tests)
-                preds, right = [None] * len(texts), [bench.grade(ex, t) for t in texts]
+            preds = [extract_answer(t, member.prompt_style, ex.choices) for t in texts]  # shown in the records
+            if bench.grade is not None:  # the whole response is graded (its own rules, or code run against tests)
+                right = [bench.grade(ex, t) for t in texts]
             else:
-                preds = [extract_answer(t, member.prompt_style, ex.choices) for t in texts]
                 right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
             record = {"id": ex.id, "type": ex.metadata.get(key) if key else None, "pred": preds[0],
                       "gold": ex.answer, "correct": sum(right) / len(right), "response": texts[0]}

@@ -6,6 +6,8 @@ every member, and each member renders the question in its own *view* (`Example.q
 
 from __future__ import annotations
 
+import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -74,3 +76,12 @@ class Example:
                 f"with at least {k} wording(s) per example, or use view 'original'"
             )
         return self.paraphrases[k - 1]
+
+
+def with_choices(question: str, choices: Sequence[str] | None) -> str:
+    """The question followed by its options, "(A) …" one a line (MathVista's own query layout): how a loader
+    shows a multiple-choice question, since prompts render `Example.question` alone."""
+    if not choices:
+        return question
+    return question + "\nChoices:\n" + "\n".join(f"({letter}) {c}" for letter, c in zip(string.ascii_uppercase,
+                                                                                       choices))
