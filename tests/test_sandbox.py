@@ -73,7 +73,9 @@ def test_io_cases_compare_stdout_ignoring_trailing_whitespace():
     outcomes = run_io_cases(program, [("3\n", "0 1 2"), ("2", "0 1\n\n"), ("2\n", "0 2\n"), ("x\n", "")], FAST)
     assert [o.status for o in outcomes] == ["passed", "passed", "failed", "crashed"]
     assert outcomes[2].detail.startswith("wrong answer")
-    assert same_output("a  \nb\n\n", "a\nb") and not same_output("a\nb", "a\n b")
+    assert same_output("a  \nb\n\n", "a\nb") and same_output("a\nb", "a\n b") and not same_output("a b", "ab")
+    assert same_output("1.0 2\n", "1 2.00") and not same_output("1.5 2", "1 2") and not same_output("1 2", "1 2 3")
+    assert not same_output("a\n\nb", "a\nb") and not same_output("x 1", "y 1")
 
 
 def test_limits_are_validated():

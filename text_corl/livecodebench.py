@@ -183,8 +183,8 @@ def _private_cases(blob: object) -> list[tuple[str, str]]:
 
 def grade_livecodebench(example: Example, response: str) -> bool:
     """The response's last code block passes every test: stdin problems case by case through `run_io_cases`
-    (lines compared without trailing whitespace; lcb_runner also strips leading whitespace and compares numbers
-    as decimals, "1.0" = "1", so it passes a few outputs this fails), functional ones by calling
+    (`sandbox.same_output`: lines stripped, numbers compared as decimals, "1.0" = "1", as lcb_runner compares
+    them), functional ones by calling
     `Solution().<func_name>` (or a top-level function of that name) on each case's inputs, one JSON value per
     line, and comparing the result with the JSON-decoded expected output (a tuple counts as a list), as
     lcb_runner does."""

@@ -86,6 +86,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 
 STATUSES = ("passed", "failed", "timeout", "crashed", "sandbox_violation")
 
@@ -695,13 +696,23 @@ def _last_line(data: bytes) -> str:
 
 
 def _normalise(text: str) -> list[str]:
-    return [line.rstrip() for line in text.rstrip().splitlines()]
+    return [line.strip() for line in text.strip().splitlines()]
 
 
 def same_output(got: str, expected: str) -> bool:
-    """stdout comparison for I/O cases: equal after stripping each line's trailing whitespace and trailing blank
-    lines (so a missing final newline or trailing spaces do not matter; everything else does)."""
-    return _normalise(got) == _normalise(expected)
+    """stdout comparison for I/O cases, as LiveCodeBench's checker does it: the same lines once each is stripped
+    (and blank lines at both ends dropped), a line that differs as text still matching when it holds the same
+    numbers ("1.0 2" and "1 2.00"); everything else matters."""
+    a, b = _normalise(got), _normalise(expected)
+    return len(a) == len(b) and all(x == y or _same_numbers(x, y) for x, y in zip(a, b))
+
+
+def _same_numbers(x: str, y: str) -> bool:
+    xs, ys = x.split(), y.split()
+    try:
+        return len(xs) == len(ys) and all(Decimal(p) == Decimal(q) for p, q in zip(xs, ys))
+    except InvalidOperation:  # a token that is not a number (or a signalling NaN)
+        return False
 
 
 # --- public entry points ---
