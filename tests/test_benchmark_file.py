@@ -66,7 +66,7 @@ def test_a_yaml_benchmark_in_a_cohort_file_is_evaluated_in_the_loop(tiny_zoo, be
                  eval={"every": 1, "benchmarks": [str(bench_dir / "colours.yaml")], "limit": 4})
     run_cohort(config_from_dict(cfg))
     rows = [json.loads(line) for line in (bench_dir / "run" / "eval.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["benchmark"], r["n"]) for r in rows] == [(1, "colours", 4), (2, "colours", 4)]
+    assert [(r["step"], r["benchmark"], r["n"]) for r in rows] == [(0, "colours", 4), (1, "colours", 4), (2, "colours", 4)]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -13,8 +13,8 @@ import torch
 from cohort_helpers import cohort, metrics
 from vlm_corl.collapse import CollapseRule, collapse_evidence, collapse_warnings, flag_step, window_size
 from vlm_corl.config import config_from_dict
-from vlm_corl.metrics import (answer_entropy, answer_key, batch_entropy, cohort_metrics, entropy, group_entropy,
-                              member_metrics, unanimity)
+from vlm_corl.metrics import (answer_entropy, answer_key, batch_entropy, cohort_unanimity, entropy, group_entropy,
+                              member_metrics, unanimity, unanimous_questions)
 from vlm_corl.rewards import CohortBatch, RewardOutput
 
 H_31 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # entropy of (3/4, 1/4)
@@ -65,22 +65,22 @@ def test_unanimity_abstentions_and_wrong_consensus():
     votes = [["yes", "red", "yes", "circle"],
              ["yes", "Red", None, "square"]]
     gold = ["no", "red", "yes", "circle"]
-    out = unanimity(votes, [None] * 4, gold)
+    out = unanimity(unanimous_questions(votes, [None] * 4, gold))
     assert out == {"unanimous_rate": 0.5, "unanimous_wrong_rate": 0.25}  # q0 unanimous+wrong, q1 right; q2 abstains
-    assert unanimity(votes, [None] * 4, [None] * 4) == {"unanimous_rate": 0.5, "unanimous_wrong_rate": None}
+    assert unanimity(unanimous_questions(votes, [None] * 4, [None] * 4)) == {"unanimous_rate": 0.5, "unanimous_wrong_rate": None}
     # the denominator of the wrong rate is the questions WITH gold
-    assert unanimity(votes, [None] * 4, ["no", None, None, None])["unanimous_wrong_rate"] == 1.0
+    assert unanimity(unanimous_questions(votes, [None] * 4, ["no", None, None, None]))["unanimous_wrong_rate"] == 1.0
     # a single slot: unanimous exactly where it votes
-    assert unanimity([["a", None]], [None, None], [None, None])["unanimous_rate"] == 0.5
+    assert unanimity(unanimous_questions([["a", None]], [None, None], [None, None]))["unanimous_rate"] == 0.5
 
 
 def test_cohort_metrics_use_the_votes_and_their_threshold():
     answers = [[["yes", "yes", "no", "yes"], ["red", "blue", "green", "red"]],
                [["yes", "no", "yes", "yes"], ["red", "red", "red", "red"]]]
     b = _batch(answers)
-    assert cohort_metrics(b, ["no", "red"], 0.0) == {"unanimous_rate": 1.0, "unanimous_wrong_rate": 0.5}
+    assert unanimity(cohort_unanimity(b, ["no", "red"], 0.0)) == {"unanimous_rate": 1.0, "unanimous_wrong_rate": 0.5}
     # tau = 0.6: member 0 abstains on q1 (share 2/4), so q1 is no longer unanimous
-    assert cohort_metrics(b, ["no", "red"], 0.6) == {"unanimous_rate": 0.5, "unanimous_wrong_rate": 0.5}
+    assert unanimity(cohort_unanimity(b, ["no", "red"], 0.6)) == {"unanimous_rate": 0.5, "unanimous_wrong_rate": 0.5}
 
 
 def test_member_metrics_rows_carry_the_diversity_keys():

@@ -337,6 +337,15 @@ def test_eval_every_needs_benchmarks(models):
     )
 
 
+def test_keep_best_names_an_evaluated_benchmark(models):
+    assert one_problem(cohort(eval={"benchmarks": ["easyvqa"], "every": 10, "keep_best": "math500"})).startswith(
+        "eval.keep_best: 'math500' ranks the in-loop evaluations, so it must be one of eval.benchmarks (easyvqa)")
+    assert one_problem(cohort(eval={"benchmarks": ["easyvqa"], "keep_best": "easyvqa"})).endswith("with eval.every > 0")
+    ok = config_from_dict(cohort(eval={"benchmarks": ["easyvqa"], "every": 5, "keep_best": "easyvqa"}))
+    assert ok.eval.keep_best == "easyvqa" and ok.train.on_collapse == "warn"
+    assert one_problem(cohort(train={"on_collapse": "halt"})).startswith("train.on_collapse:")
+
+
 def test_referenced_files_must_exist(models):
     found = problems(cohort(data={"paraphrases": "p.jsonl"}))
     assert found == ["data.paraphrases: file 'p.jsonl' does not exist; fix the path or set it to null"]

@@ -144,3 +144,20 @@ def test_a_batch_larger_than_one_prefill_step_samples_with_seeds(zoo):
     assert sum(p.inputs["input_ids"].shape[1] for p in prompts) * 4 > 4096
     groups = VLLMEngine(member, rollout).generate(prompts, SamplingParams(n=4, max_new_tokens=4, seed=3))
     assert len(groups) == 16 and all(len(g.responses) == 4 for g in groups)
+
+
+def test_the_eval_cli_with_vllm_answers_what_the_hf_engine_answers(zoo, tmp_path):
+    """`python -m vlm_corl.eval --engine vllm` on a greedy benchmark file: the same responses as the HF engine."""
+    rows = [{"id": f"q{i}", "question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"name": "sums", "data": "q.jsonl", "answer_type": "number",
+                                                     "decoding": {"max_new_tokens": 8}}))
+    responses = {}
+    for engine, extra in (("hf", []), ("vllm", ["--kv-cache-bytes", str(KV_BYTES), "--max-prompt-tokens", "256"])):
+        proc = subprocess.run([sys.executable, "-m", "vlm_corl.eval", "--models", str(zoo["qwen2"]), "--benchmarks",
+                               str(tmp_path / "b.yaml"), "--engine", engine, *extra, "--out", str(tmp_path / engine)],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads((tmp_path / engine / "results.json").read_text())[str(zoo["qwen2"])]["sums"]
+        responses[engine] = [r["response"] for r in result["records"]]
+    assert len(responses["hf"]) == 4 and responses["vllm"] == responses["hf"]

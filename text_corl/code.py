@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
-from text_corl.data import jsonl_rows
-from vlm_corl.data import Skip, resolve_data_file
+from text_corl.data import release_rows
+from vlm_corl.data import Skip
 from vlm_corl.records import Example
 
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -29,9 +30,9 @@ def extract_code(response: str) -> str:
 
 def load_humaneval(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
     """HumanEval as openai/human-eval releases it: `HumanEval.jsonl(.gz)` of {"task_id", "prompt",
-    "canonical_solution", "test", "entry_point"}. The question shows the function to complete."""
-    file = resolve_data_file(path, split, (".jsonl", ".jsonl.gz"), "humaneval")
-    for number, row in jsonl_rows(file):
+    "canonical_solution", "test", "entry_point"} (without a path: openai/openai_humaneval from the hub). The question shows the function to complete."""
+    file, rows = release_rows(path, split, (".jsonl", ".jsonl.gz"), "humaneval", ("openai/openai_humaneval", None, split))
+    for number, row in rows:
         if isinstance(row, Skip):
             yield row
         elif not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "test",
@@ -48,10 +49,10 @@ def load_mbpp(path: str | os.PathLike | None, split: str = "test") -> Iterator[E
     "test_setup_code"} (the sanitized release names the text "prompt"). With the full file, split "test" is
     task ids 11-510, "train" 601-974, "validation" 511-600, "prompt" 1-10 (the paper's split); a directory
     holding <split>.jsonl is read whole. The question shows the tests, as the MBPP prompt does."""
-    file = resolve_data_file(path, split, (".jsonl",), "mbpp")
+    file, rows = release_rows(path, split, (".jsonl",), "mbpp", ("google-research-datasets/mbpp", "full", split))
     ranges = {"test": (11, 510), "train": (601, 974), "validation": (511, 600), "prompt": (1, 10)}
-    whole = file.name.startswith("mbpp") and split in ranges
-    for number, row in jsonl_rows(file):
+    whole = path is not None and Path(file).name.startswith("mbpp") and split in ranges  # the hub's are split
+    for number, row in rows:
         if isinstance(row, Skip):
             yield row
             continue

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from vlm_corl.data import DataError, Skip, example_from_row, resolve_data_file
+from vlm_corl.data import DataError, Skip, example_from_row, hub_dataset, resolve_data_file
 from vlm_corl.records import Example, with_choices
 
 
@@ -62,12 +62,24 @@ def jsonl_rows(file: Path) -> Iterator[tuple[int, object]]:
         raise DataError(f"cannot read {file}: {e}") from e
 
 
+def release_rows(path: str | os.PathLike | None, split: str, suffixes: tuple[str, ...], loader: str,
+                 hub: tuple[str, str | None, str] | None = None) -> tuple[str, Iterator[tuple[int, object]]]:
+    """(where, rows) of a benchmark's release: its JSON Lines file (`path`, or `path/<split><suffix>`), or, with
+    no path, the `hub` dataset (name, config, split) through `vlm_corl.data.hub_dataset` where a hub can be
+    reached, its rows numbered from 1. `where` names the file or dataset in skip reasons."""
+    if path is None and hub is not None:
+        return hub[0], enumerate(hub_dataset(*hub, loader), 1)
+    file = resolve_data_file(path, split, suffixes, loader)
+    return str(file), jsonl_rows(file)
+
+
 def load_gsm8k(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
     """GSM8K as openai/grade-school-math releases it: `<split>.jsonl` of {"question", "answer"}, the answer's
-    worked solution ending in "#### <number>". The gold answer is that number (thousands commas removed); the
-    solution stays in metadata["solution"]. Ids: gsm8k-<split>-<line>."""
-    file = resolve_data_file(path, split, (".jsonl",), "gsm8k")
-    for number, row in jsonl_rows(file):
+    worked solution ending in "#### <number>" (without a path: openai/gsm8k "main" from the hub). The gold answer
+    is that number (thousands commas removed); the solution stays in metadata["solution"]. Ids:
+    gsm8k-<split>-<line>."""
+    file, rows = release_rows(path, split, (".jsonl",), "gsm8k", ("openai/gsm8k", "main", split))
+    for number, row in rows:
         if isinstance(row, Skip):
             yield row
             continue
@@ -83,8 +95,8 @@ def load_gsm8k(path: str | os.PathLike | None, split: str = "test") -> Iterator[
 def load_amc23(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
     """AMC 2023 (40 problems) as the math-evaluation harnesses ship it: `<split>.jsonl` of {"id", "question"
     (or "problem"), "answer"}, the answer a number that may be written as a float (27.0 -> "27")."""
-    file = resolve_data_file(path, split, (".jsonl",), "amc23")
-    for number, row in jsonl_rows(file):
+    file, rows = release_rows(path, split, (".jsonl",), "amc23")
+    for number, row in rows:
         if isinstance(row, Skip) or not isinstance(row, dict):
             yield row if isinstance(row, Skip) else Skip("bad_record", f"{file}:{number}: not an object")
             continue
@@ -102,29 +114,40 @@ GPQA_CHOICES_SEED = 0  # choices are shuffled per question with this seed and th
 
 def load_gpqa(path: str | os.PathLike | None, split: str = "diamond") -> Iterator[Example | Skip]:
     """GPQA as Idavidrein/gpqa releases it: `gpqa_<split>.csv` (split: diamond, main, extended) with "Question",
-    "Correct Answer", "Incorrect Answer 1..3", "Record ID", "High-level domain", "Subdomain". The four options
-    are shuffled per question by a seed made of GPQA_CHOICES_SEED and the record id (the same order on every
-    run and machine); the gold answer is the correct option's letter. metadata: domain, subdomain."""
-    import csv
+    "Correct Answer", "Incorrect Answer 1..3", "Record ID", "High-level domain", "Subdomain" (without a path:
+    the same columns from the hub's gated Idavidrein/gpqa, config gpqa_<split>, once its terms are accepted).
+    The four options are shuffled per question by a seed made of GPQA_CHOICES_SEED and the record id (the same
+    order on every run and machine); the gold answer is the correct option's letter. metadata: domain,
+    subdomain."""
     import random
 
-    if path is not None and Path(path).is_dir():
+    for file, number, row in _gpqa_rows(path, split):
+        options = [row.get("Correct Answer")] + [row.get(f"Incorrect Answer {i}") for i in (1, 2, 3)]
+        if not row.get("Question") or not all(o and o.strip() for o in options):
+            yield Skip("bad_record", f"{file}:{number}: a question and four answers are needed")
+            continue
+        record = row.get("Record ID") or f"line{number}"
+        order = list(range(4))
+        random.Random(f"{GPQA_CHOICES_SEED}:{record}").shuffle(order)
+        choices = tuple(options[i].strip() for i in order)
+        yield Example(id=f"gpqa-{split}-{record}", question=with_choices(row["Question"].strip(), choices),
+                      choices=choices, answer="ABCD"[order.index(0)], source="gpqa",
+                      metadata={"domain": row.get("High-level domain"), "subdomain": row.get("Subdomain")})
+
+
+def _gpqa_rows(path, split: str) -> Iterator[tuple[str, int, dict]]:
+    """(where, line, row) of the GPQA CSV, or of the hub's copy when no path is given."""
+    import csv
+
+    if path is None:
+        yield from (("Idavidrein/gpqa", number, row)
+                    for number, row in enumerate(hub_dataset("Idavidrein/gpqa", f"gpqa_{split}", "train", "gpqa"), 1))
+        return
+    if Path(path).is_dir():
         path = Path(path) / f"gpqa_{split}.csv"
     file = resolve_data_file(path, split, (".csv",), "gpqa")
     with open(file, newline="", encoding="utf-8") as f:
-        for number, row in enumerate(csv.DictReader(f), 2):  # line 1 is the header
-            options = [row.get("Correct Answer")] + [row.get(f"Incorrect Answer {i}") for i in (1, 2, 3)]
-            if not row.get("Question") or not all(o and o.strip() for o in options):
-                yield Skip("bad_record", f"{file}:{number}: a question and four answers are needed")
-                continue
-            record = row.get("Record ID") or f"line{number}"
-            order = list(range(4))
-            random.Random(f"{GPQA_CHOICES_SEED}:{record}").shuffle(order)
-            choices = tuple(options[i].strip() for i in order)
-            yield Example(id=f"gpqa-{split}-{record}", question=with_choices(row["Question"].strip(), choices),
-                          choices=choices,
-                          answer="ABCD"[order.index(0)], source="gpqa",
-                          metadata={"domain": row.get("High-level domain"), "subdomain": row.get("Subdomain")})
+        yield from ((str(file), number, row) for number, row in enumerate(csv.DictReader(f), 2))  # 1: the header
 
 
 # CHAMP's answers are written for a human (or GPT-4) grader: "C(10, 5), or equivalently 252", "100 (i.e., all

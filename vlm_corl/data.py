@@ -177,6 +177,33 @@ def load_examples(
     return LoadResult(examples, report)
 
 
+HUB_TIMEOUT_S = 5.0
+"""How long the dataset hub may take to accept a connection: `datasets` retries an unreachable hub for ~25 s."""
+
+
+def hub_dataset(name: str, config: str | None, split: str, loader: str):
+    """`datasets.load_dataset(name, config, split=split)` for a loader given no path, on a machine that reaches
+    the Hugging Face hub (or with HF_HUB_OFFLINE=1, from what `datasets` cached before); elsewhere a DataError
+    naming `--data LOADER=PATH`. No dataset script is run (no trust_remote_code)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    try:
+        if not constants.HF_HUB_OFFLINE:
+            url = urlparse(constants.ENDPOINT)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            socket.create_connection((url.hostname, port), timeout=HUB_TIMEOUT_S).close()
+        import datasets
+
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # no network, no such split, an interrupted download: the user's fix is the same
+        raise DataError(f"the {loader!r} loader got no path and cannot load {name} from the Hugging Face hub "
+                        f"({constants.ENDPOINT}: {type(e).__name__}: {str(e)[:200]}); download the official release "
+                        f"and give it with --data {loader}=PATH (data.train.path in a config)") from e
+
+
 def missing_path(path: Path) -> DataError:
     """The error for a data path that does not exist."""
     return DataError(f"{path} does not exist: check the data path (data.train.path in a cohort config; relative "

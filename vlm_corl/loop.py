@@ -12,9 +12,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +25,9 @@ from vlm_corl.answers import extract_answer
 from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, required_files, restore_rng, save_checkpoint
 from vlm_corl.cohort import (Slot, SlotSpec, build_slots, check_views, ema_update, models_to_save, slot_specs,
                              teacher_decay)
-from vlm_corl.collapse import collapse_warnings, flag_step
+from vlm_corl.category_metrics import category_step_stats, window_metrics
+from vlm_corl.collapse import collapse_warnings, eval_drops, flag_step
+from vlm_corl.collapse import describe as describe_collapse
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.data import DataError, load_examples
 from vlm_corl.errors import Interrupted
@@ -35,7 +38,9 @@ from vlm_corl.distributed import (CollectiveError, World, build_groups, describe
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.member import check_modality, load_member, member_family
-from vlm_corl.metrics import MetricsSink, cohort_metrics, member_metrics
+from vlm_corl.guard import (BEST_DIR, CollapseStopped, improved, read_best, roll_back, save_best, stop_message,
+                            write_best)
+from vlm_corl.metrics import MetricsSink, cohort_unanimity, member_metrics, unanimity
 from vlm_corl.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.rewards import CohortBatch, RewardSpec, resolve_reward
@@ -107,6 +112,8 @@ class CohortRun:
     start: int
     history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
     data_report: object = None  # vlm_corl.data.LoadReport: records kept and skipped (into summary.json)
+    eval_history: list[dict] = field(default_factory=list)  # in-loop evaluation rows so far (rank 0)
+    best: dict = field(default_factory=dict)  # member id -> {step, benchmark, score} of its kept best model
 
 
 class RankFailure(RuntimeError):
@@ -151,14 +158,17 @@ def stopped_by_launcher(world: World):
 
 def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     """The step loop from `run.start` to train.max_steps; `timer` is renewed each step (phases and times)."""
-    cfg, slots, world = run.cfg, run.slots, run.world
+    cfg, world = run.cfg, run.world
     const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
     bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
                disable=not (cfg.logging.progress and world.is_main), desc="cohort", dynamic_ncols=True)
     # The next batch is rendered (images decoded and preprocessed) in a background thread while this step
     # rolls out and updates; the render phase then only collects it from the renderers' caches.
     prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
-    prefetch = None
+    prefetch, stopped = None, None
+    if cfg.eval.every and run.start == 0:  # the step-0 baseline of the eval-drop flag and the first best model
+        with timer("eval"):
+            eval_phase(run, 0)
     for step in bar:
         step_start = time.perf_counter()
         timer.start_step(step)
@@ -197,10 +207,11 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
             sync_phase(run)
         with timer("log"):
             updates, rollout_s = _gather_step_facts(world, updates, rollout_s)
-            rows = []
+            rows, warnings = [], []
             if world.is_main:
-                rows = _rows(step + 1, run.specs, cohort, scored, gold, lengths, updates, rollout_s, run.history,
-                             cfg.reward.vote_threshold)
+                outcome = StepOutcome(step + 1, cohort, scored, gold, categories(batch, cfg.logging.category_key),
+                                      lengths, updates, rollout_s)
+                rows, warnings = metrics_rows(run, outcome)
                 run.history.extend(rows)
                 bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
@@ -208,24 +219,95 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
                 checkpoint_phase(run, step + 1, rows)
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             with timer("eval"):
-                eval_rows = evaluate_cohort(run, cfg.eval, step + 1)
-                if run.sink is not None:
-                    run.sink.write_eval(eval_rows)
+                warnings += eval_phase(run, step + 1)
         if (step + 1) % cfg.logging.log_every == 0 and run.sink is not None:
             times = {f"time_{k}": v for k, v in timer.seconds.items()}
             times["time_step"] = time.perf_counter() - step_start  # everything but this write
             run.sink.write([{**row, **times} for row in rows])
+        stopped = guard_phase(run, warnings)
+        if stopped is not None:
+            break
     prefetcher.shutdown()
-    fallbacks = {sid: n for part in world.all_gather({s.id: s.renderer.view_fallbacks for s in slots})
+    summary = finish_run(run, stopped)
+    if stopped is not None:
+        raise CollapseStopped(stopped["message"])
+    return summary
+
+
+def finish_run(run: CohortRun, stopped: dict | None) -> dict:
+    """The run's summary (written by rank 0 to summary.json): last metrics per member, collapse warnings, the
+    guard's stop, best models, data records kept and skipped, and the environment."""
+    fallbacks = {sid: n for part in run.world.all_gather({s.id: s.renderer.view_fallbacks for s in run.slots})
                  for sid, n in part.items()}
-    summary = _summary(cfg, run.history, run.run_dir, fallbacks)
+    summary = _summary(run.cfg, run.history, run.run_dir, fallbacks)
+    if run.cfg.eval.max_category_drop:
+        summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
+    summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning")}
+    summary["best"] = run.best or None
     report = run.data_report
     summary["data"] = {"kept": report.kept, "skipped": report.skipped, "skipped_examples": report.samples}
-    summary["environment"] = environment(world)
+    summary["environment"] = environment(run.world)
     if run.sink is not None:
         run.sink.close()
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def guard_phase(run: CohortRun, warnings: list[dict]) -> dict | None:
+    """`train.on_collapse` on this step's new warnings (world rank 0 holds them): None to go on, or, after a
+    rollback where asked for, {action, warning, message} (every rank stops)."""
+    action = run.cfg.train.on_collapse
+    if action == "warn":
+        return None
+    # the most specific evidence names the stop: a category's flag before the batch's of the same step
+    named = next((w for w in warnings if w.get("category") is not None), warnings[0]) if warnings else None
+    first = run.world.all_gather(named)[0]
+    if first is None:
+        return None
+    checkpoint = None
+    if run.world.is_main:
+        checkpoint = roll_back(run.run_dir, first["step"]) if action == "rollback" else latest_checkpoint(run.run_dir)
+    run.world.barrier()  # the checkpoints are where the message says before any rank exits
+    return {"action": action, "warning": first, "message": stop_message(first, action, checkpoint)}
+
+
+def eval_phase(run: CohortRun, step: int) -> list[dict]:
+    """The in-loop evaluation at `step` (0: before the first update): rows to eval.jsonl and TensorBoard, each
+    trained member's best model so far (eval.keep_best), and on world rank 0 the new eval-drop warnings."""
+    rows = evaluate_cohort(run, run.cfg.eval, step)
+    if run.cfg.eval.keep_best:
+        keep_best(run, rows)
+    if run.sink is None:
+        return []
+    run.sink.write_eval(rows)
+    run.eval_history.extend(rows)
+    max_drop = run.cfg.eval.max_category_drop
+    new = [w for w in eval_drops(run.eval_history, max_drop) if w["step"] == step] if max_drop else []
+    for w in new:
+        log.warning("possible collapse of %s in category %r at step %d: %s", w["slot"], w["category"], step,
+                    describe_collapse(w))
+    return new
+
+
+def keep_best(run: CohortRun, rows: list[dict]) -> None:
+    """Save the trained members whose score on eval.keep_best beat their best so far (every rank decides the
+    same from the gathered rows; a member's ranks save together) and update best/best.json."""
+    name = BENCHMARKS.get(run.cfg.eval.keep_best).name
+    trained = {m.id for m in run.cfg.members if m.trainable}
+    better = [r for r in improved(rows, name, run.best) if r["member"] in trained]
+    for row in better:
+        for m in run.members:
+            if m.id == row["member"]:
+                save_best(m, run.run_dir, writer=run.world.rank == run.placement[m.id][0])
+        run.best[row["member"]] = {"step": row["step"], "benchmark": name, "score": row["score"]}
+    run.world.barrier()
+    if better and run.world.is_main:
+        write_best(run.run_dir, run.best)
+
+
+def categories(batch, key: str | None) -> list[str | None]:
+    """Each example's category (its metadata[logging.category_key], as a string), or None."""
+    return [None if key is None or ex.metadata.get(key) is None else str(ex.metadata[key]) for ex in batch]
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
@@ -278,19 +360,19 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     slots = build_slots(cfg, members, specs, max_images, resume_from)
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
     sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
-    start, history = 0, []
+    start, history, eval_history = 0, [], []
     if state is not None:
         start = state["step"]
         sampler.load_state_dict(state["sampler"])
         restore_rng(state["rng"], world)
         if sink is not None:
-            history = sink.truncate_after(start)
+            history, eval_history = sink.truncate_after(start)
             if not any(row["step"] == start for row in history):  # killed between checkpoint and metrics write
                 sink.write(state.get("rows", []))
                 history += state.get("rows", [])
         log.info("resumed from %s (step %d)", resume_from, start)
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
-                     reward_spec, start, history, data_report)
+                     reward_spec, start, history, data_report, eval_history, read_best(run_dir))
 
 
 def attach_deepspeed(member, cfg: CohortConfig, world: World, ranks: tuple[int, ...]) -> None:
@@ -526,8 +608,11 @@ def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:
                 continue
             engine, room = _eval_engine(run, m, bench)
             result = evaluate_member(m, examples, bench, engine=engine, max_prompt_tokens=room)
-            rows.append({"step": step, "member": m.id, "benchmark": bench.name, "accuracy": result["accuracy"],
-                         "n": result["n"], **{f"accuracy_{t}": a for t, a in result["by_type"].items()}})
+            counts = Counter(r["type"] for r in result["records"] if r["type"] is not None)
+            rows.append({"step": step, "member": m.id, "benchmark": bench.name, "score": result["score"],
+                         "accuracy": result["accuracy"], "n": result["n"],
+                         **{f"accuracy_{t}": a for t, a in result["by_type"].items()},
+                         **{f"n_{t}": counts[t] for t in result["by_type"]}})
     return [row for part in run.world.all_gather(rows) for row in part]
 
 
@@ -541,7 +626,7 @@ def _eval_engine(run: CohortRun, member, bench):
     return next(s.engine for s in run.slots if s.member is member), r.max_prompt_tokens + r.max_new_tokens - bench.max_new_tokens
 
 
-RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard")
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard", BEST_DIR)
 
 
 def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
@@ -573,26 +658,49 @@ def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
     return found
 
 
-def _rows(step, specs, cohort, scored, gold, lengths, updates, rollout_s, history=(), vote_threshold=0.0) -> list[dict]:
-    """One metrics row per slot (per member, in the usual layout); update stats on the member's first slot.
+@dataclass
+class StepOutcome:
+    """What one step leaves for its metrics rows: the cohort batch and its rewards, the gold answers and
+    categories of its questions (diagnostics only), response lengths, update stats and rollout seconds."""
 
-    Cohort-level diagnostics (unanimity) are the same in every row; the collapse detector runs on `history`
-    (the earlier rows) plus these rows, sets `collapse_flag` and logs a slot's first detection (vlm_corl.collapse).
-    """
+    step: int
+    cohort: CohortBatch
+    scored: object  # vlm_corl.rewards.RewardOutput
+    gold: list
+    categories: list  # (B,) str | None
+    lengths: list  # (N, B, K)
+    updates: dict  # member id -> update stats
+    rollout_s: dict  # slot id -> seconds
+
+
+def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]]:
+    """One metrics row per slot (per member, in the usual layout), update stats on the member's first slot;
+    and the collapse warnings first raised by these rows.
+
+    Cohort-level diagnostics (unanimity) are the same in every row. With logging.category_key, each row also
+    holds the step's per-category sums and their running means over logging.category_window steps
+    (vlm_corl.category_metrics). The collapse detector runs on the earlier rows (`run.history`) plus these,
+    sets `collapse_flag`/`collapse_on` and logs a slot's first detections (vlm_corl.collapse)."""
     rows, reported = [], set()
-    shared = cohort_metrics(cohort, gold, vote_threshold)
-    for n, s in enumerate(specs):
-        row = {"step": step, "member": s.id}
-        row.update(member_metrics(n, cohort, scored, lengths[n], gold))
+    unanimous = cohort_unanimity(o.cohort, o.gold, run.cfg.reward.vote_threshold)
+    shared = unanimity(unanimous)
+    window = run.cfg.logging.category_window
+    recent = run.history[-(window - 1) * len(run.specs):] if window > 1 else []
+    for n, s in enumerate(run.specs):
+        row = {"step": o.step, "member": s.id}
+        row.update(member_metrics(n, o.cohort, o.scored, o.lengths[n], o.gold))
         row.update(shared)
-        stats = updates.get(s.member_id, {}) if s.member_id not in reported else {}
+        if any(c is not None for c in o.categories):
+            row["category_stats"] = category_step_stats(n, o.cohort, o.scored, o.categories, o.gold, unanimous)
+            mine = [r.get("category_stats") for r in recent if r["member"] == s.id]
+            row.update(window_metrics(mine + [row["category_stats"]]))
+        stats = o.updates.get(s.member_id, {}) if s.member_id not in reported else {}
         reported.add(s.member_id)
         row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr")})
         row.update({k: v for k, v in stats.items() if k.startswith("is_")})  # algo.rollout_is mismatch
-        row["tokens_per_s"] = sum(map(sum, lengths[n])) / rollout_s[s.id]
+        row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
         rows.append(row)
-    flag_step(history, rows)
-    return rows
+    return rows, flag_step(run.history, rows)
 
 
 def environment(world: World) -> dict:

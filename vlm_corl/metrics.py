@@ -76,28 +76,34 @@ def batch_entropy(groups: Sequence[Sequence[str | None]], choices: Sequence) -> 
     return entropy(list(counts.values())) if counts else None
 
 
-def unanimity(votes: Sequence[Sequence[str | None]], choices: Sequence, gold: Sequence[str | None]) -> dict:
-    """Cohort-level agreement of (N, B) votes: `unanimous_rate` and `unanimous_wrong_rate` (see the module
-    docstring). A question is unanimous when no slot abstains and all N votes fall in one equivalence class."""
-    n_questions = len(votes[0]) if votes else 0
-    unanimous, wrong, with_gold = 0, 0, 0
-    for j in range(n_questions):
+def unanimous_questions(votes: Sequence[Sequence[str | None]], choices: Sequence,
+                        gold: Sequence[str | None]) -> list[tuple[bool, bool | None]]:
+    """Per question of (N, B) votes: (unanimous, unanimous on a wrong answer; None without gold). A question is
+    unanimous when no slot abstains and all N votes fall in one equivalence class."""
+    flags = []
+    for j in range(len(votes[0]) if votes else 0):
         column = [v[j] for v in votes]
         classes = group_equivalent(column, choices[j])
         is_unanimous = None not in classes and len(set(classes)) == 1
-        unanimous += is_unanimous
-        if gold[j] is not None:
-            with_gold += 1
-            wrong += is_unanimous and not answers_equivalent(gold[j], column[0], choices[j])
+        wrong = None if gold[j] is None else is_unanimous and not answers_equivalent(gold[j], column[0], choices[j])
+        flags.append((is_unanimous, wrong))
+    return flags
+
+
+def unanimity(flags: Sequence[tuple[bool, bool | None]]) -> dict:
+    """Cohort-level agreement of one step from `unanimous_questions`: `unanimous_rate` and
+    `unanimous_wrong_rate` (see the module docstring)."""
+    wrong = [w for _, w in flags if w is not None]
     return {
-        "unanimous_rate": unanimous / n_questions if n_questions else None,
-        "unanimous_wrong_rate": wrong / with_gold if with_gold else None,
+        "unanimous_rate": _mean([float(u) for u, _ in flags]),
+        "unanimous_wrong_rate": _mean([float(w) for w in wrong]),
     }
 
 
-def cohort_metrics(batch: CohortBatch, gold: list[str | None], vote_threshold: float = 0.0) -> dict:
-    """Cohort-level diagnostics of one step (the same for every slot): unanimity of the slots' votes."""
-    return unanimity(member_votes(batch, vote_threshold), batch.choices, gold)
+def cohort_unanimity(batch: CohortBatch, gold: list[str | None], vote_threshold: float = 0.0) -> list:
+    """Per question of the step, whether the slots' votes are unanimous (and wrong): `unanimous_questions` of
+    every slot's plurality vote (with the reward's self-consistency threshold)."""
+    return unanimous_questions(member_votes(batch, vote_threshold), batch.choices, gold)
 
 
 def member_metrics(n: int, batch: CohortBatch, out: RewardOutput, lengths: list[list[int]],
@@ -170,16 +176,16 @@ class MetricsSink:
         if self.writer is not None:
             self.writer.flush()
 
-    def truncate_after(self, step: int) -> list[dict]:
-        """On resume, drop rows of steps after the checkpoint (they will be recomputed); returns the metrics
-        rows kept, the history the collapse detector and the summary continue from."""
+    def truncate_after(self, step: int) -> tuple[list[dict], list[dict]]:
+        """On resume, drop rows of steps after the checkpoint (they will be recomputed); returns the metrics and
+        the evaluation rows kept, the histories the collapse detectors and the summary continue from."""
         kept: dict[Path, list[str]] = {}
         for path in (self.path, self.eval_path):
             lines = path.read_text().splitlines() if path.exists() else []
             kept[path] = [line for line in lines if line and _step_of(line, path) <= step]
             if path.exists():
                 path.write_text("".join(r + "\n" for r in kept[path]))
-        return [json.loads(line) for line in kept[self.path]]
+        return tuple([json.loads(line) for line in kept[path]] for path in (self.path, self.eval_path))
 
     def close(self) -> None:
         if self.writer is not None:

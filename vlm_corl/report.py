@@ -4,6 +4,8 @@ Reads the run's metrics.jsonl (one row per slot per step), eval.jsonl (if presen
 and writes into --out (default RUN_DIR): report.md, and PNGs of reward, agreement, pseudo-label accuracy, answer
 diversity, unanimity, response length, loss/grad norm (one line per slot over steps) and eval accuracy (one
 line per member and benchmark), a first-vs-last table per slot, and the collapse warnings (vlm_corl.collapse).
+With per-category metrics (logging.category_key) and per-category evaluation, `categories.png` and
+`eval_categories.png` draw one line per slot and category, with the collapse flags as dashed lines.
 
 Plotting API, reusable across runs (an experiment script draws one line per METHOD):
 
@@ -131,6 +133,44 @@ def eval_lines(eval_rows: Rows) -> dict[str, list[dict]]:
     for row in eval_rows:
         out.setdefault(f"{row['member']} ({row.get('benchmark', '?')})", []).append(row)
     return out
+
+
+CATEGORY_PREFIX = "category/"
+CATEGORY_PLOT_KEYS = ("agreement", "answer_entropy_pooled", "pseudo_label_acc", "answer_acc")
+
+
+def category_lines(rows: Rows) -> dict[str, list[dict]]:
+    """One line per (slot, category) of the rows' running-window `category/<c>/<metric>` keys, labelled
+    "slot: c", each row holding the bare metric names (a category name may contain "/": yes/no)."""
+    out: dict[tuple[str, str], dict[int, dict]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith(CATEGORY_PREFIX):
+                category, metric = key[len(CATEGORY_PREFIX):].rsplit("/", 1)
+                line = out.setdefault((row["member"], category), {})
+                line.setdefault(row["step"], {"step": row["step"]})[metric] = value
+    return {f"{slot}: {c}": list(steps.values()) for (slot, c), steps in out.items()}
+
+
+def eval_category_lines(eval_rows: Rows) -> dict[str, list[dict]]:
+    """One line per (member, benchmark, category) of eval.jsonl's `accuracy_<category>` keys, labelled
+    "member (benchmark): category", each row's value under "accuracy"."""
+    out: dict[str, list[dict]] = {}
+    for row in eval_rows:
+        for key, value in row.items():
+            if key.startswith("accuracy_"):
+                label = f"{row['member']} ({row.get('benchmark', '?')}): {key.removeprefix('accuracy_')}"
+                out.setdefault(label, []).append({"step": row["step"], "accuracy": value})
+    return out
+
+
+def mark_flags(ax, warnings: Sequence[dict]) -> None:
+    """A dashed vertical line at each category warning's step, named "slot: category"."""
+    for w in warnings:
+        if w.get("category") is not None:
+            ax.axvline(w["step"], color="red", linestyle="--", linewidth=1.0, alpha=0.7)
+            ax.annotate(f"{w['slot']}: {w['category']}", (w["step"], 1.0), xycoords=("data", "axes fraction"),
+                        rotation=90, va="top", ha="right", fontsize="x-small", color="red")
 
 
 # ---- numbers ------------------------------------------------------------------------------------------
@@ -296,7 +336,32 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
                            "Eval accuracy", smooth=1, band=False)
         if path is not None:
             written["eval_accuracy"] = path
+    warnings = run.summary.get("collapse_warnings") or collapse_warnings(run.rows)
+    per_category = category_lines(run.rows)
+    present = [k for k in CATEGORY_PLOT_KEYS if any(per_step(rows, k)[0] for rows in per_category.values())]
+    if present:
+        fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
+        for j, key in enumerate(present):
+            ax = fig.add_subplot(1, len(present), j + 1)
+            plot_metric(per_category, key, smooth=1, ax=ax, band=False,
+                        ylabel=f"{LABELS.get(key, key)} (window)")
+            mark_flags(ax, [w for w in warnings if w.get("rule") != "eval_drop"])
+        fig.suptitle("Per category (running windows; dashed: collapse flags)")
+        written["categories"] = _save(fig, Path(out) / "categories.png")
+    if any(k.startswith("accuracy_") for r in run.eval_rows for k in r):
+        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+        ax = fig.add_subplot()
+        plot_metric(eval_category_lines(run.eval_rows), "accuracy", smooth=1, ax=ax, band=False,
+                    title="Eval accuracy per category (dashed: drops flagged)")
+        mark_flags(ax, [w for w in warnings if w.get("rule") == "eval_drop"])
+        written["eval_categories"] = _save(fig, Path(out) / "eval_categories.png")
     return written
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
@@ -319,10 +384,15 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
     else:
         warnings, source = collapse_warnings(run.rows), "recomputed from metrics.jsonl"
     if warnings:
-        md += [f"- **{w['slot']}** at step {w['step']}: {describe(w)}" for w in warnings]
+        md += [f"- **{w['slot']}**" + (f" in category {w['category']!r}" if w.get("category") is not None else "")
+               + f" at step {w['step']}: {describe(w)}" for w in warnings]
     else:
         md.append("None: no slot's answer diversity fell while its agreement rose (and, with gold diagnostics, "
-                  "its pseudo-label accuracy fell).")
+                  "its pseudo-label accuracy fell), in the batch or inside a category.")
+    if s.get("stopped_by_guard"):
+        stop = s["stopped_by_guard"]
+        md += ["", f"**The run was stopped by the collapse guard** (train.on_collapse={stop['action']}) at step "
+                   f"{stop['warning']['step']}."]
     md += ["", f"_Source: {source}; rule in `vlm_corl.collapse`._", ""]
     n = len(steps)
     md += ["## First vs last", "",

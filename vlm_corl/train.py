@@ -1,7 +1,8 @@
 """Entry point: `python -m vlm_corl.train --config FILE.yaml [dotted.key=value …]`.
 
 Also runs as `accelerate launch -m vlm_corl.train …`. A configuration problem exits with status 2 and a
-short message naming the field; training itself runs `vlm_corl.loop.run_cohort`.
+short message naming the field; a run stopped by the collapse guard (train.on_collapse) with status 3; training
+itself runs `vlm_corl.loop.run_cohort`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from vlm_corl import cli
 from vlm_corl.config import ConfigError, check_registered, load_config
 from vlm_corl.distributed import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
+from vlm_corl.guard import CollapseStopped
 from vlm_corl.rollout import release_engines
 
 
@@ -52,6 +54,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     except RankFailure as err:  # another rank died or hung: where every rank was, and how to resume
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except CollapseStopped as err:  # train.on_collapse=stop|rollback: who collapsed, where, and what was kept
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"stopped: {err}", file=sys.stderr)
+        return err.exit_status
     finally:
         release_engines()  # vLLM's groups first: its exit hooks would destroy groups that are gone
         if dist.is_initialized():

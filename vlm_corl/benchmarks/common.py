@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from urllib.parse import urlparse
 
 from vlm_corl.answers import grade
-from vlm_corl.data import DataError, Skip, _hf_rows, example_from_row, load_hf, missing_path
+from vlm_corl.data import DataError, Skip, _hf_rows, example_from_row, hub_dataset, load_hf, missing_path
 from vlm_corl.eval import _by_type
 from vlm_corl.records import Example
 
 JSON_SUFFIXES = (".json", ".jsonl")
-HUB_TIMEOUT_S = 5.0
-"""How long the hub may take to accept a connection: `datasets` retries an unreachable hub for ~25 s."""
 
 
 def release_examples(path: str | os.PathLike | None, split: str, *, loader: str, hub: str,
@@ -36,7 +32,7 @@ def release_examples(path: str | os.PathLike | None, split: str, *, loader: str,
     `fields` names the Example fields in the JSON release, `dataset_fields` in the parquet one (default: `fields`).
     """
     if path is None:
-        dataset = _hub_dataset(hub, hub_config, split, loader)
+        dataset = hub_dataset(hub, hub_config, split, loader)
         return _hf_rows(dataset, split, loader, Path(image_root or Path.cwd()).resolve(), dataset_fields or fields)
     path = Path(path)
     if not path.exists():
@@ -85,24 +81,6 @@ def _json_rows(file: Path) -> Iterator[object]:
     if not isinstance(data, list):
         raise DataError(f"{file} holds a JSON {type(data).__name__}, not a list of records")
     yield from data
-
-
-def _hub_dataset(hub: str, config: str | None, split: str, loader: str):
-    """`datasets.load_dataset(hub, config, split=split)`, or a DataError naming --data when that fails."""
-    from huggingface_hub import constants
-
-    try:
-        if not constants.HF_HUB_OFFLINE:  # offline, datasets reads what it cached before
-            url = urlparse(constants.ENDPOINT)
-            port = url.port or (443 if url.scheme == "https" else 80)
-            socket.create_connection((url.hostname, port), timeout=HUB_TIMEOUT_S).close()
-        import datasets
-
-        return datasets.load_dataset(hub, config, split=split)
-    except Exception as e:  # no network, no such split, an interrupted download: the user's fix is the same
-        raise DataError(f"the {loader!r} loader got no path and cannot load {hub} from the Hugging Face hub "
-                        f"({constants.ENDPOINT}: {type(e).__name__}: {e}); download the official release and give "
-                        f"it with --data {loader}=PATH (path in a config)") from e
 
 
 def lift_metadata(metadata: Mapping) -> dict:

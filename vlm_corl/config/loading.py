@@ -86,6 +86,12 @@ def validate(cfg: CohortConfig) -> None:
             "eval.benchmarks",
             f"eval.every={cfg.eval.every} but no benchmark is listed; add names or set eval.every=0",
         )
+    if cfg.eval.keep_best is not None and (cfg.eval.keep_best not in cfg.eval.benchmarks or cfg.eval.every == 0):
+        problems.add(
+            "eval.keep_best",
+            f"{cfg.eval.keep_best!r} ranks the in-loop evaluations, so it must be one of eval.benchmarks "
+            f"({', '.join(cfg.eval.benchmarks) or 'none'}) with eval.every > 0",
+        )
     if cfg.rollout.vllm.tensor_parallel_size > 1:
         problems.add(
             "rollout.vllm.tensor_parallel_size",

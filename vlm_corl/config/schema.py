@@ -184,6 +184,10 @@ class TrainConfig:
         "ZeRO-3: megabytes of parameters gathered at a time when the full weights are streamed (vLLM weight sync, "
         "EMA teacher, checkpoint); the rest stays partitioned", 512.0, gt=0)
     dist_timeout_s: float = _f("seconds a collective may wait for the other ranks before the job stops", 1800.0, gt=0)
+    on_collapse: Literal["warn", "stop", "rollback"] = _f(
+        "when a collapse detector flags a member (batch, category or in-loop eval): warn | stop (exit 3, naming "
+        "the member, category and evidence) | rollback (stop and set aside the checkpoints taken since the flag)",
+        "warn")
 
 
 @dataclass(kw_only=True)
@@ -195,6 +199,12 @@ class EvalConfig:
     limit: int | None = _f("examples per benchmark; null = all", None, ge=1)
     temperature: float = _f("evaluation sampling temperature; 0 = greedy", 0.0, ge=0)
     max_new_tokens: int | None = _f("longest evaluation response; null = the benchmark's own", None, ge=1)
+    max_category_drop: float | None = _f(
+        "flag a member whose accuracy on a category falls more than this below its step-0 evaluation (eval.every "
+        "also evaluates before the first update); null = no such flag", 0.2, gt=0, le=1)
+    keep_best: str | None = _f(
+        "keep every trained member's weights at its best in-loop score on this benchmark (one of eval.benchmarks) "
+        "in RUN/best/<member>/; null = don't", None)
 
 
 @dataclass(kw_only=True)
@@ -204,6 +214,10 @@ class LoggingConfig:
     tensorboard: bool = _f("also write TensorBoard event files", True)
     progress: bool = _f("show a progress bar", True)
     log_every: int = _f("write metrics every N steps", 1, ge=1)
+    category_key: str | None = _f(
+        "examples' metadata key naming their category (question_type for easy-vqa, subject for MATH): metrics "
+        "and the collapse detector per category; null = none", None)
+    category_window: int = _f("steps the per-category metrics are averaged over (one batch holds few of each)", 10, ge=1)
 
 
 @dataclass(kw_only=True)

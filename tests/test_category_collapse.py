@@ -1,0 +1,145 @@
+"""Collapse inside a category: per-category step sums by hand, their running windows, the category rules on
+hand-built histories (the reproduction's shape: one category slides onto one answer while the batch, mostly
+yes/no questions with improving pseudo-labels, looks healthy), the eval-drop flag, and the guard's rollback."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from vlm_corl.category_metrics import category_step_stats, pooled_diversity, window_metrics
+from vlm_corl.checkpoint import list_checkpoints
+from vlm_corl.collapse import collapse_warnings, eval_drops, flag_step
+from vlm_corl.guard import roll_back, stop_message
+from vlm_corl.metrics import unanimous_questions
+from vlm_corl.rewards import CohortBatch, RewardOutput
+
+
+def test_category_step_sums_by_hand():
+    # slot 0 of 2 on three questions (two colour, one yes/no), K = 2
+    answers = [[["red", "red"], ["blue", None], ["yes", "no"]], [["red", "red"], ["green", "green"], ["yes", "yes"]]]
+    batch = CohortBatch(("a", "b"), answers, [[["t"] * 2] * 3] * 2, [[[True] * 2] * 3] * 2, [None] * 3, [None] * 3)
+    labels = [["red", "green", "yes"], ["red", "blue", "yes"]]
+    out = RewardOutput(torch.tensor([[[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]], [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]]),
+                       {}, labels)
+    gold = ["red", "blue", None]
+    votes = [["red", "blue", "yes"], ["red", "green", "yes"]]
+    flags = unanimous_questions(votes, [None] * 3, gold)
+    assert flags == [(True, False), (False, False), (True, None)]
+    stats = category_step_stats(0, batch, out, ["color", "color", "yes/no"], gold, flags)
+    color = stats["color"]
+    assert color["questions"] == 2
+    assert color["reward"] == [2.0, 4] and color["agreement"] == [2.0, 4]  # "red" x2 match; "blue"/None don't
+    assert color["answer_entropy"] == [0.0, 2] and color["distinct_answers"] == [2.0, 2]
+    assert color["unanimous"] == [1.0, 2] and color["unanimous_wrong"] == [0.0, 2]
+    assert color["pseudo_label_acc"] == [1.0, 2]  # red = red; green != blue
+    assert color["answer_acc"] == [3.0, 4]  # red, red, blue right; None wrong
+    assert color["answers"] == {"red": 2, "blue": 1}
+    yes_no = stats["yes/no"]
+    assert yes_no["answer_entropy"] == [pytest.approx(math.log(2)), 1] and yes_no["answer_acc"] == [0.0, 0]
+    # windows add sums and counts over steps; pooled answers give the category's spread
+    window = window_metrics([stats, stats])
+    assert window["category/color/agreement"] == 0.5 and window["category/yes/no/pseudo_label_acc"] is None
+    assert window["category/color/distinct_pooled"] == 2 and window["category/color/questions"] == 4
+    assert window["category/color/answer_entropy_pooled"] == pytest.approx(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)))
+    assert pooled_diversity({"a": 3, "<other>": 2}) == (pytest.approx(-(0.6 * math.log(0.6) + 2 * 0.2 * math.log(0.2))), 3)
+
+
+def _cat(answers: dict, agree: tuple, pla: tuple, questions: int = 2) -> dict:
+    zero = [0.0, 0]
+    return {"questions": questions, "reward": list(agree), "agreement": list(agree), "answer_entropy": zero,
+            "distinct_answers": zero, "unanimous": [float(questions), questions], "unanimous_wrong": zero,
+            "pseudo_label_acc": list(pla), "answer_acc": zero, "answers": answers}
+
+
+def reproduction(steps: int = 40, colour_collapses: bool = True) -> list[dict]:
+    """Slot "b": the batch looks healthy (diversity steady, agreement and pseudo-label accuracy rising); its
+    colour questions (2 of 16 per step, K = 4) go from diverse answers onto the peer's constant "blue" at
+    agreement 1.0 from step 15 on, their pseudo-labels wrong throughout (the peer is at chance on colour)."""
+    rows = []
+    for s in range(1, steps + 1):
+        t = (s - 1) / (steps - 1)
+        late = colour_collapses and s >= 15
+        colour = (_cat({"blue": 8}, (8.0, 8), (0.0, 2)) if late else
+                  _cat({"red": 3, "green": 3, "blue": 2}, (2.0, 8), (0.0, 2)))
+        rows.append({"step": s, "member": "b", "answer_entropy_batch": 1.6, "agreement": 0.6 + 0.2 * t,
+                     "unanimous_rate": 0.5 + 0.2 * t, "pseudo_label_acc": 0.5 + 0.25 * t,
+                     "category_stats": {"color": colour,
+                                        "yes/no": _cat({"yes": 20, "no": 20}, (30.0, 40), (8.0, 10), 10)}})
+    return rows
+
+
+def test_a_category_collapse_under_a_healthy_batch_is_flagged_inside_the_category_only():
+    rows, found = reproduction(), []
+    for s in range(len(rows)):
+        found += flag_step(rows[:s], [rows[s]])  # as the loop does: rows[s] gets its flags, then joins history
+    assert rows[-1]["collapse_flag"] == 1 and rows[-1]["collapse_on"] == ["color"]
+    assert [(w["category"], w["rule"]) for w in found] == [("color", "one_answer")]
+    w = found[0]
+    assert w["slot"] == "b" and 15 <= w["step"] <= 30 and w["top_answer_late"] == "blue"
+    assert w["agreement_late"] == 1.0 and w["answer_entropy_late"] == 0.0 and w["answer_entropy_early"] > 1.0
+    # the batch rule stays silent: pseudo-label accuracy rose (what hid the reproduction's collapse)
+    assert [x["category"] for x in collapse_warnings(rows)] == ["color"]
+    json.dumps(found)
+
+
+def test_a_confident_healthy_category_is_not_flagged():
+    # each question answered the same K times (sure of itself), but the category's answers still vary
+    rows = reproduction(colour_collapses=False)
+    for i, row in enumerate(rows):
+        answer = ("red", "green", "blue", "yellow")[i % 4]
+        row["category_stats"]["color"] = _cat({answer: 8}, (8.0, 8), (2.0, 2))
+    assert collapse_warnings(rows) == []
+    # the one-answer rule needs early diversity: a category answered "blue" from the start is not a collapse
+    rows = reproduction(colour_collapses=False)
+    for row in rows:
+        row["category_stats"]["color"] = _cat({"blue": 8}, (8.0, 8), (0.0, 2))
+    assert collapse_warnings(rows) == []
+
+
+def test_eval_drops_against_step_0():
+    n = {"n_color": 20, "n_shape": 20}
+    rows = [{"step": 0, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.9, "accuracy_shape": 0.4, **n},
+            {"step": 10, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.75, "accuracy_shape": 0.1, **n},
+            {"step": 20, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.2, "accuracy_shape": 0.1, **n}]
+    found = eval_drops(rows, 0.2)
+    assert [(w["step"], w["category"], w["accuracy_step0"], w["accuracy"]) for w in found] == [
+        (10, "shape", 0.4, 0.1), (20, "color", 0.9, 0.2)]
+    # shape 8/20 -> 2/20 by hand: pooled p = 0.25, se = sqrt(0.25 * 0.75 * 0.1) = 0.1369, z = 0.3 / 0.1369
+    assert found[0]["z"] == pytest.approx(0.3 / math.sqrt(0.25 * 0.75 * 0.1), abs=0.01)
+    assert eval_drops(rows[1:], 0.2) == []  # no step-0 baseline, no flag
+    # on 5 questions a category, shape's fall is within the noise (z = 1.1), colour's is not (z = 2.2)
+    few = [{**r, "n_color": 5, "n_shape": 5} for r in rows]
+    assert [(w["step"], w["category"]) for w in eval_drops(few, 0.2)] == [(20, "color")]
+    assert "fell from 0.900 at step 0 to 0.200 at step 20" in stop_message(found[1], "stop", None)
+
+
+def test_rollback_sets_aside_the_checkpoints_from_the_first_flag_on(tmp_path):
+    for step in (10, 20, 30):
+        ckpt = tmp_path / "checkpoints" / f"step-{step}"
+        (ckpt / "m").mkdir(parents=True)
+        (ckpt / "m" / "config.json").write_text("{}")
+        (ckpt / "m" / "model.safetensors").write_text("x")
+        (ckpt / "manifest.json").write_text(json.dumps({"step": step, "members": {"m": ["config.json",
+                                                                                       "model.safetensors"]}}))
+        torch.save({"step": step}, ckpt / "cohort_state.pt")
+    kept = roll_back(tmp_path, 20)
+    assert kept == tmp_path / "checkpoints" / "step-10"
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step-10"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "collapsed").iterdir()) == ["step-20", "step-30"]
+
+
+def test_the_report_draws_category_curves_with_the_flags(tmp_path):
+    from vlm_corl.report import RunData, category_lines, render_plots
+
+    rows = reproduction()
+    for i, row in enumerate(rows):
+        row.update(window_metrics([r["category_stats"] for r in rows[max(0, i - 9): i + 1]]))
+    lines = category_lines(rows)
+    assert sorted(lines) == ["b: color", "b: yes/no"] and lines["b: color"][-1]["agreement"] == 1.0
+    evals = [{"step": s, "member": "b", "benchmark": "easyvqa", "accuracy_color": a} for s, a in ((0, 0.9), (20, 0.1))]
+    plots = render_plots(RunData(tmp_path, rows, evals, {"collapse_warnings": collapse_warnings(rows)}), tmp_path)
+    assert {"categories", "eval_categories"} <= set(plots) and plots["categories"].stat().st_size > 10_000
