@@ -47,7 +47,6 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from itertools import accumulate
 
 from vlm_corl.category_metrics import pooled, pooled_diversity, ratio
 
@@ -92,37 +91,25 @@ def slot_histories(history: list[dict]) -> dict[str, list[dict]]:
     return {slot: [rows[s] for s in sorted(rows)] for slot, rows in by_slot.items()}
 
 
-class _Prefix:
-    """Prefix sums of one key over a slot's rows: the mean over any row range in O(1), None values skipped."""
-
-    def __init__(self, rows: list[dict], key: str):
-        values = [row.get(key) for row in rows]
-        self.sums = [0.0, *accumulate(float(v) if _number(v) else 0.0 for v in values)]
-        self.counts = [0, *accumulate(1 if _number(v) else 0 for v in values)]
-
-    def mean(self, start: int, stop: int) -> float | None:
-        n = self.counts[stop] - self.counts[start]
-        return (self.sums[stop] - self.sums[start]) / n if n else None
-
-
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _direct_mean(rows: list[dict], key: str, start: int, stop: int) -> float | None:
-    values = [float(v) for row in rows[start:stop] if _number(v := row.get(key))]
+def window_mean(rows, key: str, start: int, stop: int) -> float | None:
+    """Mean of `key` over rows[start:stop] (a list, or `_Ends`), None values skipped; None when there are none."""
+    values = [float(v) for i in range(start, stop) if _number(v := rows[i].get(key))]
     return sum(values) / len(values) if values else None
 
 
-def _evidence(rows: list[dict], n: int, rule: CollapseRule, mean) -> dict | None:
-    """The detector on the first n rows of a slot, `mean(key, start, stop)` averaging a key over rows[start:stop]:
-    window means and whether the slot is flagged; None while there are too few rows."""
+def _evidence(rows, n: int, rule: CollapseRule) -> dict | None:
+    """The detector on the first n rows of a slot (a list, or `_Ends`): window means and whether the slot is
+    flagged; None while there are too few rows."""
     w = window_size(n, rule)
     if w is None:
         return None
     ev: dict = {"step": rows[n - 1]["step"], "early_steps": [rows[0]["step"], rows[w - 1]["step"]],
                 "late_steps": [rows[n - w]["step"], rows[n - 1]["step"]]}
-    means = {key: (mean(key, 0, w), mean(key, n - w, n)) for key in EVIDENCE_KEYS}
+    means = {key: (window_mean(rows, key, 0, w), window_mean(rows, key, n - w, n)) for key in EVIDENCE_KEYS}
     for key, (early, late) in means.items():
         ev[f"{key}_early"] = None if early is None else round(early, 4)
         ev[f"{key}_late"] = None if late is None else round(late, 4)
@@ -183,20 +170,18 @@ def _round(value: float | None) -> float | None:
 def collapse_evidence(rows: list[dict], rule: CollapseRule = DEFAULT_RULE) -> dict | None:
     """The detector on ONE slot's rows (ordered by step) as they stand: evidence dict with "flagged", or None.
     Reads only the two windows (O(w))."""
-    return _evidence(rows, len(rows), rule, lambda key, a, b: _direct_mean(rows, key, a, b)) if rows else None
+    return _evidence(rows, len(rows), rule) if rows else None
 
 
 def collapse_warnings(history: list[dict], rule: CollapseRule = DEFAULT_RULE) -> list[dict]:
     """Each slot's FIRST detection over the history, for the batch and for each category: [{slot, step,
     category (None: the batch), evidence numbers...}], in slot order, the batch's first.
 
-    Evaluates the rules after every row of each slot, as the training loop does (O(T) per slot for the batch
-    with prefix sums; O(T w) for the categories)."""
+    Evaluates the rules after every row of each slot, as the training loop does (O(T w) per slot)."""
     warnings = []
     for slot, rows in slot_histories(history).items():
-        prefixes = {key: _Prefix(rows, key) for key in EVIDENCE_KEYS}
         for n in range(1, len(rows) + 1):
-            ev = _evidence(rows, n, rule, lambda key, a, b: prefixes[key].mean(a, b))
+            ev = _evidence(rows, n, rule)
             if ev is not None and ev["flagged"]:
                 warnings.append({"slot": slot, "category": None, **{k: v for k, v in ev.items() if k != "flagged"}})
                 break
@@ -226,7 +211,7 @@ def flag_step(history: list[dict], rows: list[dict], rule: CollapseRule = DEFAUL
     for row in rows:
         mine = ends[row["member"]]
         mine.add(row)
-        ev = _evidence(mine, mine.n, rule, mine.mean)
+        ev = _evidence(mine, mine.n, rule)
         found = ([{"category": None, **{k: v for k, v in ev.items() if k != "flagged"}}] if ev and ev["flagged"]
                  else []) + category_evidence(mine, mine.n, rule)
         row["collapse_flag"] = None if ev is None else int(bool(found))
@@ -266,10 +251,6 @@ class _Ends:
 
     def __getitem__(self, i: int) -> dict:
         return self.first[i] if i < len(self.first) else self.last[i - (self.n - len(self.last))]
-
-    def mean(self, key: str, start: int, stop: int) -> float | None:
-        values = [float(v) for i in range(start, stop) if _number(v := self[i].get(key))]
-        return sum(values) / len(values) if values else None
 
 
 def describe(warning: dict) -> str:
