@@ -31,8 +31,11 @@ def exchange(world, batch_ids: list[str], local: dict[str, dict[int, Row]], slot
                 "order; check data.* and the code version are identical on every node"
             )
     merged: dict[str, dict[int, Row]] = {s: {} for s in slot_ids}
-    for part in parts:
+    for rank, part in enumerate(parts):
         for slot, rows in part["rows"].items():
+            if slot not in merged:
+                raise LockstepError(f"rank {rank} sent answers of slot {slot!r}, which is not one of the cohort's "
+                                    f"{slot_ids}: every rank must run the same config and code version")
             merged[slot].update(rows)
     positions = range(len(batch_ids))
     fields: list[list] | None = None
