@@ -27,6 +27,7 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS
     os.environ.setdefault(_k, _v)
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import ctypes  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -145,7 +146,6 @@ def batch(args, n: int, tokens: int, device, seed: int):
 
 
 def run(args) -> dict:
-    from vlm_corl import grpo
     from vlm_corl.update import response_logprobs, response_token_stats
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
@@ -185,8 +185,16 @@ def run(args) -> dict:
     for name in args.only:
         impl, kind = name.split("_")
         fn = update if kind == "update" else scoring
-        peaks[name] = meter(lambda: fn(impl, *(main_batch if kind == "update" else score_batch)))
+        peaks[name] = meter(functools.partial(fn, impl, *(main_batch if kind == "update" else score_batch)))
         model.zero_grad(set_to_none=True)
+    return report(args, device, peaks, results)
+
+
+def report(args, device: torch.device, peaks: dict, results: dict) -> dict:
+    """The JSON: settings, each pass's peak (bytes, and in units of one bf16 copy of a micro-batch's logits),
+    the new/old ratio and the target, and how closely the two implementations agree."""
+    from vlm_corl import grpo
+
     bf16_logits = args.batch * args.tokens * args.vocab * 2
     out = {
         "device": device.type,

@@ -143,14 +143,9 @@ def rewrite(
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as handle:
         for start in range(0, len(examples), batch_size):
-            batch, prompts = [], []
-            for ex in examples[start:start + batch_size]:
-                prompt = render(member, ex, template, max_image_pixels)
-                if prompt.inputs["input_ids"].shape[1] > max_prompt_tokens:
-                    totals["prompt_too_long"] += 1
-                    continue
-                batch.append(ex)
-                prompts.append(prompt)
+            batch, prompts = _rendered(member, examples[start:start + batch_size], template, max_image_pixels,
+                                       max_prompt_tokens)
+            totals["prompt_too_long"] += len(examples[start:start + batch_size]) - len(batch)
             if not prompts:
                 continue
             lines = []
@@ -177,6 +172,18 @@ def rewrite(
                   file=sys.stderr)
     return {**totals, "dropped": dict(dropped.most_common()),
             "paraphrases_per_example": {str(k): v for k, v in sorted(per_example.items())}}
+
+
+def _rendered(member, examples: list[Example], template: str, max_image_pixels: int,
+              max_prompt_tokens: int) -> tuple[list[Example], list]:
+    """The examples whose rewriting prompt fits `max_prompt_tokens`, and those prompts."""
+    kept, prompts = [], []
+    for ex in examples:
+        prompt = render(member, ex, template, max_image_pixels)
+        if prompt.inputs["input_ids"].shape[1] <= max_prompt_tokens:
+            kept.append(ex)
+            prompts.append(prompt)
+    return kept, prompts
 
 
 def cache_totals(out: Path, examples: list[Example], n: int) -> dict:

@@ -158,62 +158,19 @@ def stopped_by_launcher(world: World):
 
 def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     """The step loop from `run.start` to train.max_steps; `timer` is renewed each step (phases and times)."""
-    cfg, world = run.cfg, run.world
-    const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens
+    cfg = run.cfg
     bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
-               disable=not (cfg.logging.progress and world.is_main), desc="cohort", dynamic_ncols=True)
-    # The next batch is rendered (images decoded and preprocessed) in a background thread while this step
-    # rolls out and updates; the render phase then only collects it from the renderers' caches.
-    prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
-    prefetch, stopped = None, None
+               disable=not (cfg.logging.progress and run.world.is_main), desc="cohort", dynamic_ncols=True)
+    renders, stopped = RenderAhead(run), None
     if cfg.eval.every and run.start == 0:  # the step-0 baseline of the eval-drop flag and the first best model
         with timer("eval"):
             eval_phase(run, 0)
     for step in bar:
         step_start = time.perf_counter()
         timer.start_step(step)
-        with timer("sample"):
-            batch = [run.examples[i] for i in run.sampler.next_batch()]
-        with timer("render"):
-            if prefetch is not None:
-                prefetch.result()
-            prompts = render_phase(run, batch)
-            if step + 1 < cfg.train.max_steps:
-                upcoming = [run.examples[i] for i in run.sampler.peek_batch()]
-                prefetch = prefetcher.submit(render_phase, run, upcoming)
-        with timer("rollout"):
-            groups, rollout_s = rollout_phase(run, prompts, step)
-        with timer("extract"):
-            local = extract_phase(run, groups, batch)
-        with timer("exchange"):
-            answers, formats, texts, lengths, entropy, certainty = exchange(
-                world, [ex.id for ex in batch], local, [s.id for s in run.specs])
-        with timer("reward"):
-            gold = [ex.answer for ex in batch]
-            cohort = CohortBatch(
-                member_ids=tuple(s.id for s in run.specs), answers=answers, format_ok=formats, texts=texts,
-                choices=[ex.choices for ex in batch],
-                gold=gold if run.reward_spec.uses_gold else [None] * len(batch),  # labels reach `gt` only
-                scores={"entropy": torch.tensor(entropy).float(), "self_certainty": torch.tensor(certainty).float()}
-                if run.reward_spec.needs_scores else {},
-            )
-            scored = run.reward_spec.fn(cohort, cfg.reward)
-        with timer("advantage"):
-            advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
-                          for n in range(len(run.specs))]
-        with timer("update"):
-            updates = update_phase(run, groups, advantages, scored.rewards, lengths, const_norm, step)
-        with timer("sync"):
-            sync_phase(run)
-        with timer("log"):
-            updates, rollout_s = _gather_step_facts(world, updates, rollout_s)
-            rows, warnings = [], []
-            if world.is_main:
-                outcome = StepOutcome(step + 1, cohort, scored, gold, categories(batch, cfg.logging.category_key),
-                                      lengths, updates, rollout_s)
-                rows, warnings = metrics_rows(run, outcome)
-                run.history.extend(rows)
-                bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
+        rows, warnings = step_phases(run, step, timer, renders)
+        if rows:
+            bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
             with timer("checkpoint"):
                 checkpoint_phase(run, step + 1, rows)
@@ -227,11 +184,80 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
         stopped = guard_phase(run, warnings)
         if stopped is not None:
             break
-    prefetcher.shutdown()
+    renders.close()
     summary = finish_run(run, stopped)
     if stopped is not None:
         raise CollapseStopped(stopped["message"])
     return summary
+
+
+def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAhead") -> tuple[list, list]:
+    """One step from sampling to the log phase (0-based `step`): world rank 0's metrics rows and the collapse
+    warnings they raised (empty on the other ranks)."""
+    cfg = run.cfg
+    with timer("sample"):
+        batch = [run.examples[i] for i in run.sampler.next_batch()]
+    with timer("render"):
+        prompts = renders.prompts(batch, step)
+    with timer("rollout"):
+        groups, rollout_s = rollout_phase(run, prompts, step)
+    with timer("extract"):
+        local = extract_phase(run, groups, batch)
+    with timer("exchange"):
+        answers, formats, texts, lengths, entropy, certainty = exchange(
+            run.world, [ex.id for ex in batch], local, [s.id for s in run.specs])
+    with timer("reward"):
+        cohort = cohort_batch(run, batch, answers, formats, texts, entropy, certainty)
+        scored = run.reward_spec.fn(cohort, cfg.reward)
+    with timer("advantage"):
+        advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
+                      for n in range(len(run.specs))]
+    with timer("update"):
+        updates = update_phase(run, groups, advantages, scored.rewards, lengths, step)
+    with timer("sync"):
+        sync_phase(run)
+    with timer("log"):
+        updates, rollout_s = _gather_step_facts(run.world, updates, rollout_s)
+        if not run.world.is_main:
+            return [], []
+        outcome = StepOutcome(step + 1, cohort, scored, [ex.answer for ex in batch],
+                              categories(batch, cfg.logging.category_key), lengths, updates, rollout_s)
+        rows, warnings = metrics_rows(run, outcome)
+        run.history.extend(rows)
+        return rows, warnings
+
+
+class RenderAhead:
+    """The render phase with the next batch rendered (images decoded and preprocessed) in a background thread
+    while this step rolls out and updates; collecting it then only reads the renderers' caches."""
+
+    def __init__(self, run: CohortRun):
+        self.run, self.pending = run, None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
+
+    def prompts(self, batch, step: int) -> list[list]:
+        """This step's prompts (`render_phase`), and the next step's started in the background."""
+        if self.pending is not None:
+            self.pending.result()
+        prompts = render_phase(self.run, batch)
+        if step + 1 < self.run.cfg.train.max_steps:
+            upcoming = [self.run.examples[i] for i in self.run.sampler.peek_batch()]
+            self.pending = self.pool.submit(render_phase, self.run, upcoming)
+        return prompts
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def cohort_batch(run: CohortRun, batch, answers, formats, texts, entropy, certainty) -> CohortBatch:
+    """What the reward sees of the step: every slot's answers (N, B, K); gold answers only for a reward that
+    reads them (`gt`), intrinsic scores only for one that needs them."""
+    scores = {}
+    if run.reward_spec.needs_scores:
+        scores = {"entropy": torch.tensor(entropy).float(), "self_certainty": torch.tensor(certainty).float()}
+    gold = [ex.answer for ex in batch] if run.reward_spec.uses_gold else [None] * len(batch)
+    return CohortBatch(member_ids=tuple(s.id for s in run.specs), answers=answers, format_ok=formats, texts=texts,
+                       choices=[ex.choices for ex in batch], gold=gold, scores=scores)
 
 
 def finish_run(run: CohortRun, stopped: dict | None) -> dict:
@@ -343,19 +369,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     if lacking and world.is_main:
         log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
     _check_shards(cfg, placement)
-    mine = [m for m in cfg.members if world.rank in placement[m.id]]
-    members = [load_member(m, resume_from / m.id if resume_from else None, world.device) for m in mine]
-    for m in members:
-        m.group = world.group(placement[m.id])
-        if m.cfg.trainable:
-            # one optimizer step per pass over a rollout batch: the schedule spans all of them
-            m.setup_optimizer(cfg.train, cfg.train.max_steps * cfg.algo.updates_per_batch)
-            if cfg.train.deepspeed:
-                attach_deepspeed(m, cfg, world, placement[m.id])
-            if resume_from:
-                m.load_trainer_state(resume_from / m.id)
-            if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
-                m.reference = load_member(replace(m.cfg, trainable=False), device=world.device).model.eval()
+    members = load_hosted_members(cfg, world, placement, resume_from)
     max_images = max(len(ex.images) for ex in examples)
     slots = build_slots(cfg, members, specs, max_images, resume_from)
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
@@ -373,6 +387,26 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         log.info("resumed from %s (step %d)", resume_from, start)
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, history, data_report, eval_history, read_best(run_dir))
+
+
+def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume_from: Path | None) -> list:
+    """The members placed on this rank, loaded (from the checkpoint when resuming) with their group, and the
+    trainable ones with their optimizer and schedule (restored when resuming), DeepSpeed engine and KL anchor."""
+    mine = [m for m in cfg.members if world.rank in placement[m.id]]
+    members = [load_member(m, resume_from / m.id if resume_from else None, world.device) for m in mine]
+    for m in members:
+        m.group = world.group(placement[m.id])
+        if not m.cfg.trainable:
+            continue
+        # one optimizer step per pass over a rollout batch: the schedule spans all of them
+        m.setup_optimizer(cfg.train, cfg.train.max_steps * cfg.algo.updates_per_batch)
+        if cfg.train.deepspeed:
+            attach_deepspeed(m, cfg, world, placement[m.id])
+        if resume_from:
+            m.load_trainer_state(resume_from / m.id)
+        if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
+            m.reference = load_member(replace(m.cfg, trainable=False), device=world.device).model.eval()
+    return members
 
 
 def attach_deepspeed(member, cfg: CohortConfig, world: World, ranks: tuple[int, ...]) -> None:
@@ -453,11 +487,12 @@ def extract_phase(run: CohortRun, groups, batch) -> dict[str, dict[int, tuple]]:
     return local
 
 
-def update_phase(run: CohortRun, groups, advantages, rewards, lengths, const_norm: int, step: int) -> dict:
+def update_phase(run: CohortRun, groups, advantages, rewards, lengths, step: int) -> dict:
     """Each hosted trainable member takes one optimizer step on its shard of all its slots' sequences
     (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
     Returns {member id: update stats}."""
     cfg, updates = run.cfg, {}
+    const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens  # Dr.GRPO's constant normaliser
     for m in run.members:
         if not m.cfg.trainable:
             continue

@@ -148,25 +148,13 @@ def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
     loss_sum, clipped_tokens, grad_norm = 0.0, 0.0, 0.0
     mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
+    norm = (total_tokens, total_seqs, const_norm)
     for n_pass in range(algo.updates_per_batch):
         for i, mb in enumerate(micro):
-            logp, mask = _logprobs(member, mb, temperature)
-            old_logp = old[i] if old is not None else logp.detach()
-            adv = torch.tensor([s.advantage for s in mb], device=logp.device)
-            token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
-            if algo.rollout_is == "token_truncated":
-                # The rollout engine sampled from its own copy of the policy (other kernels, precision): weigh
-                # each token's policy-gradient term by min(pi_train / pi_rollout, C), pi_train at rollout time.
-                weights, sums = truncated_is_weights(old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap)
-                token_loss = token_loss * weights
-                if n_pass == 0 and i < real:
-                    mismatch = {k: mismatch[k] + v for k, v in sums.items()}
-            if algo.kl_beta > 0:
-                with torch.no_grad():
-                    ref_logp, _ = _logprobs(member, mb, temperature, model=member.reference)
-                token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
-            loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=total_tokens,
-                                  total_seqs=total_seqs, const_norm=const_norm)
+            loss, clipped, mask, sums = _micro_batch_loss(member, mb, old[i] if old is not None else None, algo,
+                                                          temperature, norm)
+            if n_pass == 0 and i < real:
+                mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
                 loss, mask = loss * 0.0, mask * 0
             member.backward(loss)
@@ -185,6 +173,29 @@ def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float
     if algo.rollout_is != "none":
         stats.update(rollout_mismatch({k[3:]: v for k, v in totals_over_ranks.items() if k.startswith("is_")}))
     return stats
+
+
+def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, temperature: float, norm: tuple[int, int, int]):
+    """One micro-batch's share of the loss (normalised by the whole batch's `norm` = (tokens, responses,
+    Dr.GRPO constant)), its clipped-token mask, response mask and the off-policy mismatch sums ({} without the
+    correction). `old_logp` None: the rollout policy is the current one (its log-probs, detached)."""
+    logp, mask = _logprobs(member, mb, temperature)
+    old_logp = logp.detach() if old_logp is None else old_logp
+    adv = torch.tensor([s.advantage for s in mb], device=logp.device)
+    token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
+    sums = {}
+    if algo.rollout_is == "token_truncated":
+        # The rollout engine sampled from its own copy of the policy (other kernels, precision): weigh each
+        # token's policy-gradient term by min(pi_train / pi_rollout, C), pi_train at rollout time.
+        weights, sums = truncated_is_weights(old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap)
+        token_loss = token_loss * weights
+    if algo.kl_beta > 0:
+        with torch.no_grad():
+            ref_logp, _ = _logprobs(member, mb, temperature, model=member.reference)
+        token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
+    loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1],
+                          const_norm=norm[2])
+    return loss, clipped, mask, sums
 
 
 def _rollout_logp(mb: list[Sequence], mask: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,16 @@ from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 def validate(cfg: CohortConfig) -> None:
     """Cross-field checks (the per-field ones run while parsing); raises ConfigError listing every problem."""
     problems = Problems()
-    members, mode, n_members = cfg.members, cfg.reward.mode, len(cfg.members)
+    _member_problems(cfg, problems)
+    _run_problems(cfg, problems)
+    if problems.items:
+        raise problems.error()
 
+
+def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
+    """Members: unique ids, model directories, dtypes, prompt styles, at least one trainable, enough for the
+    reward's topology."""
+    members, mode, n_members = cfg.members, cfg.reward.mode, len(cfg.members)
     first_with: dict[str, int] = {}
     for i, m in enumerate(members):
         if m.id in first_with:
@@ -78,6 +86,10 @@ def validate(cfg: CohortConfig) -> None:
                 "reward.mode", "with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
             )
 
+
+
+def _run_problems(cfg: CohortConfig, problems: Problems) -> None:
+    """The rest of the run: DeepSpeed, evaluation, engines, the off-policy correction, referenced files."""
     if cfg.train.deepspeed is not None:
         for problem in deepspeed_problems(cfg.train.deepspeed):
             problems.add("train.deepspeed", problem)
@@ -109,9 +121,6 @@ def validate(cfg: CohortConfig) -> None:
     for path, value in (("data.paraphrases", cfg.data.paraphrases),):
         if value is not None and not Path(value).is_file():
             problems.add(path, f"file {value!r} does not exist; fix the path or set it to null")
-
-    if problems.items:
-        raise problems.error()
 
 
 def deepspeed_problems(path: str) -> list[str]:

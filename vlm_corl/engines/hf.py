@@ -80,11 +80,7 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
-    greedy = params.temperature == 0
-    warpers = [] if greedy else (
-        ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else [])
-        + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])
-    )
+    choose = Chooser(params)
     samplable = torch.ones(vocab, dtype=torch.bool, device=device)
     samplable[list(suppressed)] = False
     samplable = samplable.nonzero().squeeze(1)  # (V',) token ids the policy can emit
@@ -101,19 +97,11 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
     logits = prefix.last_logits
     for t in range(params.max_new_tokens):
         scores = logits.index_select(1, samplable).float()  # (A, V'): suppressed tokens have probability 0
-        if not greedy and params.temperature != 1.0:
+        if not choose.greedy and params.temperature != 1.0:
             scores = scores / params.temperature
         logp = torch.log_softmax(scores, dim=-1)  # the policy's log-probs
         probs = logp.exp()
-        if greedy:
-            choice = scores.argmax(dim=-1)
-        elif warpers:
-            drawn = scores
-            for warp in warpers:
-                drawn = warp(None, drawn)
-            choice = draw(torch.softmax(drawn, dim=-1), uniforms[active, t])
-        else:
-            choice = draw(probs, uniforms[active, t])
+        choice = choose(scores, probs, uniforms[active, t])
         next_tokens = samplable[choice]  # (A,)
         # token_entropy / token_self_certainty of vlm_corl.grpo, from this one log-softmax over the V' tokens
         chosen = logp.gather(-1, choice[:, None]).squeeze(-1)
@@ -138,6 +126,28 @@ def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: 
     rows_tokens = [ids[:n] for ids, n in zip(tokens.tolist(), lengths.tolist())]
     rows_logp = [lp[:n] for lp, n in zip(token_logp.tolist(), lengths.tolist())]
     return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}, rows_logp
+
+
+class Chooser:
+    """How one token per row is picked from the policy: argmax at temperature 0, else a draw from the policy
+    restricted by Hugging Face's top-k / top-p warpers (when set), one uniform number per row."""
+
+    def __init__(self, params: SamplingParams):
+        self.greedy = params.temperature == 0
+        self.warpers = [] if self.greedy else (
+            ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else [])
+            + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])
+        )
+
+    def __call__(self, scores: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """(A,) chosen indices into the samplable tokens; scores (A, V') tempered logits, probs their softmax."""
+        if self.greedy:
+            return scores.argmax(dim=-1)
+        if self.warpers:
+            for warp in self.warpers:
+                scores = warp(None, scores)
+            probs = torch.softmax(scores, dim=-1)
+        return draw(probs, u)
 
 
 def row_uniforms(params: SamplingParams, rows: int) -> torch.Tensor:

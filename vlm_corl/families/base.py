@@ -157,18 +157,7 @@ def chat_template(
         before, _, after = turn_open.partition("ROLE")
         return "{{- " + " + ".join(x for x in (repr(before), role_expr, repr(after)) if x != "''") + " }}"
 
-    image_part = (
-        "{{- " + repr(image) + " }}"
-        if image is not None
-        else "{{- raise_exception('this model family reads no images') }}"
-    )
-    content = (
-        "{%- if message['content'] is string %}{{- message['content'] }}"
-        "{%- else %}{%- for part in message['content'] %}"
-        "{%- if part['type'] == 'image' %}" + image_part
-        + "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-        "{%- endfor %}{%- endif %}"
-    )
+    content = _content_template(image)
     close = "{{- " + repr(turn_close) + " }}"
     role = "message['role']"
     if assistant_role != "assistant":
@@ -197,6 +186,18 @@ def chat_template(
     parts.append("{%- if add_generation_prompt %}" + open_(repr(assistant_role)) + "{%- endif %}")
     # Every part opens with a whitespace-stripping tag ({%- / {{-), so the newlines only make the file readable.
     return "\n".join(parts)
+
+
+def _content_template(image: str | None) -> str:
+    """The Jinja for one message's content: a string, or parts whose images render as `image` (None: an image
+    part is an error, the family reads no images)."""
+    image_part = ("{{- " + repr(image) + " }}" if image is not None
+                  else "{{- raise_exception('this model family reads no images') }}")
+    return ("{%- if message['content'] is string %}{{- message['content'] }}"
+            "{%- else %}{%- for part in message['content'] %}"
+            "{%- if part['type'] == 'image' %}" + image_part
+            + "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+            "{%- endfor %}{%- endif %}")
 
 
 def text_config_kwargs(size: str, tokenizer: PreTrainedTokenizerBase) -> dict:
