@@ -146,16 +146,18 @@ def batch(args, n: int, tokens: int, device, seed: int):
 
 
 def run(args) -> dict:
+    from vlm_corl.rollout import Policy
     from vlm_corl.update import response_logprobs, response_token_stats
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     model = build_model(args, device)
     meter = PeakMeter(device)
     pad = args.suppressed[-1]
+    policy = Policy(pad, args.temperature, tuple(args.suppressed))
     update_fn = {"old": lambda *a: old_logprobs(*a, args.suppressed),
-                 "new": lambda *a: response_logprobs(*a[:5], False, args.suppressed)}
+                 "new": lambda *a: response_logprobs(*a[:3], policy)}
     scoring_fn = {"old": lambda *a: old_token_stats(*a, args.suppressed),
-                  "new": lambda *a: response_token_stats(*a[:5], False, args.suppressed, micro_batch_size=args.batch)}
+                  "new": lambda *a: response_token_stats(*a[:3], policy, micro_batch_size=args.batch)}
     results: dict = {}
 
     def update(impl, prompts, responses):

@@ -52,8 +52,7 @@ def test_scoring_pass_equals_the_rollout_statistics(tiny_zoo):
         SamplingParams(n=2, max_new_tokens=6, temperature=0.8, seed=3))
     responses = [r for g in groups for r in g.responses]
     stats = response_token_stats(member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
-                                 [r.token_ids for r in responses], member.tokenizer.pad_token_id, 0.8, member.mrope,
-                                 member.suppressed_ids)
+                                 [r.token_ids for r in responses], member.policy(0.8))
     for key in ("entropy", "self_certainty"):
         assert torch.allclose(stats[key], torch.tensor([r.mean(key) for r in responses]), atol=1e-4), key
 

@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vlm_corl.grpo import selective_logprobs, token_entropy, token_self_certainty, token_stats
+from vlm_corl.rollout import Policy
 from vlm_corl.update import _full_logprobs, _per_position, response_logprobs, response_token_stats
 
 V = 300
@@ -118,8 +119,9 @@ def test_response_logprobs_and_gradients_equal_the_unchunked_policy(model, share
         return reference_logprobs(logits, targets, 0.7, SUPPRESSED)
 
     results = []
-    for compute in (lambda: _per_position(model, rows, responses, pad, False, reference),
-                    lambda: response_logprobs(model, rows, responses, pad, 0.7, False, SUPPRESSED)):
+    policy = Policy(pad, 0.7, SUPPRESSED)
+    for compute in (lambda: _per_position(model, rows, responses, policy, reference),
+                    lambda: response_logprobs(model, rows, responses, policy)):
         model.zero_grad()
         logp, mask = compute()
         logp = torch.where(mask.bool(), logp, 0.0)
@@ -134,10 +136,11 @@ def test_response_logprobs_and_gradients_equal_the_unchunked_policy(model, share
 @pytest.mark.parametrize("shared", [False, True])
 def test_scoring_in_micro_batches_equals_one_pass_and_the_reference(model, shared):
     rows, responses = _rollouts(shared)
-    one_pass = response_token_stats(model, rows, responses, V - 1, 0.7, False, SUPPRESSED)
-    micro = response_token_stats(model, rows, responses, V - 1, 0.7, False, SUPPRESSED, micro_batch_size=3)
+    policy = Policy(V - 1, 0.7, SUPPRESSED)
+    one_pass = response_token_stats(model, rows, responses, policy)
+    micro = response_token_stats(model, rows, responses, policy, micro_batch_size=3)
     with torch.no_grad():
-        logits, mask = _full_logprobs(model, rows, responses, V - 1, False, lambda logits, targets: logits)
+        logits, mask = _full_logprobs(model, rows, responses, policy, lambda logits, targets: logits)
     policy = reference_policy(logits, 0.7, SUPPRESSED)
     for name, fn in (("entropy", token_entropy), ("self_certainty", token_self_certainty)):
         expected = (fn(policy) * mask).sum(dim=1) / mask.sum(dim=1)

@@ -43,15 +43,15 @@ def test_each_row_of_a_mixed_batch_scores_and_samples_as_it_does_alone(tiny_zoo,
     assert together == alone
 
     responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    pad = member.tokenizer.pad_token_id
+    policy = member.policy()
     model = member.model.eval()
     with torch.no_grad():
-        batch, mask = _full_logprobs(model, [p.inputs for p in prompts], responses, pad, member.mrope, _logp)
+        batch, mask = _full_logprobs(model, [p.inputs for p in prompts], responses, policy, _logp)
         # Two responses per prompt: the shared-prompt path (prefill once, continue from the cache).
         shared, _ = _shared_prompt_logprobs(model, [p.inputs for p in prompts for _ in (0, 1)],
-                                            [r for r in responses for _ in (0, 1)], pad, member.mrope, _logp)
+                                            [r for r in responses for _ in (0, 1)], policy, _logp)
         for i, p in enumerate(prompts):
-            own, _ = _full_logprobs(model, [p.inputs], [responses[i]], pad, member.mrope, _logp)
+            own, _ = _full_logprobs(model, [p.inputs], [responses[i]], policy, _logp)
             n = len(responses[i])
             assert torch.allclose(batch[i, :n], own[0], atol=1e-4), (family, i)
             assert torch.allclose(shared[2 * i, :n], own[0], atol=1e-4), (family, i)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from vlm_corl.config import AlgoConfig, MemberConfig, TrainConfig
+from vlm_corl.config.schema import RolloutConfig
 from vlm_corl.data import load_examples
 from vlm_corl.grpo import group_advantages
 from vlm_corl.loop import _sequences, batch_totals
@@ -98,7 +99,7 @@ def update(setup, seqs, algo=None, totals=None, micro_batch_size=64, lr=1e-3, re
 
     member.step = step
     try:
-        out.stats = policy_update(member, seqs, algo or AlgoConfig(), train, 1.0, CONST_NORM, totals)
+        out.stats = policy_update(member, seqs, algo or AlgoConfig(), train, RolloutConfig(max_new_tokens=CONST_NORM), totals)
     finally:
         del member.step
         member.reference = None
@@ -119,7 +120,7 @@ def tokens(seqs) -> int:
 def policy_logprobs(member, seqs, model=None):
     """(logp, mask) of `seqs` under `model` (default: the member's), as the update computes them."""
     return response_logprobs(model or member.model, [s.prompt_inputs for s in seqs], [s.token_ids for s in seqs],
-                             member.tokenizer.pad_token_id, 1.0, member.mrope, member.suppressed_ids)
+                             member.policy())
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "drgrpo"])

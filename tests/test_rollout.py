@@ -44,10 +44,8 @@ def test_rollout_logprobs_match_the_update_forward(tiny_zoo, examples, family):
     assert len({len(r.token_ids) for r in responses}) > 1
     assert not set(member.suppressed_ids) & {t for r in responses for t in r.token_ids}
     with torch.no_grad():
-        logp, mask = response_logprobs(
-            member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
-            [r.token_ids for r in responses], member.tokenizer.pad_token_id, 0.7, member.mrope, member.suppressed_ids,
-        )
+        logp, mask = response_logprobs(member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
+                                       [r.token_ids for r in responses], member.policy(0.7))
     assert torch.isfinite(logp).all()  # padding included: it enters the loss as 0, never as -inf * 0
     trained = torch.where(mask.bool(), logp, 0.0).sum(dim=1)
     sampled = torch.tensor([r.logprob_sum for r in responses])
@@ -156,7 +154,7 @@ def test_sharing_the_prompt_pass_leaves_logits_and_gradients_unchanged(tiny_zoo,
     for pass_fn in (_full_logprobs, _shared_prompt_logprobs):
         model.zero_grad()
         # an identity "policy": the paths return the logits themselves, (B, T, V)
-        logits, mask = pass_fn(model, rows, responses, pad, member.mrope, lambda logits, targets: logits)
+        logits, mask = pass_fn(model, rows, responses, member.policy(), lambda logits, targets: logits)
         logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, _padded(responses, pad)[..., None]).squeeze(-1)
         (logp * mask).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
@@ -176,7 +174,7 @@ def test_rollout_statistics_are_those_of_the_policy(tiny_zoo, examples, family):
     responses = [r for g in make_engine("hf", member).generate(prompts, params) for r in g.responses]
     with torch.no_grad():
         logits, mask = _full_logprobs(member.model.eval(), [p.inputs for p in prompts for _ in range(2)],
-                                      [r.token_ids for r in responses], member.tokenizer.pad_token_id, member.mrope,
+                                      [r.token_ids for r in responses], member.policy(),
                                       lambda logits, targets: logits)
     logits = logits / 0.7
     logits[..., member.suppressed_ids] = float("-inf")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vlm_corl.config import AlgoConfig, MemberConfig, TrainConfig
+from vlm_corl.config.schema import RolloutConfig
 from vlm_corl.grpo import truncated_is_weights
 from vlm_corl.member import load_member
 from vlm_corl.update import Sequence, policy_update, response_logprobs, rollout_mismatch
@@ -39,8 +40,7 @@ def _update(tiny_zoo, shift: float | None, nan_first: bool = False, mode: str = 
     prompt = member.process(member.apply_chat_template("What is 1 + 1?", 0, None), [])
     responses = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     with torch.no_grad():
-        logp, mask = response_logprobs(member.model, [prompt] * 3, responses, member.tokenizer.pad_token_id, 1.0,
-                                       member.mrope, member.suppressed_ids)
+        logp, mask = response_logprobs(member.model, [prompt] * 3, responses, member.policy())
     engine = [logp[i, : len(r)].tolist() for i, r in enumerate(responses)]
     if shift is not None:
         engine = [[v + shift for v in row] for row in engine]
@@ -48,7 +48,7 @@ def _update(tiny_zoo, shift: float | None, nan_first: bool = False, mode: str = 
         engine[0][0] = float("nan")
     seqs = [Sequence(prompt, r, adv, rollout_logprobs=lp) for r, adv, lp in zip(responses, (1.0, -1.0, 0.5), engine)]
     algo = AlgoConfig(rollout_is=mode, rollout_is_cap=2.0)
-    return policy_update(member, seqs, algo, train, 1.0, const_norm=1)
+    return policy_update(member, seqs, algo, train, RolloutConfig(max_new_tokens=1))
 
 
 def test_the_correction_scales_the_policy_gradient_as_the_weights_say(tiny_zoo):

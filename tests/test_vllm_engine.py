@@ -116,11 +116,8 @@ def test_sampled_logprobs_equal_the_update_forward(setup):
     assert not sampled & set(member.suppressed_ids), "a suppressed control token was sampled"
     assert all(r.entropy_sum is None and r.self_certainty_sum is None for r in responses)
     with torch.no_grad():
-        logp, mask = response_logprobs(
-            member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
-            [r.token_ids for r in responses], member.tokenizer.pad_token_id, params.temperature, member.mrope,
-            member.suppressed_ids,
-        )
+        logp, mask = response_logprobs(member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
+                                       [r.token_ids for r in responses], member.policy(params.temperature))
     trained = torch.where(mask.bool(), logp, 0.0).sum(dim=1)
     rollout = torch.tensor([r.logprob_sum for r in responses])
     assert torch.allclose(trained, rollout, atol=1e-3), (trained - rollout).abs().max()

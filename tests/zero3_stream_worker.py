@@ -64,7 +64,7 @@ def main() -> None:
             for k, r in enumerate(g.responses)]
     totals = (2 * sum(len(s.token_ids) for s in seqs), 2 * len(seqs))  # both ranks' shares (same sizes here)
     for m in (part, twin):
-        policy_update(m, seqs, AlgoConfig(), train, 1.0, 8, totals)
+        policy_update(m, seqs, AlgoConfig(), train, RolloutConfig(max_new_tokens=8), totals)
 
     streamed = {k: t.clone() for k, t in part.full_weights()}
     copy = dict(twin.deepspeed.full_copy.state_dict())
@@ -88,8 +88,7 @@ def main() -> None:
         count = -(-len(mine) // 2)
         with m.updating():
             stats.append(response_token_stats(m.scoring_module, [p for p, _ in mine], [t for _, t in mine],
-                                              m.tokenizer.pad_token_id, 1.0, m.mrope, m.suppressed_ids,
-                                              micro_batch_size=2,
+                                              m.policy(), micro_batch_size=2,
                                               passes=m.micro_batch_count(count) if m.partitioned else None))
     result["scoring_close"] = all(torch.allclose(stats[0][k], stats[1][k], atol=1e-5) for k in stats[0])
 

@@ -50,12 +50,12 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def save_checkpoint(world, run_dir: Path, step: int, members, writers, cohort_state: dict, keep_last: int) -> Path:
+def save_checkpoint(world, run_dir: Path, step: int, models, cohort_state: dict, keep_last: int) -> Path:
     """Write step `step` atomically, then prune to the newest `keep_last` checkpoints.
 
-    `members` are this process's models to save (members and teachers); `writers` is {member id: whether this
-    rank writes it} (a member's first rank); `cohort_state["members"]` lists what the manifest requires.
-    Every rank calls this at the same step.
+    `models` are (model, whether this rank writes it) for this process's models to save (members and
+    teachers; a model's writer is its member's first rank); `cohort_state["members"]` lists what the manifest
+    requires. Every rank calls this at the same step.
     """
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
@@ -63,8 +63,8 @@ def save_checkpoint(world, run_dir: Path, step: int, members, writers, cohort_st
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
         tmp.mkdir(parents=True)
     world.barrier()
-    for member in members:
-        member.save(tmp / member.id, write=writers[member.id])
+    for member, writes in models:
+        member.save(tmp / member.id, write=writes)
     rngs = world.all_gather(rng_states())  # every rank's RNG states, in rank order
     world.barrier()  # every member's directory is written
     if world.is_main:

@@ -271,19 +271,22 @@ def weights_checksum(tensors: Iterable[torch.Tensor]) -> float:
     return float(total)
 
 
+ALIVE_GRACE_S = 3.0  # how long a surviving rank waits for the others to mark themselves alive
+
+
 def failure_report(world: World, placement: dict[str, tuple[int, ...]], err: CollectiveError, step: int,
-                   phase: str, checkpoint, grace_s: float = 3.0) -> str:
+                   phase: str, checkpoint) -> str:
     """The message a surviving rank stops with: which ranks (and members) are dead or hung, where each was,
     and how to resume.
 
-    Every surviving rank marks itself in the launch's store and waits up to `grace_s` for the others' marks:
-    a rank that never answers died or hangs; its last reported step and phase say where."""
+    Every surviving rank marks itself in the launch's store and waits up to ALIVE_GRACE_S for the others'
+    marks: a rank that never answers died or hangs; its last reported step and phase say where."""
     store = _store() if world.distributed else None
     answered: set[int] = set()
     if store is not None:
         try:
             store.set(f"vlm_corl/alive/{world.rank}", "1")
-            deadline = time.monotonic() + grace_s
+            deadline = time.monotonic() + ALIVE_GRACE_S
             while True:
                 answered = {r for r in range(world.size) if store.check([f"vlm_corl/alive/{r}"])}
                 if len(answered) == world.size or time.monotonic() > deadline:

@@ -24,7 +24,7 @@ from vlm_corl.answers import answers_equivalent, extract_answer
 from vlm_corl.answers.normalize import normalize_answer
 from vlm_corl.checkpoint import MANIFEST, is_complete, latest_checkpoint
 from vlm_corl.config import MemberConfig
-from vlm_corl.config.schema import RolloutConfig, VllmConfig
+from vlm_corl.config.schema import DataConfig, RolloutConfig, VllmConfig
 from vlm_corl.data import balance_by, load_examples
 from vlm_corl.errors import UserError
 from vlm_corl.member import Member, check_modality, load_member, member_family
@@ -74,16 +74,18 @@ def benchmark_examples(bench: Benchmark, limit: int | None, path: str | None = N
     return balance_by(examples, bench.balance_by, limit) if bench.balance_by else examples[:limit]
 
 
-def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, batch_size: int = 64,
-                    max_image_pixels: int = 1280 * 28 * 28, progress: bool = False, engine=None,
-                    max_prompt_tokens: int = 1 << 30) -> dict:
+EVAL_BATCH = 64  # questions per engine call
+EVAL_IMAGE_PIXELS = DataConfig().max_image_pixels  # as in training: larger images are downscaled
+
+
+def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, progress: bool = False,
+                    engine=None, max_prompt_tokens: int = 1 << 30) -> dict:
     """Accuracy of `member` on `examples` (overall and per category), every prediction, and with K samples per
     question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal.
 
     `engine` samples the answers (default: the HF engine on the member's module; a vLLM engine must leave room
     for `max_prompt_tokens` + the benchmark's max_new_tokens)."""
-    render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=max_prompt_tokens,
-                      style=bench.prompt_style, limit_name="--max-prompt-tokens")
+    render = Renderer(member, "original", EVAL_IMAGE_PIXELS, max_prompt_tokens, style=bench.prompt_style)
     engine = engine or make_engine("hf", member)
     params = SamplingParams(n=bench.samples, temperature=bench.temperature, top_p=bench.top_p,
                             max_new_tokens=bench.max_new_tokens)
@@ -91,8 +93,8 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, b
     records = []
     bar = tqdm(total=len(examples), desc=f"eval {member.id} on {bench.name}", unit="q",
                disable=None if progress else True)
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
+    for start in range(0, len(examples), EVAL_BATCH):
+        chunk = examples[start : start + EVAL_BATCH]
         bar.update(len(chunk))
         groups = engine.generate([render(ex) for ex in chunk], params)
         for ex, group in zip(chunk, groups):

@@ -164,8 +164,8 @@ def selective_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0
     is written over the logits (contiguous non-leaf ones only; they must not be used after backward): the
     backward then needs no second logits-sized buffer.
     """
-    return _SelectiveLogprobs.apply(logits, targets, float(temperature), tuple(suppressed),
-                                    chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1]), inplace_backward)
+    how = (float(temperature), tuple(suppressed), chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1]))
+    return _SelectiveLogprobs.apply(logits, targets, how, inplace_backward)
 
 
 @torch.no_grad()
@@ -204,7 +204,8 @@ class _SelectiveLogprobs(torch.autograd.Function):
     softmax: d logp_t / d logits = (onehot(t) - softmax) / temperature is recomputed chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, suppressed, chunk_rows, inplace_backward):
+    def forward(ctx, logits, targets, how, inplace_backward):  # how: (temperature, suppressed ids, chunk rows)
+        temperature, suppressed, chunk_rows = how
         rows, index = _rows(logits), targets.reshape(-1, 1)
         logp = torch.empty(rows.shape[0], device=logits.device)
         log_norm = torch.empty_like(logp)
@@ -217,7 +218,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
                 logp[s:e] = ((x.gather(-1, index[s:e]) - top) - log_sum).squeeze(-1)
                 log_norm[s:e] = (top + log_sum).squeeze(-1)
         ctx.save_for_backward(logits, targets, log_norm)
-        ctx.args = temperature, suppressed, chunk_rows
+        ctx.args = how
         ctx.inplace = inplace_backward and logits.is_contiguous() and not logits.is_leaf
         return logp.view(targets.shape)
 
@@ -233,4 +234,4 @@ class _SelectiveLogprobs(torch.autograd.Function):
             for s, e in _spans(rows.shape[0], chunk_rows):
                 probs = (_policy_chunk(rows[s:e], temperature, suppressed) - log_norm[s:e, None]).exp_()
                 grad[s:e] = probs.mul_(-scale[s:e]).scatter_add_(-1, index[s:e], scale[s:e])
-        return grad.view(logits.shape), None, None, None, None, None
+        return grad.view(logits.shape), None, None, None

@@ -204,10 +204,10 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
     with timer("extract"):
         local = extract_phase(run, groups, batch)
     with timer("exchange"):
-        answers, formats, texts, lengths, entropy, certainty = exchange(
-            run.world, [ex.id for ex in batch], local, [s.id for s in run.specs])
+        exchanged = exchange(run.world, [ex.id for ex in batch], local, [s.id for s in run.specs])
+        lengths = exchanged[3]
     with timer("reward"):
-        cohort = cohort_batch(run, batch, answers, formats, texts, entropy, certainty)
+        cohort = cohort_batch(run, batch, exchanged)
         scored = run.reward_spec.fn(cohort, cfg.reward)
     with timer("advantage"):
         advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
@@ -249,9 +249,11 @@ class RenderAhead:
         self.pool.shutdown()
 
 
-def cohort_batch(run: CohortRun, batch, answers, formats, texts, entropy, certainty) -> CohortBatch:
-    """What the reward sees of the step: every slot's answers (N, B, K); gold answers only for a reward that
-    reads them (`gt`), intrinsic scores only for one that needs them."""
+def cohort_batch(run: CohortRun, batch, exchanged: list[list]) -> CohortBatch:
+    """What the reward sees of the step from the exchanged fields (answers, format flags, texts, lengths,
+    entropies, self-certainties; (N, B, K) each, `extract_phase`'s order): every slot's answers; gold answers
+    only for a reward that reads them (`gt`), intrinsic scores only for one that needs them."""
+    answers, formats, texts, _, entropy, certainty = exchanged
     scores = {}
     if run.reward_spec.needs_scores:
         scores = {"entropy": torch.tensor(entropy).float(), "self_certainty": torch.tensor(certainty).float()}
@@ -492,7 +494,6 @@ def update_phase(run: CohortRun, groups, advantages, rewards, lengths, step: int
     (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
     Returns {member id: update stats}."""
     cfg, updates = run.cfg, {}
-    const_norm = cfg.algo.drgrpo_norm or cfg.rollout.max_new_tokens  # Dr.GRPO's constant normaliser
     for m in run.members:
         if not m.cfg.trainable:
             continue
@@ -504,7 +505,7 @@ def update_phase(run: CohortRun, groups, advantages, rewards, lengths, step: int
                               cfg.algo.filter_zero_variance)
         # Even when every group was filtered out the member takes its (zero-gradient) optimizer step, exactly as
         # when every advantage is zero: the schedule and Adam's moments advance the same way in both cases.
-        updates[m.id] = policy_update(m, seqs, cfg.algo, cfg.train, cfg.rollout.temperature, const_norm, totals)
+        updates[m.id] = policy_update(m, seqs, cfg.algo, cfg.train, cfg.rollout, totals)
     decay = teacher_decay(step, cfg.train.max_steps, cfg.reward.teacher_decay_start, cfg.reward.teacher_decay_end)
     for s in run.slots:
         if s.follows is not None:  # an EMA teacher (co_rewarding_2)
@@ -557,8 +558,7 @@ def intrinsic_scores(run: CohortRun, groups) -> list[dict[str, torch.Tensor]]:
             passes = m.micro_batch_count(-(-len(responses) // size)) if m.partitioned else None
             with m.autocast(), m.updating():
                 stats = response_token_stats(m.scoring_module, [g.prompt.inputs for g in gs for _ in g.responses],
-                                             [r.token_ids for r in responses], m.tokenizer.pad_token_id,
-                                             run.cfg.rollout.temperature, m.mrope, m.suppressed_ids,
+                                             [r.token_ids for r in responses], m.policy(run.cfg.rollout.temperature),
                                              micro_batch_size=size, passes=passes)
         per_slot.append({k: v.float().cpu().view(len(gs), -1) for k, v in stats.items()})
     return per_slot
@@ -571,9 +571,7 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
     checkpoint, and a run killed in between gets them back on resume."""
     models = models_to_save(run.slots)
     replicas = _check_replicas(run, models)
-    writers = {}
-    for s in run.slots:
-        writers[s.member.id] = run.world.rank == run.placement[_owner(s)][0]
+    writers = {s.member.id: run.world.rank == run.placement[_owner(s)][0] for s in run.slots}
     required = {}
     for spec in run.specs:
         cfg_of = next(m for m in run.cfg.members if m.id == spec.member_id)
@@ -581,8 +579,8 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
         required[model_id] = required_files(trainable=cfg_of.trainable and not spec.teacher)
         if run.cfg.train.deepspeed and cfg_of.trainable and not spec.teacher:  # one optimizer partition per rank
             required[model_id] = required[model_id][:-1] + state_files(len(run.placement[spec.member_id]))
-    save_checkpoint(run.world, run.run_dir, step, models, writers,
-                    {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}, run.cfg.train.keep_last)
+    state = {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}
+    save_checkpoint(run.world, run.run_dir, step, [(m, writers[m.id]) for m in models], state, run.cfg.train.keep_last)
 
 
 def _check_replicas(run: CohortRun, models) -> dict[str, dict[int, float]]:

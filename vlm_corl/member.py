@@ -20,6 +20,7 @@ from vlm_corl.distributed import sum_over
 from vlm_corl.errors import UserError
 from vlm_corl.families import Family, detect_family
 from vlm_corl.registry import FAMILIES
+from vlm_corl.rollout import Policy
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,6 +96,10 @@ class Member:
     def suppressed_ids(self) -> list[int]:
         """Tokens generation never samples (control/vision tokens); the policy's log-probs exclude them too."""
         return list(self.model.generation_config.suppress_tokens or [])
+
+    def policy(self, temperature: float = 1.0) -> Policy:
+        """The member's policy facts at a sampling temperature (vlm_corl.rollout.Policy)."""
+        return Policy(self.tokenizer.pad_token_id, temperature, tuple(self.suppressed_ids), self.mrope)
 
     @property
     def lr(self) -> float:

@@ -32,18 +32,17 @@ class PromptTooLong(UserError, ValueError):
 class Renderer:
     """Renders examples for one member; keeps an LRU cache of rendered prompts keyed by example id."""
 
+    CACHE_SIZE = 8192  # rendered prompts kept (least recently used dropped)
+
     def __init__(self, member, view_fallback: str, max_image_pixels: int, max_prompt_tokens: int,
-                 cache_size: int = 8192, view: str | None = None, style: str | None = None,
-                 limit_name: str = "rollout.max_prompt_tokens"):
+                 view: str | None = None, style: str | None = None):
         self.member = member
         self.style = style or member.prompt_style  # the instruction after the question (PROMPT_STYLES)
         self.view = view or member.cfg.view  # a member may be rendered in a second view (co_rewarding_1)
         self.view_fallback = view_fallback
         self.max_image_pixels = max_image_pixels
         self.max_prompt_tokens = max_prompt_tokens
-        self.limit_name = limit_name  # the setting a too-long prompt's message names
         self._cache: OrderedDict[str, Prompt] = OrderedDict()
-        self.cache_size = cache_size
         self.view_fallbacks = 0
 
     def __call__(self, example: Example) -> Prompt:
@@ -53,7 +52,7 @@ class Renderer:
             return hit
         prompt = self.render(example)
         self._cache[example.id] = prompt
-        if len(self._cache) > self.cache_size:
+        if len(self._cache) > self.CACHE_SIZE:
             self._cache.popitem(last=False)
         return prompt
 
@@ -75,7 +74,8 @@ class Renderer:
         if length > self.max_prompt_tokens:
             raise PromptTooLong(
                 f"example {example.id!r} renders to {length} tokens for member {member.id!r}, over "
-                f"{self.limit_name}={self.max_prompt_tokens}: raise it"
+                f"the longest prompt allowed ({self.max_prompt_tokens} tokens: rollout.max_prompt_tokens in "
+                "training, --max-prompt-tokens when evaluating with vLLM): raise it"
                 + (" or lower data.max_image_pixels" if example.images else "")
             )
         return Prompt(example.id, chat_text, images, inputs)

@@ -68,6 +68,19 @@ class SamplingParams:
     first_position: int = 0  # batch position of the first prompt: each prompt's random stream follows from it
 
 
+@dataclass(frozen=True)
+class Policy:
+    """What a member's policy is beyond its weights, as the rollout samples it and the update scores it: the
+    sampling temperature, the control tokens it never emits (`suppressed`, removed from the distribution),
+    the id batches are padded with, and whether the model computes its 3-D rotary positions itself (Qwen-VL's
+    M-RoPE). `Member.policy(temperature)` builds it."""
+
+    pad_id: int
+    temperature: float = 1.0
+    suppressed: tuple[int, ...] = ()
+    mrope: bool = False
+
+
 class RolloutEngine(Protocol):
     """Samples K responses per prompt with the member's current weights."""
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from vlm_corl.batching import aligned_keys, collate, continuation, model_positions, prefill, response_mask
+from vlm_corl.rollout import Policy
 from vlm_corl.grpo import (aggregate_loss, clipped_surrogate, kl_penalty, selective_logprobs, token_stats,
                            truncated_is_weights)
 
@@ -25,9 +26,10 @@ class Sequence:
     rollout_logprobs: list[float] | None = None  # the engine's per-token log-probs (algo.rollout_is)
 
 
-def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
-                      temperature: float, mrope: bool, suppressed: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs (B, T) of each response's tokens under `model` (tempered like the rollout), and the mask (B, T).
+def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int]],
+                      policy: Policy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of each response's tokens under `model` and `policy` (tempered like the rollout), and
+    the mask (B, T).
 
     The policy is the distribution the rollout samples from: tempered, with the control tokens that
     generation suppresses removed. Log-probs on padding are 0. When prompts repeat (a GRPO group: the same
@@ -39,16 +41,15 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
     backward writes the logits' gradient over them.
     """
     def policy_logp(logits, targets):  # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
-        return selective_logprobs(logits, targets, temperature, suppressed, inplace_backward=True)
+        return selective_logprobs(logits, targets, policy.temperature, policy.suppressed, inplace_backward=True)
 
-    logp, mask = _per_position(model, prompt_inputs, responses, pad_id, mrope, policy_logp)
+    logp, mask = _per_position(model, prompt_inputs, responses, policy, policy_logp)
     # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
     return torch.where(mask.bool(), logp, 0.0), mask
 
 
 @torch.no_grad()
-def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[int]], pad_id: int,
-                         temperature: float, mrope: bool, suppressed: list[int] = (),
+def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[int]], policy: Policy,
                          micro_batch_size: int | None = None, passes: int | None = None) -> dict[str, torch.Tensor]:
     """Per-response means of the policy's token entropy and self-certainty: (B,) each.
 
@@ -59,15 +60,14 @@ def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[
     partitioned ZeRO-3 member must run the same number.
     """
     def stats(logits, targets):  # (B, t, V) -> (B, t, 2)
-        return torch.stack(token_stats(logits, temperature, suppressed), dim=-1)
+        return torch.stack(token_stats(logits, policy.temperature, policy.suppressed), dim=-1)
 
     step = micro_batch_size or len(responses)
     starts = list(range(0, len(responses), step))
     means = []
     for n in range(max(passes or 0, len(starts))):
         i = starts[n] if n < len(starts) else 0
-        values, mask = _per_position(model, prompt_inputs[i : i + step], responses[i : i + step], pad_id, mrope,
-                                     stats)
+        values, mask = _per_position(model, prompt_inputs[i : i + step], responses[i : i + step], policy, stats)
         lengths = mask.sum(dim=1).clamp(min=1)
         if n < len(starts):
             means.append(torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None])  # (b, 2)
@@ -75,7 +75,7 @@ def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[
     return {"entropy": means[:, 0], "self_certainty": means[:, 1]}
 
 
-def _per_position(model, prompt_inputs, responses, pad_id, mrope, fn):
+def _per_position(model, prompt_inputs, responses, policy: Policy, fn):
     """fn(logits, targets) at every response position, through the shared-prompt path when prompts repeat."""
     # Checkpointed layers drop the cache (HF's GradientCheckpointingLayer), so they take the one-pass route.
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -83,14 +83,14 @@ def _per_position(model, prompt_inputs, responses, pad_id, mrope, fn):
     # shared-prompt path skips its second pass for one-token responses).
     partitioned = hasattr(next(model.parameters()), "ds_id")
     shared = len({id(p) for p in prompt_inputs}) < len(prompt_inputs) and not (checkpointed or partitioned)
-    return (_shared_prompt_logprobs if shared else _full_logprobs)(model, prompt_inputs, responses, pad_id, mrope, fn)
+    return (_shared_prompt_logprobs if shared else _full_logprobs)(model, prompt_inputs, responses, policy, fn)
 
 
-def _full_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):
+def _full_logprobs(model, prompt_inputs, responses, policy: Policy, policy_logp):
     """One pass over prompt + response; only the T positions that predict response tokens become logits."""
-    inputs, mask = collate(prompt_inputs, pad_id, responses, aligned_keys(model))
+    inputs, mask = collate(prompt_inputs, policy.pad_id, responses, aligned_keys(model))
     t, length = mask.shape[1], inputs["input_ids"].shape[1]
-    inputs["position_ids"], _ = model_positions(model, inputs, mrope)
+    inputs["position_ids"], _ = model_positions(model, inputs, policy.mrope)
     # Positions by index, not the last T+1 then [:, :-1]: slicing the logits would make the backward allocate
     # another logits-sized (zero-padded) gradient.
     keep = torch.arange(length - t - 1, length - 1, device=inputs["input_ids"].device)
@@ -98,14 +98,14 @@ def _full_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):
     return policy_logp(logits, inputs["input_ids"][:, -t:]), mask
 
 
-def _shared_prompt_logprobs(model, prompt_inputs, responses, pad_id, mrope, policy_logp):
+def _shared_prompt_logprobs(model, prompt_inputs, responses, policy: Policy, policy_logp):
     """Each distinct prompt run once: its last position predicts the first response token, and the responses
     (all but their last token) continue from its cache."""
-    prefix = prefill(model, prompt_inputs, pad_id, mrope)
+    prefix = prefill(model, prompt_inputs, policy.pad_id, policy.mrope)
     device = prefix.last_logits.device
     mask = response_mask(responses, device)  # (B, T)
     t = mask.shape[1]
-    targets = torch.tensor([r + [pad_id] * (t - len(r)) for r in responses], device=device)  # (B, T)
+    targets = torch.tensor([r + [policy.pad_id] * (t - len(r)) for r in responses], device=device)  # (B, T)
     logp = policy_logp(prefix.last_logits[:, None], targets[:, :1])  # (B, 1)
     if t > 1:
         rest = model(**continuation(prefix, targets[:, :-1], mask[:, :-1])).logits  # (B, T-1, V)
@@ -113,16 +113,17 @@ def _shared_prompt_logprobs(model, prompt_inputs, responses, pad_id, mrope, poli
     return logp, mask
 
 
-def policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int,
-                  totals: tuple[int, int] | None = None) -> dict:
+def policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: tuple[int, int] | None = None) -> dict:
     """One optimizer step of `member` on `seqs` (see `_policy_update`), inside the member's update context."""
     with member.updating():
-        return _policy_update(member, seqs, algo, train, temperature, const_norm, totals)
+        return _policy_update(member, seqs, algo, train, rollout, totals)
 
 
-def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float, const_norm: int,
+def _policy_update(member, seqs: list[Sequence], algo, train, rollout,
                    totals: tuple[int, int] | None = None) -> dict:
-    """One optimizer step of `member` on `seqs` (this rank's share of one rollout batch), in micro-batches.
+    """One optimizer step of `member` on `seqs` (this rank's share of one rollout batch), in micro-batches,
+    under `algo` and `train` (AlgoConfig, TrainConfig); `rollout` (RolloutConfig) gives the policy's
+    temperature and Dr.GRPO's default constant normaliser (rollout.max_new_tokens).
 
     `totals` = (response tokens, responses) of the member's whole batch over all its ranks (default: `seqs`'
     own): the loss normaliser, so the ranks' losses and gradients add up to the full-batch ones (the member
@@ -144,15 +145,16 @@ def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float
     old = None
     if algo.updates_per_batch > 1:
         with torch.no_grad():
-            old = [_logprobs(member, mb, temperature)[0] for mb in micro]
+            old = [_logprobs(member, mb, member.policy(rollout.temperature))[0] for mb in micro]
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
+    policy = member.policy(rollout.temperature)
     loss_sum, clipped_tokens, grad_norm = 0.0, 0.0, 0.0
     mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
-    norm = (total_tokens, total_seqs, const_norm)
+    norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
         for i, mb in enumerate(micro):
             loss, clipped, mask, sums = _micro_batch_loss(member, mb, old[i] if old is not None else None, algo,
-                                                          temperature, norm)
+                                                          policy, norm)
             if n_pass == 0 and i < real:
                 mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
@@ -175,11 +177,11 @@ def _policy_update(member, seqs: list[Sequence], algo, train, temperature: float
     return stats
 
 
-def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, temperature: float, norm: tuple[int, int, int]):
+def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy, norm: tuple[int, int, int]):
     """One micro-batch's share of the loss (normalised by the whole batch's `norm` = (tokens, responses,
     Dr.GRPO constant)), its clipped-token mask, response mask and the off-policy mismatch sums ({} without the
     correction). `old_logp` None: the rollout policy is the current one (its log-probs, detached)."""
-    logp, mask = _logprobs(member, mb, temperature)
+    logp, mask = _logprobs(member, mb, policy)
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = torch.tensor([s.advantage for s in mb], device=logp.device)
     token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
@@ -191,7 +193,7 @@ def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, temperature: f
         token_loss = token_loss * weights
     if algo.kl_beta > 0:
         with torch.no_grad():
-            ref_logp, _ = _logprobs(member, mb, temperature, model=member.reference)
+            ref_logp, _ = _logprobs(member, mb, policy, model=member.reference)
         token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
     loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1],
                           const_norm=norm[2])
@@ -214,14 +216,8 @@ def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
             "is_nonfinite_tokens": int(sums["nonfinite"])}
 
 
-def _logprobs(member, mb: list[Sequence], temperature: float, model=None):
+def _logprobs(member, mb: list[Sequence], policy: Policy, model=None):
+    """(log-probs, mask) of a micro-batch under the member's training module (or `model`, the KL anchor)."""
     with member.autocast():
-        return response_logprobs(
-            model if model is not None else member.train_module,
-            [s.prompt_inputs for s in mb],
-            [s.token_ids for s in mb],
-            member.tokenizer.pad_token_id,
-            temperature,
-            member.mrope,
-            member.suppressed_ids,
-        )
+        model = model if model is not None else member.train_module
+        return response_logprobs(model, [s.prompt_inputs for s in mb], [s.token_ids for s in mb], policy)

@@ -24,7 +24,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from vlm_corl.batching import continuation, prefill
-from vlm_corl.rollout import Prompt, Response, RolloutGroup, SamplingParams
+from vlm_corl.rollout import Policy, Prompt, Response, RolloutGroup, SamplingParams
 
 
 class HFEngine:
@@ -43,10 +43,8 @@ class HFEngine:
         was_training = model.training
         model.eval()
         with torch.inference_mode():
-            tokens, stopped, sums, token_logp = sample(
-                model, [p.inputs for p in prompts], params, pad_id=tok.pad_token_id, eos_ids=member.eos_token_ids,
-                suppressed=member.suppressed_ids, mrope=member.mrope, tokenizer=tok,
-            )
+            tokens, stopped, sums, token_logp = sample(model, [p.inputs for p in prompts], params,
+                                                       member.policy(params.temperature), member.eos_token_ids, tok)
         model.train(was_training)
         groups = []
         for i, prompt in enumerate(prompts):
@@ -67,25 +65,26 @@ class HFEngine:
         return groups
 
 
-def sample(model, prompt_inputs: list[dict], params: SamplingParams, *, pad_id: int, eos_ids: list[int],
-           suppressed: list[int], mrope: bool, tokenizer) -> tuple[list[list[int]], list[bool], dict, list]:
-    """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i.
+def sample(model, prompt_inputs: list[dict], params: SamplingParams, policy: Policy, eos_ids: list[int],
+           tokenizer) -> tuple[list[list[int]], list[bool], dict, list]:
+    """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i, from `policy` (its pad id,
+    suppressed tokens, M-RoPE flag; the temperature and the rest of the draw come from `params`).
 
     Returns per row: its tokens (up to and including the eos or the token that completes a stop string),
     whether it stopped (eos or stop string, not the length limit), the sums over its tokens of the
     policy's statistics {"logprob": [...], "entropy": [...], "self_certainty": [...]}, and the policy's
     log-prob of each of its tokens.
     """
-    prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], pad_id, mrope)
+    prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], policy.pad_id, policy.mrope)
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
     choose = Chooser(params)
     samplable = torch.ones(vocab, dtype=torch.bool, device=device)
-    samplable[list(suppressed)] = False
+    samplable[list(policy.suppressed)] = False
     samplable = samplable.nonzero().squeeze(1)  # (V',) token ids the policy can emit
     eos = torch.tensor(eos_ids, device=device)
-    tokens = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    tokens = torch.full((rows, params.max_new_tokens), policy.pad_id, dtype=torch.long, device=device)
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     sums = {name: torch.zeros(rows, device=device) for name in ("logprob", "entropy", "self_certainty")}
