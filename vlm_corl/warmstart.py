@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-
 from typing import Callable
 
 import torch
@@ -50,10 +50,8 @@ def warm_start(member: Member, examples: list[Example], steps: int, batch_size: 
     losses = []
     for _ in range(steps):
         batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
-        logp, mask = response_logprobs(
-            member.model, [render(ex).inputs for ex in batch], [target_ids(member, ex.answer) for ex in batch],
-            member.tokenizer.pad_token_id, 1.0, member.mrope, member.suppressed_ids,
-        )
+        logp, mask = response_logprobs(member.model, [render(ex).inputs for ex in batch],
+                                       [target_ids(member, ex.answer) for ex in batch], member.policy())
         loss = -(logp * mask).sum() / mask.sum()
         loss.backward()
         optimizer.step()
@@ -64,14 +62,35 @@ def warm_start(member: Member, examples: list[Example], steps: int, batch_size: 
     return losses
 
 
-def labelled_slice(loader: str, path: str | None, split: str, skip: int, size: int, balance: str | None) -> list[Example]:
-    """`size` labelled examples after the first `skip`; balanced over metadata[balance] when given
-    (then drawn from the examples that follow `skip`, as many as needed to fill every group)."""
+def labelled_slice(loader: str, path: str | None, split: str, skip: int, size: int, balance: str | None,
+                   mix: Mapping[str, float] | None = None) -> list[Example]:
+    """`size` labelled examples after the first `skip`; balanced over metadata[balance] when given, or, with
+    `mix` too, in those shares per value of metadata[balance] (drawn from the examples that follow `skip`, as
+    many as needed to fill every group)."""
     examples = load_examples(loader, path, split=split).examples
     if skip >= len(examples):
         raise DataError(f"skip={skip} leaves no example: {loader}[{split}] has {len(examples)}")
     examples = examples[skip:]
+    if mix is not None:
+        return mixed_by(examples, balance or "", mix, size)
     return balance_by(examples, balance, size) if balance else examples[:size]
+
+
+def mixed_by(examples: list[Example], key: str, mix: Mapping[str, float], size: int) -> list[Example]:
+    """About `size` examples with metadata[key] in the shares `mix` gives (normalised; values it does not name
+    get none), each group the first examples of its kind in source order.
+
+    A skill-weighted warm start (e.g. mostly shape questions for one member, mostly colour for another) makes
+    base members whose errors differ by question type."""
+    total = sum(mix.values())
+    if not mix or total <= 0 or any(v < 0 for v in mix.values()):
+        raise DataError(f"a warm-start mix needs non-negative shares that sum above 0 (got {dict(mix)})")
+    counts = {value: round(size * share / total) for value, share in mix.items()}
+    groups = {value: [ex for ex in examples if str(ex.metadata.get(key)) == value][:n] for value, n in counts.items()}
+    short = {value: (len(groups[value]), n) for value, n in counts.items() if len(groups[value]) < n}
+    if short:
+        raise DataError(f"not enough examples with {key} = {short} (have, need) for the mix {dict(mix)}")
+    return [ex for group in groups.values() for ex in group]
 
 
 def main(argv=None) -> int:
