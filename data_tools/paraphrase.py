@@ -45,6 +45,7 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,7 +58,10 @@ from vlm_corl.paraphrases import (
     CLOSE_TAG, MAX_LENGTH_RATIO, MIN_LENGTH_RATIO, CacheError, CacheRecord, read_cache, select_paraphrases,
 )
 from vlm_corl.records import Example
-from vlm_corl.rollout import Prompt, SamplingParams, make_engine
+from vlm_corl.rollout import Prompt, RolloutEngine, SamplingParams, make_engine
+
+if TYPE_CHECKING:
+    from vlm_corl.member import Member
 
 _RULES = (
     "Rules:\n"
@@ -79,7 +83,7 @@ SCENARIO_PROMPT = (
 )
 
 
-def render(member, example: Example, template: str, max_image_pixels: int) -> Prompt:
+def render(member: Member, example: Example, template: str, max_image_pixels: int) -> Prompt:
     """The rewriting request for one example, in the rewriter's chat template (images only for a VLM)."""
     text = template.replace("{question}", example.question)  # not str.format: questions are full of LaTeX braces
     images = [load_image(src, max_pixels=max_image_pixels) for src in example.images] if member.is_vision else []
@@ -115,8 +119,8 @@ def resume(out: Path, rewriter: str, template: str) -> set[str]:
 
 def rewrite(
     examples: list[Example],
-    member,
-    engine,
+    member: Member,
+    engine: RolloutEngine,
     out: Path,
     *,
     rewriter: str,

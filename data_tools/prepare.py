@@ -33,6 +33,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from PIL import Image
@@ -117,7 +118,7 @@ def prepare(fmt: str, src: Path, out: Path, splits: list[str], levels: tuple[int
 
 
 @contextlib.contextmanager
-def quiet_load_warnings():
+def quiet_load_warnings() -> Iterator[None]:
     """Without load_examples' warning of dropped records: the data tools print their own table of them."""
     data_log = logging.getLogger("vlm_corl.data")
     level = data_log.level

@@ -33,6 +33,7 @@ import zlib
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import NoReturn
 
 from text_corl.code import extract_code
 from text_corl.data import jsonl_rows
@@ -156,10 +157,10 @@ class _UnsafePickle(pickle.UnpicklingError):
 class _PlainUnpickler(pickle.Unpickler):
     """Builds only what pickle's opcodes make without globals (str, bytes, numbers, lists, dicts, ...)."""
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> NoReturn:
         raise _UnsafePickle(f"refused global {module}.{name}")
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: object) -> NoReturn:
         raise _UnsafePickle("refused persistent id")
 
 

@@ -34,7 +34,7 @@ def _aligned_for(model_type: str) -> tuple[str, ...]:
         return ()
 
 
-def aligned_keys(model) -> tuple[str, ...]:
+def aligned_keys(model: torch.nn.Module) -> tuple[str, ...]:
     """The batch-aligned image inputs of `model`'s family (see Family.batch_aligned_keys)."""
     config = getattr(getattr(model, "module", model), "config", None)  # a DeepSpeed engine wraps the model
     return _aligned_for(getattr(config, "model_type", ""))
@@ -134,7 +134,7 @@ def cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
-def model_positions(model, inputs: dict[str, Tensor], mrope: bool) -> tuple[Tensor, Tensor | None]:
+def model_positions(model: torch.nn.Module, inputs: dict[str, Tensor], mrope: bool) -> tuple[Tensor, Tensor | None]:
     """Position ids of a collated batch, and for M-RoPE models (Qwen-VL) each row's (B, 1) text offset.
 
     M-RoPE positions come from the model's own `get_rope_index` (3-D for image tokens, padding skipped), as
@@ -167,7 +167,7 @@ class Prefix:
             self.cross_attention_mask = self.cross_attention_mask[rows]
 
 
-def prefill(model, prompts: list[dict[str, Tensor]], pad_id: int, mrope: bool) -> Prefix:
+def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: int, mrope: bool) -> Prefix:
     """Run each distinct prompt once and repeat its cache, logits and masks to one row per entry of `prompts`.
 
     prompts: processor outputs, one per row; the same dict object K times means K rows continue one prompt

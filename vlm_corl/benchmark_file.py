@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from vlm_corl.errors import UserError
+
+if TYPE_CHECKING:
+    from vlm_corl.eval import Benchmark
 
 ANSWER_TYPES = ("number", "expression", "choice", "text")
 METRIC = re.compile(r"(accuracy)|(avg|maj|pass)@([1-9][0-9]*)")
@@ -35,7 +39,7 @@ class BenchmarkFileError(UserError):
     """A benchmark YAML file that cannot be used (names the file and the field)."""
 
 
-def load_benchmark_file(path: str | Path):
+def load_benchmark_file(path: str | Path) -> Benchmark:
     """The `vlm_corl.eval.Benchmark` a YAML file describes; BenchmarkFileError for any mistake in it."""
     from vlm_corl.eval import Benchmark
 

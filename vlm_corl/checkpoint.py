@@ -18,12 +18,18 @@ import logging
 import random
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vlm_corl.errors import UserError
+
+if TYPE_CHECKING:
+    from vlm_corl.distributed import World
+    from vlm_corl.member import Member
 
 STATE_FILE = "cohort_state.pt"
 MANIFEST = "manifest.json"
@@ -50,7 +56,8 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def save_checkpoint(world, run_dir: Path, step: int, models, cohort_state: dict, keep_last: int) -> Path:
+def save_checkpoint(world: World, run_dir: Path, step: int, models: Iterable[tuple[Member, bool]], cohort_state: dict,
+                    keep_last: int) -> Path:
     """Write step `step` atomically, then prune to the newest `keep_last` checkpoints.
 
     `models` are (model, whether this rank writes it) for this process's models to save (members and
@@ -151,7 +158,7 @@ def load_cohort_state(checkpoint: Path) -> dict:
     return read_state(Path(checkpoint) / STATE_FILE, weights_only=False)
 
 
-def restore_rng(states, world) -> None:
+def restore_rng(states: list[dict], world: World) -> None:
     """Set this rank's RNG states from a checkpoint's (one entry per rank of the run that saved it)."""
     if len(states) != world.size:
         log.warning("the checkpoint was taken with %d processes, this run has %d: RNG states are not restored "

@@ -12,11 +12,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from vlm_corl.errors import Interrupted, UserError, debug_requested
 
 
-def parser(prog: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
+def parser(prog: str, doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
     """An argument parser whose description is the first paragraph of `doc`, with the `--debug` flag."""
     description = kwargs.pop("description", (doc or "").split("\n\n")[0])
     p = argparse.ArgumentParser(prog=prog, description=description, **kwargs)

@@ -11,9 +11,10 @@ one member share its engine; the update phase trains each member once, on the se
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,10 @@ from vlm_corl.member import Member, load_member
 from vlm_corl.records import ViewError, parse_view
 from vlm_corl.render import Renderer
 from vlm_corl.rollout import RolloutEngine, make_engine
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import CohortConfig, MemberConfig
+    from vlm_corl.records import Example
 
 TEACHER_SUFFIX = ".teacher"
 
@@ -48,7 +53,7 @@ class Slot:
     follows: Member | None = None  # an EMA teacher's student: its weights move toward them after each update
 
 
-def slot_specs(member_cfgs, layout: str) -> list[SlotSpec]:
+def slot_specs(member_cfgs: Sequence[MemberConfig], layout: str) -> list[SlotSpec]:
     """Every slot of the cohort, in exchange order, for a reward layout ("members", "two_views", "ema_teacher")."""
     if layout == "members":
         return [SlotSpec(m.id, m.id, m.view) for m in member_cfgs]
@@ -64,7 +69,7 @@ def slot_specs(member_cfgs, layout: str) -> list[SlotSpec]:
     return specs
 
 
-def build_slots(cfg, members: list[Member], specs: list[SlotSpec], max_images: int,
+def build_slots(cfg: CohortConfig, members: list[Member], specs: list[SlotSpec], max_images: int,
                 resume_from: Path | None) -> list[Slot]:
     """The slots of `specs` whose member this process hosts (`members`), with their engines and renderers;
     builds an EMA teacher where a slot is one."""
@@ -87,7 +92,7 @@ def build_slots(cfg, members: list[Member], specs: list[SlotSpec], max_images: i
     return slots
 
 
-def check_views(examples, slots: list[Slot], fallback: str) -> dict[str, int]:
+def check_views(examples: Sequence[Example], slots: Sequence[SlotSpec | Slot], fallback: str) -> dict[str, int]:
     """How many examples lack each slot's view. With data.view_fallback=error, any gap stops the run before
     the first step (not halfway through an epoch); with "original" those examples use the original wording."""
     missing = {}

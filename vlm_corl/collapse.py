@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlm_corl.category_metrics import pooled, pooled_diversity, ratio
@@ -95,7 +96,7 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def window_mean(rows, key: str, start: int, stop: int) -> float | None:
+def window_mean(rows: list[dict] | _Ends, key: str, start: int, stop: int) -> float | None:
     """Mean of `key` over rows[start:stop] (a list, or `_Ends`), None values skipped; None when there are none."""
     values = [float(v) for i in range(start, stop) if _number(v := rows[i].get(key))]
     return sum(values) / len(values) if values else None
@@ -118,7 +119,9 @@ def _evidence(rows, n: int, rule: CollapseRule) -> dict | None:
     return ev
 
 
-def trend_flagged(diversity, agreements, gold, rule: CollapseRule = DEFAULT_RULE) -> bool:
+def trend_flagged(diversity: tuple[float | None, float | None],
+                  agreements: Sequence[tuple[float | None, float | None]],
+                  gold: tuple[float | None, float | None], rule: CollapseRule = DEFAULT_RULE) -> bool:
     """Conditions 1-3 of the window rule on (early, late) pairs: diversity, each agreement measure, and
     pseudo-label accuracy (a pair with a None is unevaluable: no diversity or agreement, or no gold)."""
     d_early, d_late = diversity
@@ -132,7 +135,7 @@ def trend_flagged(diversity, agreements, gold, rule: CollapseRule = DEFAULT_RULE
     return diversity_falls and agreement_rises and gold_falls
 
 
-def category_evidence(rows, n: int, rule: CollapseRule = DEFAULT_RULE) -> list[dict]:
+def category_evidence(rows: list[dict] | _Ends, n: int, rule: CollapseRule = DEFAULT_RULE) -> list[dict]:
     """The per-category rules (module docstring) on the first n rows of one slot (a list, or `_Ends`): one
     evidence dict per flagged category, with the rule that fired ("one_answer" first, else "trend")."""
     w = window_size(n, rule)

@@ -38,12 +38,15 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlm_corl.errors import UserError
 from vlm_corl.images import BadImage, load_image
 from vlm_corl.records import Example, ImageSource
 from vlm_corl.registry import LOADERS
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +184,7 @@ HUB_TIMEOUT_S = 5.0
 """How long the dataset hub may take to accept a connection: `datasets` retries an unreachable hub for ~25 s."""
 
 
-def hub_dataset(name: str, config: str | None, split: str, loader: str):
+def hub_dataset(name: str, config: str | None, split: str, loader: str) -> datasets.Dataset:
     """`datasets.load_dataset(name, config, split=split)` for a loader given no path, on a machine that reaches
     the Hugging Face hub (or with HF_HUB_OFFLINE=1, from what `datasets` cached before); elsewhere a DataError
     naming `--data LOADER=PATH`. No dataset script is run (no trust_remote_code)."""

@@ -54,25 +54,25 @@ class DeepSpeedConfigError(UserError, ValueError):
 class GroupMPU:
     """What DeepSpeed asks of a model-parallel unit: here data parallel = the member's ranks, model parallel = 1."""
 
-    def __init__(self, dp_group, mp_group):
+    def __init__(self, dp_group: dist.ProcessGroup, mp_group: dist.ProcessGroup):
         self.dp_group, self.mp_group = dp_group, mp_group
 
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self.dp_group
 
-    def get_data_parallel_world_size(self):
+    def get_data_parallel_world_size(self) -> int:
         return dist.get_world_size(self.dp_group)
 
-    def get_data_parallel_rank(self):
+    def get_data_parallel_rank(self) -> int:
         return dist.get_rank(self.dp_group)
 
-    def get_model_parallel_group(self):
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
         return self.mp_group
 
-    def get_model_parallel_world_size(self):
+    def get_model_parallel_world_size(self) -> int:
         return 1
 
-    def get_model_parallel_rank(self):
+    def get_model_parallel_rank(self) -> int:
         return 0
 
 
@@ -153,7 +153,7 @@ class DeepSpeedUpdate:
             _patch_zero3_trace_check()
 
     @contextmanager
-    def updating(self):
+    def updating(self) -> Iterator[None]:
         """Around a member's update (every forward/backward of its engine): ZeRO-3's trace checks run over
         this member's group."""
         _ACTIVE_GROUP[0] = self.group

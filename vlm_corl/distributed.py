@@ -18,15 +18,20 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from vlm_corl.errors import UserError
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import MemberConfig
 
 log = logging.getLogger("vlm_corl")
 
@@ -40,7 +45,7 @@ class CollectiveError(RuntimeError):
 
 
 @contextmanager
-def collective(what: str):
+def collective(what: str) -> Iterator[None]:
     """Turn a backend's failure inside a collective (gloo/NCCL errors, timeouts) into a CollectiveError."""
     try:
         yield
@@ -69,7 +74,7 @@ class World:
         """World rank 0: the only process that writes the run directory's files."""
         return self.rank == 0
 
-    def group(self, ranks: tuple[int, ...]):
+    def group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         """The process group of a member's ranks (None for a one-rank group without DeepSpeed: nothing to reduce)."""
         return self.groups.get(tuple(ranks))
 
@@ -78,7 +83,7 @@ class World:
             with collective("barrier"):
                 dist.barrier()
 
-    def all_gather(self, obj) -> list:
+    def all_gather(self, obj: object) -> list:
         """Every rank's `obj`, in rank order (just [obj] in one process)."""
         if not self.distributed:
             return [obj]
@@ -144,7 +149,7 @@ def launch_world(timeout_s: float = 1800.0, need_group: bool = False) -> World:
     return World(rank, size, local_rank, device, timeout_s)
 
 
-def place_members(members, world_size: int) -> dict[str, tuple[int, ...]]:
+def place_members(members: Sequence[MemberConfig], world_size: int) -> dict[str, tuple[int, ...]]:
     """{member id: its ranks}: `members[i].ranks` where given, else an even split of the W ranks.
 
     Automatic split: W = 1 hosts every member on rank 0; W a multiple of N gives each member W/N consecutive
@@ -239,7 +244,7 @@ def describe(placement: dict[str, tuple[int, ...]]) -> str:
     return "; ".join(f"rank {r}: {', '.join(ms)}" for r, ms in sorted(by_rank.items()))
 
 
-def sum_over(group, tensors: list[torch.Tensor], bucket_bytes: int = 64 << 20) -> None:
+def sum_over(group: dist.ProcessGroup | None, tensors: list[torch.Tensor], bucket_bytes: int = 64 << 20) -> None:
     """All-reduce (sum) `tensors` in place over `group`, flattened into buckets of about `bucket_bytes`
     (one collective per bucket, not per parameter). No-op for a one-rank group (None)."""
     if group is None:
@@ -275,7 +280,7 @@ ALIVE_GRACE_S = 3.0  # how long a surviving rank waits for the others to mark th
 
 
 def failure_report(world: World, placement: dict[str, tuple[int, ...]], err: CollectiveError, step: int,
-                   phase: str, checkpoint) -> str:
+                   phase: str, checkpoint: Path | None) -> str:
     """The message a surviving rank stops with: which ranks (and members) are dead or hung, where each was,
     and how to resume.
 

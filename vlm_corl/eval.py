@@ -13,7 +13,7 @@ import json
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from vlm_corl.records import Example
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.render import Renderer
 from vlm_corl.rewards import plurality_vote
-from vlm_corl.rollout import SamplingParams, make_engine
+from vlm_corl.rollout import RolloutEngine, SamplingParams, make_engine
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ EVAL_IMAGE_PIXELS = DataConfig().max_image_pixels  # as in training: larger imag
 
 
 def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, progress: bool = False,
-                    engine=None, max_prompt_tokens: int = 1 << 30) -> dict:
+                    engine: RolloutEngine | None = None, max_prompt_tokens: int = 1 << 30) -> dict:
     """Accuracy of `member` on `examples` (overall and per category), every prediction, and with K samples per
     question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal.
 
@@ -129,7 +129,7 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, p
     return result
 
 
-def grade_answer(gold: str | None, pred: str | None, choices, answer_type: str) -> bool:
+def grade_answer(gold: str | None, pred: str | None, choices: Sequence[str] | None, answer_type: str) -> bool:
     """Whether `pred` answers `gold`: normalised string equality for free text, math-verify equivalence (and
     choice letters vs option texts) otherwise."""
     if gold is None or pred is None:
@@ -192,7 +192,7 @@ def results_markdown(results: dict) -> str:
 
 def _compact(scores: dict) -> str:
     """One line for a benchmark's aggregate scores: "by_level: 1 0.500, 2 0.250; IK 0.167, ..."."""
-    def show(value) -> str:
+    def show(value: object) -> str:
         return f"{value:.3f}" if isinstance(value, float) else str(value)
 
     flat = ", ".join(f"{k} {show(v)}" for k, v in scores.items() if not isinstance(v, dict))
@@ -201,7 +201,7 @@ def _compact(scores: dict) -> str:
     return "; ".join(([flat] if flat else []) + nested)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("python -m vlm_corl.eval", __doc__)
     parser.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
     parser.add_argument("--models", nargs="+", help="model directories (HF format)")

@@ -9,6 +9,11 @@ the reward lines up. Every rank also sends the example ids of its batch, so a ra
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlm_corl.distributed import World
+
 
 class LockstepError(RuntimeError):
     """Ranks or slots did not answer the same examples at the same step."""
@@ -17,7 +22,7 @@ class LockstepError(RuntimeError):
 Row = tuple[list, ...]  # per-response fields of one group, e.g. (answers, format flags, texts), K each
 
 
-def exchange(world, batch_ids: list[str], local: dict[str, dict[int, Row]], slot_ids: list[str]) -> list[list]:
+def exchange(world: World, batch_ids: list[str], local: dict[str, dict[int, Row]], slot_ids: list[str]) -> list[list]:
     """Gather rows {slot id: {batch position: (field_1, field_2, …)}} from every rank.
 
     Returns one (N, B, K) nested list per field, in `slot_ids` × batch-position order.

@@ -7,6 +7,8 @@ Nothing here knows about models or members; `vlm_corl.update` feeds these functi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -154,7 +156,7 @@ def _self_certainty(logp: Tensor) -> Tensor:
 CHUNK_ELEMENTS = 1 << 23  # fp32 elements per chunk (32 MiB) when chunk_rows is not given
 
 
-def selective_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, suppressed=(),
+def selective_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = (),
                        chunk_rows: int | None = None, inplace_backward: bool = False) -> Tensor:
     """log pi(target) under the policy of `logits`: tempered, `suppressed` ids removed. (..., V), (...) -> (...) fp32.
 
@@ -169,7 +171,7 @@ def selective_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0
 
 
 @torch.no_grad()
-def token_stats(logits: Tensor, temperature: float = 1.0, suppressed=(),
+def token_stats(logits: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = (),
                 chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
     """(`token_entropy`, `token_self_certainty`) of the policy of `logits` (tempered, `suppressed` ids removed),
     (..., V) -> (...) each, computed `chunk_rows` rows at a time. No gradients."""
@@ -204,7 +206,8 @@ class _SelectiveLogprobs(torch.autograd.Function):
     softmax: d logp_t / d logits = (onehot(t) - softmax) / temperature is recomputed chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, logits, targets, how, inplace_backward):  # how: (temperature, suppressed ids, chunk rows)
+    def forward(ctx, logits: Tensor, targets: Tensor, how: tuple[float, tuple[int, ...], int],
+                inplace_backward: bool) -> Tensor:  # how: (temperature, suppressed ids, chunk rows)
         temperature, suppressed, chunk_rows = how
         rows, index = _rows(logits), targets.reshape(-1, 1)
         logp = torch.empty(rows.shape[0], device=logits.device)
@@ -224,7 +227,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logp):
+    def backward(ctx, grad_logp: Tensor) -> tuple[Tensor, None, None, None]:
         logits, targets, log_norm = ctx.saved_tensors
         temperature, suppressed, chunk_rows = ctx.args
         rows, index = _rows(logits), targets.reshape(-1, 1)

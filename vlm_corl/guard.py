@@ -22,9 +22,13 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlm_corl.checkpoint import latest_checkpoint, list_checkpoints
 from vlm_corl.collapse import describe
+
+if TYPE_CHECKING:
+    from vlm_corl.member import Member
 
 log = logging.getLogger("vlm_corl")
 
@@ -73,7 +77,7 @@ def improved(rows: list[dict], benchmark: str, best: dict[str, dict]) -> list[di
             and (r["member"] not in best or r["score"] > best[r["member"]]["score"])]
 
 
-def save_best(member, run_dir: Path, writer: bool) -> None:
+def save_best(member: Member, run_dir: Path, writer: bool) -> None:
     """Replace `best/<member>/` with the member's current weights; every rank of the member calls it (a
     partitioned member's weights are gathered), the `writer` writes into a temporary directory, then swaps."""
     root = Path(run_dir) / BEST_DIR

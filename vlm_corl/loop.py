@@ -13,10 +13,13 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 import torch
 from tqdm import tqdm
@@ -29,6 +32,7 @@ from vlm_corl.category_metrics import category_step_stats, window_metrics
 from vlm_corl.collapse import collapse_warnings, eval_drops, flag_step
 from vlm_corl.collapse import describe as describe_collapse
 from vlm_corl.config import CohortConfig, ConfigError, save_config
+from vlm_corl.config.schema import DatasetConfig, EvalConfig
 from vlm_corl.data import DataError, load_examples
 from vlm_corl.errors import Interrupted
 from vlm_corl.deepspeed_update import state_files
@@ -37,14 +41,15 @@ from vlm_corl.distributed import (CollectiveError, World, build_groups, describe
                                   place_members, shard, weights_checksum)
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
-from vlm_corl.member import check_modality, load_member, member_family
+from vlm_corl.member import Member, check_modality, load_member, member_family
 from vlm_corl.guard import (BEST_DIR, CollapseStopped, improved, read_best, roll_back, save_best, stop_message,
                             write_best)
 from vlm_corl.metrics import MetricsSink, cohort_unanimity, member_metrics, unanimity
 from vlm_corl.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.rewards import CohortBatch, RewardSpec, resolve_reward
-from vlm_corl.rollout import SamplingParams
+from vlm_corl.records import Example
+from vlm_corl.rollout import Prompt, RolloutGroup, SamplingParams
 from vlm_corl.sampler import LockstepSampler
 from vlm_corl.update import Sequence, policy_update, response_token_stats
 
@@ -139,14 +144,14 @@ def run_cohort(cfg: CohortConfig) -> dict:
 
 
 @contextmanager
-def stopped_by_launcher(world: World):
+def stopped_by_launcher(world: World) -> Iterator[None]:
     """When one worker dies, torchrun/accelerate stop the others with SIGTERM: turn it into a CollectiveError
     so that this rank, too, reports where every rank was before it exits."""
     if not world.distributed or threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def stop(signum, frame):
+    def stop(signum: int, frame: FrameType | None) -> NoReturn:
         raise CollectiveError("stopped by the launcher (SIGTERM): another process of the job failed")
 
     previous = signal.signal(signal.SIGTERM, stop)
@@ -235,7 +240,7 @@ class RenderAhead:
         self.run, self.pending = run, None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
 
-    def prompts(self, batch, step: int) -> list[list]:
+    def prompts(self, batch: list[Example], step: int) -> list[list]:
         """This step's prompts (`render_phase`), and the next step's started in the background."""
         if self.pending is not None:
             self.pending.result()
@@ -249,7 +254,7 @@ class RenderAhead:
         self.pool.shutdown()
 
 
-def cohort_batch(run: CohortRun, batch, exchanged: list[list]) -> CohortBatch:
+def cohort_batch(run: CohortRun, batch: list[Example], exchanged: list[list]) -> CohortBatch:
     """What the reward sees of the step from the exchanged fields (answers, format flags, texts, lengths,
     entropies, self-certainties; (N, B, K) each, `extract_phase`'s order): every slot's answers; gold answers
     only for a reward that reads them (`gt`), intrinsic scores only for one that needs them."""
@@ -333,7 +338,7 @@ def keep_best(run: CohortRun, rows: list[dict]) -> None:
         write_best(run.run_dir, run.best)
 
 
-def categories(batch, key: str | None) -> list[str | None]:
+def categories(batch: list[Example], key: str | None) -> list[str | None]:
     """Each example's category (its metadata[logging.category_key], as a string), or None."""
     return [None if key is None or ex.metadata.get(key) is None else str(ex.metadata[key]) for ex in batch]
 
@@ -411,7 +416,7 @@ def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume
     return members
 
 
-def attach_deepspeed(member, cfg: CohortConfig, world: World, ranks: tuple[int, ...]) -> None:
+def attach_deepspeed(member: Member, cfg: CohortConfig, world: World, ranks: tuple[int, ...]) -> None:
     """Give a trainable member a DeepSpeed engine over its ranks (its AdamW and schedule are already built).
     Under ZeRO-3 only the HF rollout engine needs a full copy of the weights beside the partitions."""
     from vlm_corl.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
@@ -449,12 +454,12 @@ def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> N
                           ["data.batch_size"])
 
 
-def render_phase(run: CohortRun, batch) -> list[list]:
+def render_phase(run: CohortRun, batch: list[Example]) -> list[list]:
     """Each hosted slot's prompts for its member's shard of the batch."""
     return [[s.renderer(batch[p]) for p in run.shards[_owner(s)]] for s in run.slots]
 
 
-def rollout_phase(run: CohortRun, prompts, step: int) -> tuple[list, dict[str, float]]:
+def rollout_phase(run: CohortRun, prompts: list[list[Prompt]], step: int) -> tuple[list, dict[str, float]]:
     """Each hosted slot samples K responses per prompt of its shard; returns its groups and rollout seconds.
 
     Samples are a pure function of (run seed, slot, step, batch position, k), so splitting the batch over
@@ -468,7 +473,8 @@ def rollout_phase(run: CohortRun, prompts, step: int) -> tuple[list, dict[str, f
     return groups, seconds
 
 
-def extract_phase(run: CohortRun, groups, batch) -> dict[str, dict[int, tuple]]:
+def extract_phase(run: CohortRun, groups: list[list[RolloutGroup]],
+                  batch: list[Example]) -> dict[str, dict[int, tuple]]:
     """This process's rows for the exchange: {slot id: {batch position: (answers, format flags, texts,
     lengths, mean entropies, mean self-certainties)}}, K each; answers read in the member's prompt style."""
     style = run.cfg.reward.answer_style
@@ -489,7 +495,8 @@ def extract_phase(run: CohortRun, groups, batch) -> dict[str, dict[int, tuple]]:
     return local
 
 
-def update_phase(run: CohortRun, groups, advantages, rewards, lengths, step: int) -> dict:
+def update_phase(run: CohortRun, groups: list[list[RolloutGroup]], advantages: list[torch.Tensor],
+                 rewards: torch.Tensor, lengths: list[list[list[int]]], step: int) -> dict:
     """Each hosted trainable member takes one optimizer step on its shard of all its slots' sequences
     (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
     Returns {member id: update stats}."""
@@ -524,7 +531,8 @@ def sync_phase(run: CohortRun) -> None:
             synced.add(id(s.engine))
 
 
-def batch_totals(lengths, rewards, filter_zero_variance: bool) -> tuple[int, int]:
+def batch_totals(lengths: list[list[list[int]]], rewards: list[torch.Tensor],
+                 filter_zero_variance: bool) -> tuple[int, int]:
     """(response tokens, responses) a member trains on over the whole batch, all its ranks and slots: the
     loss normaliser, so that the ranks' shares add up to the full-batch loss. lengths, rewards: (B, K) each."""
     tokens = seqs = 0
@@ -544,7 +552,7 @@ def _sequences(groups, positions: range, advantages: torch.Tensor, rewards: torc
             for p, g in zip(positions, groups) for k, r in enumerate(g.responses)]
 
 
-def intrinsic_scores(run: CohortRun, groups) -> list[dict[str, torch.Tensor]]:
+def intrinsic_scores(run: CohortRun, groups: list[list[RolloutGroup]]) -> list[dict[str, torch.Tensor]]:
     """Per hosted slot, (G, K) per-response mean entropy and self-certainty of its shard: from the rollout
     where the engine recorded them (HF), else from one batched scoring pass (vLLM returns only top-k log-probs)."""
     per_slot = []
@@ -613,7 +621,7 @@ def _gather_step_facts(world: World, updates: dict, rollout_s: dict) -> tuple[di
     return updates_all, seconds
 
 
-def load_training_examples(spec) -> tuple[list, object]:
+def load_training_examples(spec: DatasetConfig) -> tuple[list, object]:
     """The training examples of a `DatasetConfig` (`skip` first ones dropped, then at most `limit`) and the
     loader's report of the records it kept and skipped (by reason)."""
     stop = spec.skip + spec.limit if spec.limit else None
@@ -626,7 +634,7 @@ def load_training_examples(spec) -> tuple[list, object]:
     return kept, data.report
 
 
-def evaluate_cohort(run: CohortRun, eval_cfg, step: int) -> list[dict]:
+def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dict]:
     """The eval hook: every member on every configured benchmark, by the member's first rank (one row per
     member and benchmark, gathered on every rank)."""
     rows = []

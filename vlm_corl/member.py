@@ -7,8 +7,9 @@ shared between two members.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoProcessor, AutoTokenizer
@@ -21,6 +22,10 @@ from vlm_corl.errors import UserError
 from vlm_corl.families import Family, detect_family
 from vlm_corl.registry import FAMILIES
 from vlm_corl.rollout import Policy
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import MemberConfig, TrainConfig
+    from vlm_corl.records import Example
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,7 +61,7 @@ class Member:
         return hasattr(getattr(self.model, "model", None), "get_rope_index")
 
     @property
-    def generation_module(self):
+    def generation_module(self) -> torch.nn.Module:
         """The module HF rollouts and scoring passes run: the live model, or under DeepSpeed ZeRO-3 with the HF
         engine the full copy refreshed after every update (a partitioned member has none: see `partitioned`)."""
         return self.deepspeed.full_model if self.deepspeed is not None else self.model
@@ -76,13 +81,13 @@ class Member:
         return named_tensors(self.model)
 
     @property
-    def scoring_module(self):
+    def scoring_module(self) -> torch.nn.Module:
         """What no-gradient scoring passes run: the full module, or a partitioned member's engine (its ranks in
         lockstep, inside `updating()`)."""
         return self.train_module if self.partitioned else self.generation_module
 
     @property
-    def train_module(self):
+    def train_module(self) -> torch.nn.Module:
         """What the update's forward passes call: the model, or its DeepSpeed engine (whose forward keeps ZeRO's
         gradient accumulation across micro-batches)."""
         return self.deepspeed.engine if self.deepspeed is not None else self.model
@@ -134,7 +139,7 @@ class Member:
 
     # ---- optimisation -----------------------------------------------------------------------------------
 
-    def setup_optimizer(self, train, total_updates: int) -> None:
+    def setup_optimizer(self, train: TrainConfig, total_updates: int) -> None:
         """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr (and gradient checkpointing)."""
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -153,7 +158,7 @@ class Member:
             num_training_steps=total_updates, min_lr_rate=train.min_lr_ratio,
         )
 
-    def autocast(self):
+    def autocast(self) -> torch.autocast:
         """bf16 autocast for the update's forward pass when train.mixed_precision=bf16 (weights stay fp32)."""
         return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                               enabled=self.autocast_dtype is not None)
@@ -164,7 +169,7 @@ class Member:
         else:
             loss.backward()
 
-    def updating(self):
+    def updating(self) -> contextlib.AbstractContextManager[None]:
         """Context around one update (DeepSpeed needs to know which member's engine runs)."""
         return self.deepspeed.updating() if self.deepspeed is not None else contextlib.nullcontext()
 
@@ -250,7 +255,7 @@ class MemberLoadError(UserError):
     """A member's model directory cannot be loaded (names the member, the directory and what is wrong)."""
 
 
-def member_family(cfg, path: str | Path) -> Family:
+def member_family(cfg: MemberConfig, path: str | Path) -> Family:
     """The member's family: `family` if set (it must agree with config.json), else from config.json."""
     where = f"member {cfg.id!r} ({path})"
     if not Path(path).is_dir():
@@ -266,7 +271,7 @@ def member_family(cfg, path: str | Path) -> Family:
     return detected
 
 
-def check_modality(family: Family, examples, who: str) -> None:
+def check_modality(family: Family, examples: Iterable[Example], who: str) -> None:
     """A text-only family given examples with images is a user mistake: raise before any model is loaded."""
     with_images = next((ex for ex in examples if ex.images), None)
     if with_images is not None and family.modality != "vision":
@@ -274,7 +279,7 @@ def check_modality(family: Family, examples, who: str) -> None:
                               f"{with_images.id!r}): give text models text data, or use a vision-language model")
 
 
-def load_member(cfg, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:
+def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:
     """Load member `cfg` from `model_dir` (default: cfg.model; a checkpoint directory when resuming).
 
     A directory that cannot be loaded (missing or corrupt weights, tokenizer files, config) raises

@@ -49,7 +49,7 @@ def entropy(counts: Sequence[int]) -> float:
     return max(0.0, -sum(c / total * math.log(c / total) for c in counts if c > 0))
 
 
-def group_entropy(answers: Sequence[str | None], choices=None) -> float | None:
+def group_entropy(answers: Sequence[str | None], choices: Sequence[str] | None = None) -> float | None:
     """Entropy (nats) of one group's parseable answers over equivalence classes; None if none parses."""
     counts = Counter(c for c in group_equivalent(answers, choices) if c is not None)
     return entropy(list(counts.values())) if counts else None
@@ -60,7 +60,7 @@ def answer_entropy(groups: Sequence[Sequence[str | None]], choices: Sequence) ->
     return _mean([h for j, g in enumerate(groups) if (h := group_entropy(g, choices[j])) is not None])
 
 
-def answer_key(answer: str, choices=None) -> str:
+def answer_key(answer: str, choices: Sequence[str] | None = None) -> str:
     """Canonical form of an answer for counting across questions: "(B)" for an answer naming option B of a
     multiple-choice question, else its normalised string."""
     if choices:

@@ -33,12 +33,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 
 from vlm_corl import cli
 from vlm_corl.collapse import collapse_warnings, describe
 from vlm_corl.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 Rows = Sequence[dict]
 
@@ -164,7 +168,7 @@ def eval_category_lines(eval_rows: Rows) -> dict[str, list[dict]]:
     return out
 
 
-def mark_flags(ax, warnings: Sequence[dict]) -> None:
+def mark_flags(ax: Axes, warnings: Sequence[dict]) -> None:
     """A dashed vertical line at each category warning's step, named "slot: category"."""
     for w in warnings:
         if w.get("category") is not None:
@@ -219,7 +223,8 @@ def first_last(rows: Rows, key: str) -> tuple[float | None, float | None]:
 
 
 def plot_metric(runs: Mapping[str, Rows], key: str, path: Path | None = None, title: str | None = None, *,
-                smooth: int = 5, ax=None, ylabel: str | None = None, band: bool = True):
+                smooth: int = 5, ax: Axes | None = None, ylabel: str | None = None,
+                band: bool = True) -> Path | bool | None:
     """One line per label of `runs` for metric `key` over steps (see the module docstring).
 
     Without `ax`: draws a new figure, writes it to `path` (PNG) and returns the path, or None (nothing written)

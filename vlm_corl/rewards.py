@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from vlm_corl.answers import answers_equivalent, group_equivalent
 from vlm_corl.registry import REWARDS
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import RewardConfig
 
 Answers = list[list[list[str | None]]]  # (N members, B examples, K responses)
 
@@ -60,7 +63,7 @@ class RewardSpec:
     layout: str = "members"
 
 
-def resolve_reward(cfg) -> RewardSpec:
+def resolve_reward(cfg: RewardConfig) -> RewardSpec:
     """The reward of a `RewardConfig`: `custom` ("module:function", never given gold) or the registered mode."""
     if cfg.custom:
         # A custom reward that reads `CohortBatch.scores` (entropy, self-certainty) says so with an attribute:
@@ -70,10 +73,11 @@ def resolve_reward(cfg) -> RewardSpec:
     return REWARDS.get(cfg.mode)
 
 
-def reward_mode(name: str, uses_gold: bool = False, needs_scores: bool = False):
+def reward_mode(name: str, uses_gold: bool = False,
+                needs_scores: bool = False) -> Callable[[Callable[..., RewardOutput]], Callable[..., RewardOutput]]:
     """Register a cohort reward function `fn(batch, cfg) -> RewardOutput` under `name`."""
 
-    def add(fn):
+    def add(fn: Callable[..., RewardOutput]) -> Callable[..., RewardOutput]:
         REWARDS.register(name)(RewardSpec(fn, uses_gold, needs_scores))
         return fn
 
@@ -83,7 +87,8 @@ def reward_mode(name: str, uses_gold: bool = False, needs_scores: bool = False):
 # ---- votes ---------------------------------------------------------------------------------------------
 
 
-def plurality_vote(answers: Sequence[str | None], threshold: float = 0.0, choices=None) -> str | None:
+def plurality_vote(answers: Sequence[str | None], threshold: float = 0.0,
+                   choices: Sequence[str] | None = None) -> str | None:
     """The most frequent answer under equivalence, or None (abstain).
 
     Ties go to the answer seen first (as in TTRL's majority vote). `threshold` is the self-consistency τ:
@@ -100,7 +105,7 @@ def plurality_vote(answers: Sequence[str | None], threshold: float = 0.0, choice
     return answers[classes.index(winner)]
 
 
-def consensus(votes: Sequence[str | None], choices=None) -> str | None:
+def consensus(votes: Sequence[str | None], choices: Sequence[str] | None = None) -> str | None:
     """Plurality over other members' votes, abstentions ignored; a tie between classes abstains."""
     classes = group_equivalent(votes, choices)
     counts = Counter(c for c in classes if c is not None).most_common()
@@ -142,7 +147,8 @@ def _match(labels: list[list[str | None]], batch: CohortBatch) -> Tensor:
     return out
 
 
-def combine(agreement: Tensor, batch: CohortBatch, cfg, labelled: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def combine(agreement: Tensor, batch: CohortBatch, cfg: RewardConfig,
+            labelled: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """Overall score = agreement + format_weight * format; groups without a label (labelled False) get 0."""
     fmt = torch.tensor(batch.format_ok, dtype=torch.float32)
     total = (agreement + cfg.format_weight * fmt) * labelled.unsqueeze(-1)
@@ -156,7 +162,7 @@ def _label_reward(labels: list[list[str | None]], batch: CohortBatch, cfg) -> Re
 
 
 @reward_mode("ring")
-def ring_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def ring_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """Co-RL ring: member n is supervised by the vote of member n-1 (mod N); N=2 is mutual supervision."""
     votes = member_votes(batch, cfg.vote_threshold)
     n = len(votes)
@@ -164,13 +170,13 @@ def ring_reward(batch: CohortBatch, cfg) -> RewardOutput:
 
 
 @reward_mode("peers")
-def peers_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def peers_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """Co-RL peers: member n's label is the plurality of all other members' votes (a tie abstains)."""
     return _label_reward(peer_consensus(member_votes(batch, cfg.vote_threshold), batch), batch, cfg)
 
 
 @reward_mode("soft")
-def soft_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def soft_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """Co-RL soft: a response earns the fraction of other members whose vote equals its answer.
 
     The logged label is the others' consensus (diagnostic only: it does not set the reward).
@@ -189,26 +195,26 @@ def soft_reward(batch: CohortBatch, cfg) -> RewardOutput:
 
 
 @reward_mode("self_vote")
-def self_vote_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def self_vote_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """TTRL baseline: each member is supervised by its own plurality vote."""
     return _label_reward(member_votes(batch, cfg.vote_threshold), batch, cfg)
 
 
 @reward_mode("gt", uses_gold=True)
-def gt_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def gt_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """Reference upper bound: GRPO with the gold answer (the only mode that reads labels for reward)."""
     n = len(batch.answers)
     return _label_reward([list(batch.gold) for _ in range(n)], batch, cfg)
 
 
 @reward_mode("self_certainty", needs_scores=True)
-def self_certainty_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def self_certainty_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """Intuitor-style baseline: reward = the response's mean per-token KL(uniform || p), its self-certainty."""
     return _intrinsic(batch, "self_certainty", sign=1.0)
 
 
 @reward_mode("entropy", needs_scores=True)
-def entropy_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def entropy_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """Entropy-minimisation baseline (RENT): reward = minus the response's mean per-token entropy."""
     return _intrinsic(batch, "entropy", sign=-1.0)
 
@@ -219,7 +225,7 @@ def _intrinsic(batch: CohortBatch, stat: str, sign: float) -> RewardOutput:
     return RewardOutput(sign * score, {stat: score}, [[None] * b for _ in range(n)])
 
 
-def paired_reward(batch: CohortBatch, cfg) -> RewardOutput:
+def paired_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     """Slots come in pairs (2k, 2k+1) that are two sides of one model; each is labelled by its partner's vote.
 
     co_rewarding_1: responses to the original wording are labelled by the vote on the member's paraphrase, and

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from PIL import Image
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import RolloutConfig
+    from vlm_corl.member import Member
 
 
 @dataclass
@@ -93,7 +97,8 @@ class RolloutEngine(Protocol):
         ...
 
 
-def make_engine(name: str, member, rollout=None, max_images_per_prompt: int = 1, share: float = 1.0) -> RolloutEngine:
+def make_engine(name: str, member: Member, rollout: RolloutConfig | None = None, max_images_per_prompt: int = 1,
+                share: float = 1.0) -> RolloutEngine:
     """Build the rollout engine `name` ("hf" or "vllm") for a loaded member; vLLM is imported only here.
 
     `rollout` (a RolloutConfig) carries the vLLM settings; `max_images_per_prompt` sizes its image budget;

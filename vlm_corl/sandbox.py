@@ -297,7 +297,7 @@ class _Plan:
 def _child_setup(plan: _Plan):
     """The preexec_fn: namespaces, rlimits, no-new-privs, then the unprivileged identity (last: it needs root)."""
 
-    def setup():
+    def setup() -> None:
         if plan.mode in ("namespaces", "userns"):
             _enter_namespaces(plan)
         _set_limits(plan.limits)

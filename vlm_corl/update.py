@@ -6,6 +6,7 @@ Members never share parameters, optimizer state or gradients: each call touches 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,10 @@ from vlm_corl.batching import aligned_keys, collate, continuation, model_positio
 from vlm_corl.rollout import Policy
 from vlm_corl.grpo import (aggregate_loss, clipped_surrogate, kl_penalty, selective_logprobs, token_stats,
                            truncated_is_weights)
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig
+    from vlm_corl.member import Member
 
 
 @dataclass
@@ -26,7 +31,7 @@ class Sequence:
     rollout_logprobs: list[float] | None = None  # the engine's per-token log-probs (algo.rollout_is)
 
 
-def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int]],
+def response_logprobs(model: torch.nn.Module, prompt_inputs: list[dict], responses: list[list[int]],
                       policy: Policy) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, T) of each response's tokens under `model` and `policy` (tempered like the rollout), and
     the mask (B, T).
@@ -40,7 +45,8 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
     Memory: besides the model's logits, only row chunks are upcast (`grpo.selective_logprobs`), and the
     backward writes the logits' gradient over them.
     """
-    def policy_logp(logits, targets):  # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
+    # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
+    def policy_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return selective_logprobs(logits, targets, policy.temperature, policy.suppressed, inplace_backward=True)
 
     logp, mask = _per_position(model, prompt_inputs, responses, policy, policy_logp)
@@ -49,7 +55,7 @@ def response_logprobs(model, prompt_inputs: list[dict], responses: list[list[int
 
 
 @torch.no_grad()
-def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[int]], policy: Policy,
+def response_token_stats(model: torch.nn.Module, prompt_inputs: list[dict], responses: list[list[int]], policy: Policy,
                          micro_batch_size: int | None = None, passes: int | None = None) -> dict[str, torch.Tensor]:
     """Per-response means of the policy's token entropy and self-certainty: (B,) each.
 
@@ -59,7 +65,7 @@ def response_token_stats(model, prompt_inputs: list[dict], responses: list[list[
     micro-batches) repeats the first micro-batch, discarded, until that many forwards ran: the ranks of a
     partitioned ZeRO-3 member must run the same number.
     """
-    def stats(logits, targets):  # (B, t, V) -> (B, t, 2)
+    def stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # (B, t, V) -> (B, t, 2)
         return torch.stack(token_stats(logits, policy.temperature, policy.suppressed), dim=-1)
 
     step = micro_batch_size or len(responses)
@@ -113,7 +119,8 @@ def _shared_prompt_logprobs(model, prompt_inputs, responses, policy: Policy, pol
     return logp, mask
 
 
-def policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: tuple[int, int] | None = None) -> dict:
+def policy_update(member: Member, seqs: list[Sequence], algo: AlgoConfig, train: TrainConfig, rollout: RolloutConfig,
+                  totals: tuple[int, int] | None = None) -> dict:
     """One optimizer step of `member` on `seqs` (see `_policy_update`), inside the member's update context."""
     with member.updating():
         return _policy_update(member, seqs, algo, train, rollout, totals)

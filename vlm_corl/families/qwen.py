@@ -55,7 +55,7 @@ def _patch(size: str, small_patch: int) -> int:
 def _qwen_processor(processor_cls: type, video_cls: type, small_patch: int):
     """build_processor for a Qwen-VL generation whose released patch size is `small_patch`."""
 
-    def build(tokenizer, size: str):
+    def build(tokenizer: tf.PreTrainedTokenizerBase, size: str) -> tf.ProcessorMixin:
         patch = _patch(size, small_patch)
         lo, hi = _TOKENS_PER_SIDE[size]
         factor = patch * _MERGE
