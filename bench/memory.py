@@ -27,8 +27,8 @@ for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS
     os.environ.setdefault(_k, _v)
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import ctypes  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -69,8 +69,11 @@ def old_forward(model, prompts, responses, pad_id, fn):
 
 def old_logprobs(model, prompts, responses, pad_id, temperature, suppressed):
     def policy_logp(logits, targets):
-        return torch.log_softmax(old_policy_logits(logits, temperature, suppressed), dim=-1).gather(
-            -1, targets.unsqueeze(-1)).squeeze(-1)
+        return (
+            torch.log_softmax(old_policy_logits(logits, temperature, suppressed), dim=-1)
+            .gather(-1, targets.unsqueeze(-1))
+            .squeeze(-1)
+        )
 
     logp, mask = old_forward(model, prompts, responses, pad_id, policy_logp)
     return torch.where(mask.bool(), logp, 0.0), mask
@@ -87,6 +90,8 @@ def old_token_stats(model, prompts, responses, pad_id, temperature, suppressed):
     values, mask = old_forward(model, prompts, responses, pad_id, stats)
     means = torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / mask.sum(dim=1).clamp(min=1)[:, None]
     return {"entropy": means[:, 0], "self_certainty": means[:, 1]}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 
 
@@ -128,9 +133,16 @@ def build_model(args, device):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=args.prompt_tokens + args.tokens + 8, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.prompt_tokens + args.tokens + 8,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(cfg).to(device).train()
 
 
@@ -138,9 +150,13 @@ def batch(args, n: int, tokens: int, device, seed: int):
     """n distinct prompts (no shared-prompt path) and full-length responses of samplable tokens."""
     gen = torch.Generator().manual_seed(seed)
     samplable = args.vocab - len(args.suppressed)  # the suppressed ids are the last ones, as control tokens are
-    prompts = [{"input_ids": torch.randint(samplable, (1, args.prompt_tokens), generator=gen).to(device),
-                "attention_mask": torch.ones(1, args.prompt_tokens, dtype=torch.long, device=device)}
-               for _ in range(n)]
+    prompts = [
+        {
+            "input_ids": torch.randint(samplable, (1, args.prompt_tokens), generator=gen).to(device),
+            "attention_mask": torch.ones(1, args.prompt_tokens, dtype=torch.long, device=device),
+        }
+        for _ in range(n)
+    ]
     responses = torch.randint(samplable, (n, tokens), generator=gen).tolist()
     return prompts, responses
 
@@ -154,10 +170,14 @@ def run(args) -> dict:
     meter = PeakMeter(device)
     pad = args.suppressed[-1]
     policy = Policy(pad, args.temperature, tuple(args.suppressed))
-    update_fn = {"old": lambda *a: old_logprobs(*a, args.suppressed),
-                 "new": lambda *a: response_logprobs(*a[:3], policy)}
-    scoring_fn = {"old": lambda *a: old_token_stats(*a, args.suppressed),
-                  "new": lambda *a: response_token_stats(*a[:3], policy, micro_batch_size=args.batch)}
+    update_fn = {
+        "old": lambda *a: old_logprobs(*a, args.suppressed),
+        "new": lambda *a: response_logprobs(*a[:3], policy),
+    }
+    scoring_fn = {
+        "old": lambda *a: old_token_stats(*a, args.suppressed),
+        "new": lambda *a: response_token_stats(*a[:3], policy, micro_batch_size=args.batch),
+    }
     results: dict = {}
 
     def update(impl, prompts, responses):
@@ -201,10 +221,18 @@ def report(args, device: torch.device, peaks: dict, results: dict) -> dict:
     out = {
         "device": device.type,
         "method": "cuda max_memory_allocated" if device.type == "cuda" else "VmHWM - VmRSS (resident set)",
-        "vocab": args.vocab, "tokens": args.tokens, "batch": args.batch, "score_responses": args.score_responses,
-        "hidden": args.hidden, "layers": args.layers, "prompt_tokens": args.prompt_tokens,
-        "temperature": args.temperature, "suppressed": len(args.suppressed), "autocast": "bf16",
-        "chunk_rows": max(1, grpo.CHUNK_ELEMENTS // args.vocab), "bf16_logits_bytes": bf16_logits,
+        "vocab": args.vocab,
+        "tokens": args.tokens,
+        "batch": args.batch,
+        "score_responses": args.score_responses,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "prompt_tokens": args.prompt_tokens,
+        "temperature": args.temperature,
+        "suppressed": len(args.suppressed),
+        "autocast": "bf16",
+        "chunk_rows": max(1, grpo.CHUNK_ELEMENTS // args.vocab),
+        "bf16_logits_bytes": bf16_logits,
         "target_x_bf16_logits": TARGET,
     }
     for kind in ("update", "scoring"):
@@ -212,8 +240,11 @@ def report(args, device: torch.device, peaks: dict, results: dict) -> dict:
         for impl in ("old", "new"):
             if f"{impl}_{kind}" in peaks:
                 peak = peaks[f"{impl}_{kind}"]
-                row[impl] = {"peak_bytes": peak, "peak_gb": round(peak / 1e9, 3),
-                             "peak_x_bf16_logits": round(peak / bf16_logits, 3)}
+                row[impl] = {
+                    "peak_bytes": peak,
+                    "peak_gb": round(peak / 1e9, 3),
+                    "peak_x_bf16_logits": round(peak / bf16_logits, 3),
+                }
         if "new" in row:
             row["meets_target"] = row["new"]["peak_x_bf16_logits"] <= TARGET
         if "old" in row and "new" in row:
@@ -234,8 +265,11 @@ def main() -> int:
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--tokens", type=int, help="response tokens (every response has this length)")
     ap.add_argument("--batch", type=int, help="micro-batch: responses per forward (update and new scoring)")
-    ap.add_argument("--score-responses", type=int,
-                    help="responses scored (old: in one pass; new: in micro-batches); default --batch")
+    ap.add_argument(
+        "--score-responses",
+        type=int,
+        help="responses scored (old: in one pass; new: in micro-batches); default --batch",
+    )
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
     ap.add_argument("--chunk-elements", type=int, help="sets vlm_corl.grpo.CHUNK_ELEMENTS (fp32 elements a chunk)")

@@ -4,9 +4,10 @@
     python bench/rollout.py --model DIR [--prompts 16] [--n 4] [--max-new-tokens 64] [--rounds 3] [--engines hf,vllm]
 
 One member (a zoo member or any HF model directory), one batch of text prompts (the first MATH-500 questions
-that render to at most 256 tokens with the member's chat template), the same SamplingParams (temperature 1, ignore nothing: every response runs
-to an end token or --max-new-tokens) for each engine. Rounds alternate between the engines so machine noise hits
-both; a round's time covers one `generate` call (the engine is built and warmed up once, outside the timing).
+that render to at most 256 tokens with the member's chat template), the same SamplingParams (temperature 1,
+ignore nothing: every response runs to an end token or --max-new-tokens) for each engine. Rounds alternate
+between the engines so machine noise hits both; a round's time covers one `generate` call (the engine is built
+and warmed up once, outside the timing).
 Prints one JSON object: per engine the median seconds per call and generated tokens per second, and
 `vllm_over_hf` (tokens/s ratio) when both ran. vLLM needs its own environment on a CPU (`make test-vllm`
 builds `.venv-vllm`; vLLM's CPU attention needs the zoo's `small` size). --engines hf runs anywhere.
@@ -46,8 +47,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     member = load_member(MemberConfig(id="bench", model=args.model, trainable=False))
-    rollout = RolloutConfig(max_prompt_tokens=256, max_new_tokens=args.max_new_tokens,
-                            vllm=VllmConfig(kv_cache_memory_bytes=None if torch.cuda.is_available() else args.kv_cache_bytes))
+    rollout = RolloutConfig(
+        max_prompt_tokens=256,
+        max_new_tokens=args.max_new_tokens,
+        vllm=VllmConfig(kv_cache_memory_bytes=None if torch.cuda.is_available() else args.kv_cache_bytes),
+    )
     render = Renderer(member, "original", 10**6, 1 << 30)
     # The first --prompts questions that render to at most 256 tokens (tiny models have short position tables).
     rendered = (render(ex) for ex in load_examples("math500", split="test").examples)
@@ -64,13 +68,22 @@ def main(argv=None) -> int:
             groups = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": r + 1}))
             times[name].append(time.perf_counter() - start)
             tokens[name].append(sum(len(resp.token_ids) for g in groups for resp in g.responses))
-    result = {"model": args.model, "prompts": len(prompts), "n": args.n, "max_new_tokens": args.max_new_tokens,
-              "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-              "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    result = {
+        "model": args.model,
+        "prompts": len(prompts),
+        "n": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds,
+        "torch_threads": torch.get_num_threads(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
     for name in engines:
         seconds = statistics.median(times[name])
-        result[name] = {"seconds_per_call": seconds, "tokens": statistics.median(tokens[name]),
-                        "tokens_per_s": statistics.median(t / s for t, s in zip(tokens[name], times[name]))}
+        result[name] = {
+            "seconds_per_call": seconds,
+            "tokens": statistics.median(tokens[name]),
+            "tokens_per_s": statistics.median(t / s for t, s in zip(tokens[name], times[name])),
+        }
     if "hf" in engines and "vllm" in engines:
         result["vllm_over_hf"] = result["vllm"]["tokens_per_s"] / result["hf"]["tokens_per_s"]
     print(json.dumps(result))

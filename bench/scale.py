@@ -77,7 +77,9 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the two layouts")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    parser.add_argument("--work-dir", type=Path, default=None, help="where zoo models and runs go (default: a temp dir)")
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="where zoo models and runs go (default: a temp dir)"
+    )
     args = parser.parse_args()
     preset, steps, batch, tokens = SIZES[args.size]
     warmup = min(args.warmup, steps - 1)
@@ -85,8 +87,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work_dir or Path(tmp)
         zoo = work / f"zoo-{preset}"
-        subprocess.run([sys.executable, "-m", "vlm_corl.zoo", "--out", str(zoo), "--size", preset,
-                        "--families", "qwen2_vl,mllama"], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vlm_corl.zoo",
+                "--out",
+                str(zoo),
+                "--size",
+                preset,
+                "--families",
+                "qwen2_vl,mllama",
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
         times: dict[int, list[float]] = {1: [], 2: []}
         phases: dict[int, dict[str, list[float]]] = {1: {}, 2: {}}
         started = time.perf_counter()
@@ -99,17 +115,30 @@ def main() -> None:
                 for k, v in by_phase.items():
                     phases[procs].setdefault(k, []).extend(v)
     one, two = statistics.median(times[1]), statistics.median(times[2])
-    print(json.dumps({
-        "size": args.size, "zoo_preset": preset, "steps": steps, "prompts_per_step": batch, "samples": 4,
-        "max_new_tokens": tokens, "rounds": args.rounds, "cpus": os.cpu_count(),
-        "one_process_step_s": round(one, 4),
-        "two_process_step_s": round(two, 4),
-        "ratio_two_vs_one": round(two / one, 3),
-        "target_ratio": TARGET_RATIO,
-        "meets_target": two / one <= TARGET_RATIO,
-        "phase_median_s": {f"{p}p": {k: round(statistics.median(v), 4) for k, v in phases[p].items()} for p in (1, 2)},
-        "wall_s": round(time.perf_counter() - started, 1),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "size": args.size,
+                "zoo_preset": preset,
+                "steps": steps,
+                "prompts_per_step": batch,
+                "samples": 4,
+                "max_new_tokens": tokens,
+                "rounds": args.rounds,
+                "cpus": os.cpu_count(),
+                "one_process_step_s": round(one, 4),
+                "two_process_step_s": round(two, 4),
+                "ratio_two_vs_one": round(two / one, 3),
+                "target_ratio": TARGET_RATIO,
+                "meets_target": two / one <= TARGET_RATIO,
+                "phase_median_s": {
+                    f"{p}p": {k: round(statistics.median(v), 4) for k, v in phases[p].items()} for p in (1, 2)
+                },
+                "wall_s": round(time.perf_counter() - started, 1),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

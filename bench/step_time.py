@@ -36,8 +36,12 @@ import argparse
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, here and in the TRL subprocess
-for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "TRANSFORMERS_VERBOSITY": "error"}.items():
+for _k, _v in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+}.items():
     os.environ.setdefault(_k, _v)
 
 import importlib.util  # noqa: E402
@@ -64,8 +68,9 @@ def dense_reward(batch, cfg):
 
     n, b, k = batch.shape
     rewards = -batch.scores["entropy"]  # (N, B, K)
-    return RewardOutput(rewards, {"agreement": torch.zeros(n, b, k), "entropy": rewards},
-                        [[None] * b for _ in range(n)])
+    return RewardOutput(
+        rewards, {"agreement": torch.zeros(n, b, k), "entropy": rewards}, [[None] * b for _ in range(n)]
+    )
 
 
 dense_reward.needs_scores = True  # the loop fills batch.scores only for rewards that ask
@@ -80,8 +85,9 @@ def load_anchor(path: Path):
 
 def anchor_model_dir(anchor, args) -> str:
     """The anchor's saved model directory for these dimensions (built by the anchor's own code if missing)."""
-    ns = argparse.Namespace(hidden=args.hidden, layers=args.layers, vocab=args.vocab, vision_dim=args.vision_dim,
-                            cache_dir=args.cache_dir)
+    ns = argparse.Namespace(
+        hidden=args.hidden, layers=args.layers, vocab=args.vocab, vision_dim=args.vision_dim, cache_dir=args.cache_dir
+    )
     _, _, path, _ = anchor.load_assets(ns)
     return path
 
@@ -94,8 +100,12 @@ def write_shapes(anchor, n: int, size: int, folder: Path) -> Path:
         for i, row in enumerate(data):
             row["image"].save(folder / f"{i:05d}.png")
             question = row["prompt"][0]["content"]
-            f.write(json.dumps({"id": f"shape-{i:05d}", "question": question, "image": f"{i:05d}.png",
-                                "answer": row["answer"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"id": f"shape-{i:05d}", "question": question, "image": f"{i:05d}.png", "answer": row["answer"]}
+                )
+                + "\n"
+            )
     return folder / "train.jsonl"
 
 
@@ -105,18 +115,30 @@ def cohort_config(args, model_dir: str, data_file: str | None, n_members: int, o
     reward = {"custom": "__main__:dense_reward"} if args.reward == "dense" else {"mode": args.reward}
     if args.reward == "ring" and n_members == 1:
         reward = {"mode": "self_vote"}  # a cohort of one has no peer
-    train = ({"loader": "jsonl", "path": data_file} if args.data == "shapes"
-             else {"loader": "easyvqa", "split": "train", "limit": args.prompts * (args.warmup + args.steps)})
-    return config_from_dict({
-        "name": "bench", "output_dir": str(out_dir), "seed": 0,
-        "members": [{"id": f"m{i}", "model": model_dir, "seed": i} for i in range(n_members)],
-        "data": {"train": train, "batch_size": args.prompts, "shuffle": False},
-        "rollout": {"n": args.k, "max_new_tokens": args.max_new_tokens},
-        "reward": reward,
-        "train": {"max_steps": args.warmup + args.steps, "lr": 1e-5, "micro_batch_size": args.prompts * args.k,
-                  "save_every": 0, "keep_last": 1},
-        "logging": {"progress": False},
-    })
+    train = (
+        {"loader": "jsonl", "path": data_file}
+        if args.data == "shapes"
+        else {"loader": "easyvqa", "split": "train", "limit": args.prompts * (args.warmup + args.steps)}
+    )
+    return config_from_dict(
+        {
+            "name": "bench",
+            "output_dir": str(out_dir),
+            "seed": 0,
+            "members": [{"id": f"m{i}", "model": model_dir, "seed": i} for i in range(n_members)],
+            "data": {"train": train, "batch_size": args.prompts, "shuffle": False},
+            "rollout": {"n": args.k, "max_new_tokens": args.max_new_tokens},
+            "reward": reward,
+            "train": {
+                "max_steps": args.warmup + args.steps,
+                "lr": 1e-5,
+                "micro_batch_size": args.prompts * args.k,
+                "save_every": 0,
+                "keep_last": 1,
+            },
+            "logging": {"progress": False},
+        }
+    )
 
 
 class StepClock:
@@ -160,19 +182,46 @@ def run_ours(args, model_dir: str, data_file: str | None, n_members: int, out_di
         row = json.loads(line)
         phases[row["step"]] = {k[5:]: v for k, v in row.items() if k.startswith("time_") and k != "time_step"}
         lengths.setdefault(row["step"], []).append(row["response_len"])
-    steps = sorted(phases)[args.warmup:]
-    walls = [b - a for a, b in zip(clock.stamps[args.warmup - 1:], clock.stamps[args.warmup:])]
-    cpu = [b - a for a, b in zip(clock.cpu_stamps[args.warmup - 1:], clock.cpu_stamps[args.warmup:])]
-    return {"wall": walls, "cpu": cpu, "phases": [phases[s] for s in steps],
-            "response_len": [x for s in steps for x in lengths[s]]}
+    steps = sorted(phases)[args.warmup :]
+    walls = [b - a for a, b in zip(clock.stamps[args.warmup - 1 :], clock.stamps[args.warmup :])]
+    cpu = [b - a for a, b in zip(clock.cpu_stamps[args.warmup - 1 :], clock.cpu_stamps[args.warmup :])]
+    return {
+        "wall": walls,
+        "cpu": cpu,
+        "phases": [phases[s] for s in steps],
+        "response_len": [x for s in steps for x in lengths[s]],
+    }
 
 
 def run_trl(args, out: Path) -> dict:
-    cmd = [args.trl_python, str(args.anchor), "--hidden", str(args.hidden), "--layers", str(args.layers),
-           "--prompts-per-step", str(args.prompts), "--generations", str(args.k),
-           "--max-completion", str(args.max_new_tokens), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--vocab", str(args.vocab), "--vision-dim", str(args.vision_dim), "--cache-dir", args.cache_dir,
-           "--threads", "1", "--out", str(out)]
+    cmd = [
+        args.trl_python,
+        str(args.anchor),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--prompts-per-step",
+        str(args.prompts),
+        "--generations",
+        str(args.k),
+        "--max-completion",
+        str(args.max_new_tokens),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--vocab",
+        str(args.vocab),
+        "--vision-dim",
+        str(args.vision_dim),
+        "--cache-dir",
+        args.cache_dir,
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.read_text())
 
@@ -225,15 +274,31 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each run")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of (ours N=1, TRL, ours N=members), so noise hits both sides alike")
-    ap.add_argument("--data", choices=["shapes", "easyvqa"], default="shapes",
-                    help="shapes: the anchor's own images and question; easyvqa: real easy-vqa (64x64 images)")
-    ap.add_argument("--prompt", choices=["question", "native"], default="question",
-                    help="question: the bare question, token for token TRL's prompt; native: plus our answer-format "
-                         "instruction (answer_tags), which this toy tokenizer makes ~4x longer")
-    ap.add_argument("--reward", choices=["dense", "ring"], default="dense",
-                    help="dense: every response trained (like-for-like with TRL); ring: real peer rewards")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of (ours N=1, TRL, ours N=members), so noise hits both sides alike",
+    )
+    ap.add_argument(
+        "--data",
+        choices=["shapes", "easyvqa"],
+        default="shapes",
+        help="shapes: the anchor's own images and question; easyvqa: real easy-vqa (64x64 images)",
+    )
+    ap.add_argument(
+        "--prompt",
+        choices=["question", "native"],
+        default="question",
+        help="question: the bare question, token for token TRL's prompt; native: plus our answer-format "
+        "instruction (answer_tags), which this toy tokenizer makes ~4x longer",
+    )
+    ap.add_argument(
+        "--reward",
+        choices=["dense", "ring"],
+        default="dense",
+        help="dense: every response trained (like-for-like with TRL); ring: real peer rewards",
+    )
     ap.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer (the anchor) side by side")
     ap.add_argument("--anchor", type=Path, default=ANCHOR, help="path of trl_grpo_tiny.py")
     ap.add_argument("--trl-python", default=sys.executable, help="python with trl installed (default: this one)")
@@ -279,11 +344,21 @@ def main() -> int:
     cohort = summarise(cohort_runs)
     result = {
         "model": model_dir,
-        "hidden": args.hidden, "layers": args.layers, "P": args.prompts, "K": args.k,
-        "max_new_tokens": args.max_new_tokens, "members": args.members, "rounds": args.rounds,
-        "steps_per_run": args.steps, "warmup": args.warmup, "torch_threads": torch.get_num_threads(),
-        "data": ("the anchor's coloured shapes, 64x64 px, its question" if args.data == "shapes"
-                 else "easy-vqa train, 64x64 px images"),
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "P": args.prompts,
+        "K": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "members": args.members,
+        "rounds": args.rounds,
+        "steps_per_run": args.steps,
+        "warmup": args.warmup,
+        "torch_threads": torch.get_num_threads(),
+        "data": (
+            "the anchor's coloured shapes, 64x64 px, its question"
+            if args.data == "shapes"
+            else "easy-vqa train, 64x64 px images"
+        ),
         "prompt": args.prompt,
         "reward": args.reward,
         "prompt_tokens": ours_prompt_tokens,
@@ -296,7 +371,7 @@ def main() -> int:
         "outside_share_target": TARGET_OUTSIDE_SHARE,
     }
     if args.vs_trl:
-        trl_steps = [s for t in trl_runs for s in t["step_s_all"][args.warmup:]]
+        trl_steps = [s for t in trl_runs for s in t["step_s_all"][args.warmup :]]
         trl_step = med(trl_steps)
         result["trl"] = {
             "median_step_s": trl_step,

@@ -55,7 +55,13 @@ from vlm_corl.data import load_examples
 from vlm_corl.errors import UserError
 from vlm_corl.images import load_image
 from vlm_corl.paraphrases import (
-    CLOSE_TAG, MAX_LENGTH_RATIO, MIN_LENGTH_RATIO, CacheError, CacheRecord, read_cache, select_paraphrases,
+    CLOSE_TAG,
+    MAX_LENGTH_RATIO,
+    MIN_LENGTH_RATIO,
+    CacheError,
+    CacheRecord,
+    read_cache,
+    select_paraphrases,
 )
 from vlm_corl.records import Example
 from vlm_corl.rollout import Prompt, RolloutEngine, SamplingParams, make_engine
@@ -101,19 +107,24 @@ def resume(out: Path, rewriter: str, template: str) -> set[str]:
     data = out.read_bytes()
     if data and not data.endswith(b"\n"):
         keep = data.rfind(b"\n") + 1
-        print(f"{out}: removing a torn last line ({len(data) - keep} bytes) left by an interrupted run",
-              file=sys.stderr)
+        print(
+            f"{out}: removing a torn last line ({len(data) - keep} bytes) left by an interrupted run", file=sys.stderr
+        )
         with open(out, "r+b") as handle:
             handle.truncate(keep)
     records = read_cache(out)
     for record in records.values():
         if Path(record.rewriter).resolve() != Path(rewriter).resolve():
-            raise CacheError(f"{out}: id {record.id!r} was written by rewriter {record.rewriter!r}, not {rewriter!r}; "
-                             f"resume with the same --model or choose another --out")
+            raise CacheError(
+                f"{out}: id {record.id!r} was written by rewriter {record.rewriter!r}, not {rewriter!r}; "
+                f"resume with the same --model or choose another --out"
+            )
         if record.prompt != template:
-            raise CacheError(f"{out}: id {record.id!r} was written with another prompt (mode "
-                             f"{record.metadata.get('mode')!r}: check --scenario); resume with the same prompt or "
-                             f"choose another --out")
+            raise CacheError(
+                f"{out}: id {record.id!r} was written with another prompt (mode "
+                f"{record.metadata.get('mode')!r}: check --scenario); resume with the same prompt or "
+                f"choose another --out"
+            )
     return set(records)
 
 
@@ -139,47 +150,64 @@ def rewrite(
     Returns counts: {"rewritten", "prompt_too_long", "responses", "kept", "surplus", "dropped": {reason: n},
     "paraphrases_per_example": {count: examples}}.
     """
-    sampling = {"samples": params.n, "temperature": params.temperature, "top_p": params.top_p,
-                "max_new_tokens": params.max_new_tokens, "seed": params.seed}
+    sampling = {
+        "samples": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_new_tokens": params.max_new_tokens,
+        "seed": params.seed,
+    }
     totals = {"rewritten": 0, "prompt_too_long": 0, "responses": 0, "kept": 0, "surplus": 0}
     dropped: Counter = Counter()
     per_example: Counter = Counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as handle:
         for start in range(0, len(examples), batch_size):
-            batch, prompts = _rendered(member, examples[start:start + batch_size], template, max_image_pixels,
-                                       max_prompt_tokens)
-            totals["prompt_too_long"] += len(examples[start:start + batch_size]) - len(batch)
+            batch, prompts = _rendered(
+                member, examples[start : start + batch_size], template, max_image_pixels, max_prompt_tokens
+            )
+            totals["prompt_too_long"] += len(examples[start : start + batch_size]) - len(batch)
             if not prompts:
                 continue
             lines = []
             for ex, group in zip(batch, engine.generate(prompts, params)):
                 kept, drops, surplus = select_paraphrases(
                     ((r.text, r.finish_reason == "length") for r in group.responses),
-                    ex.question, n, ex.choices, min_ratio, max_ratio,
+                    ex.question,
+                    n,
+                    ex.choices,
+                    min_ratio,
+                    max_ratio,
                 )
                 totals["responses"] += len(group.responses)
                 totals["kept"] += len(kept)
                 totals["surplus"] += surplus
                 dropped.update(drops)
                 per_example[len(kept)] += 1
-                record = CacheRecord(id=ex.id, source_question=ex.question, paraphrases=tuple(kept),
-                                     rewriter=rewriter, prompt=template,
-                                     metadata={"mode": mode, "dropped": dict(drops), "surplus": surplus,
-                                               "sampling": sampling})
+                record = CacheRecord(
+                    id=ex.id,
+                    source_question=ex.question,
+                    paraphrases=tuple(kept),
+                    rewriter=rewriter,
+                    prompt=template,
+                    metadata={"mode": mode, "dropped": dict(drops), "surplus": surplus, "sampling": sampling},
+                )
                 lines.append(record.to_json() + "\n")
             handle.write("".join(lines))
             handle.flush()
             os.fsync(handle.fileno())
             totals["rewritten"] += len(batch)
-            print(f"{start + len(batch)}/{len(examples)} examples: {totals['kept']} paraphrases kept",
-                  file=sys.stderr)
-    return {**totals, "dropped": dict(dropped.most_common()),
-            "paraphrases_per_example": {str(k): v for k, v in sorted(per_example.items())}}
+            print(f"{start + len(batch)}/{len(examples)} examples: {totals['kept']} paraphrases kept", file=sys.stderr)
+    return {
+        **totals,
+        "dropped": dict(dropped.most_common()),
+        "paraphrases_per_example": {str(k): v for k, v in sorted(per_example.items())},
+    }
 
 
-def _rendered(member, examples: list[Example], template: str, max_image_pixels: int,
-              max_prompt_tokens: int) -> tuple[list[Example], list]:
+def _rendered(
+    member, examples: list[Example], template: str, max_image_pixels: int, max_prompt_tokens: int
+) -> tuple[list[Example], list]:
     """The examples whose rewriting prompt fits `max_prompt_tokens`, and those prompts."""
     kept, prompts = [], []
     for ex in examples:
@@ -209,35 +237,68 @@ def cache_totals(out: Path, examples: list[Example], n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser("python -m data_tools.paraphrase", __doc__, description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(
+        "python -m data_tools.paraphrase",
+        __doc__,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--data", required=True, help="dataset path, as the loader takes it (file or directory)")
     parser.add_argument("--model", required=True, help="rewriter: a local Hugging Face model directory")
     parser.add_argument("--out", required=True, type=Path, help="paraphrase cache to write or resume (JSONL)")
     parser.add_argument("--n", type=cli.positive_int, default=2, help="paraphrases to keep per example (default 2)")
-    parser.add_argument("--loader", default="jsonl", help="loader registry name or module:function (jsonl, hf, "
-                        "math500, ...; see vlm_corl.data)")
+    parser.add_argument(
+        "--loader",
+        default="jsonl",
+        help="loader registry name or module:function (jsonl, hf, math500, ...; see vlm_corl.data)",
+    )
     parser.add_argument("--split", default="train", help="dataset split, for a --data directory (default train)")
     parser.add_argument("--limit", type=cli.positive_int, default=None, help="use the first N examples of the dataset")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout engine (default hf)")
-    parser.add_argument("--batch-size", type=cli.positive_int, default=16, help="questions per engine call (default 16)")
-    parser.add_argument("--samples", type=cli.positive_int, default=None, help="responses sampled per question (default 2 x n)")
+    parser.add_argument(
+        "--batch-size", type=cli.positive_int, default=16, help="questions per engine call (default 16)"
+    )
+    parser.add_argument(
+        "--samples", type=cli.positive_int, default=None, help="responses sampled per question (default 2 x n)"
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=256, help="longest response in tokens (default 256)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048,
-                        help="skip questions whose rewriting prompt is longer (default 2048)")
-    parser.add_argument("--min-length-ratio", type=float, default=MIN_LENGTH_RATIO,
-                        help=f"shortest paraphrase / question length (default {MIN_LENGTH_RATIO})")
-    parser.add_argument("--max-length-ratio", type=float, default=MAX_LENGTH_RATIO,
-                        help=f"longest paraphrase / question length (default {MAX_LENGTH_RATIO})")
-    parser.add_argument("--scenario", action="store_true",
-                        help="let the rewriter change the story/setting too, not only the wording")
+    parser.add_argument(
+        "--max-new-tokens", type=cli.positive_int, default=256, help="longest response in tokens (default 256)"
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=2048,
+        help="skip questions whose rewriting prompt is longer (default 2048)",
+    )
+    parser.add_argument(
+        "--min-length-ratio",
+        type=float,
+        default=MIN_LENGTH_RATIO,
+        help=f"shortest paraphrase / question length (default {MIN_LENGTH_RATIO})",
+    )
+    parser.add_argument(
+        "--max-length-ratio",
+        type=float,
+        default=MAX_LENGTH_RATIO,
+        help=f"longest paraphrase / question length (default {MAX_LENGTH_RATIO})",
+    )
+    parser.add_argument(
+        "--scenario", action="store_true", help="let the rewriter change the story/setting too, not only the wording"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=None,
-                        help="vLLM KV cache size in bytes (set it on a CPU, where vLLM otherwise takes a share of RAM)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="device for the rewriter (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="vLLM KV cache size in bytes (set it on a CPU, where vLLM otherwise takes a share of RAM)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device for the rewriter (default: cuda if available, else cpu)",
+    )
     args = parser.parse_args(argv)
     samples = args.samples or 2 * args.n
     if args.n < 1 or samples < args.n:
@@ -245,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     template, mode = (SCENARIO_PROMPT, "scenario") if args.scenario else (PROMPT, "wording")
 
     if args.out.is_dir():
-        raise UserError(f"--out {args.out} is a directory; give the paraphrase cache's file name (e.g. {args.out}/paraphrases.jsonl)")
+        raise UserError(
+            f"--out {args.out} is a directory; give the paraphrase cache's file name "
+            f"(e.g. {args.out}/paraphrases.jsonl)"
+        )
     cli.output_dir(args.out.parent, "the directory of --out")
     loaded = load_examples(args.loader, args.data, args.split, args.limit)
     done = resume(args.out, args.model, template)  # CacheError: a cache written by another rewriter or prompt
@@ -260,20 +324,46 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_corl.member import load_member
 
         hf_logging.disable_progress_bar()
-        member = load_member(MemberConfig(id="rewriter", model=args.model, trainable=False),
-                             device=torch.device(args.device))
+        member = load_member(
+            MemberConfig(id="rewriter", model=args.model, trainable=False), device=torch.device(args.device)
+        )
         # The engine reads only its length budget (and vLLM settings) from the rollout config.
-        rollout = RolloutConfig(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                                vllm=VllmConfig(kv_cache_memory_bytes=args.kv_cache_bytes))
+        rollout = RolloutConfig(
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            vllm=VllmConfig(kv_cache_memory_bytes=args.kv_cache_bytes),
+        )
         engine = make_engine(args.engine, member, rollout, max((len(ex.images) for ex in pending), default=1))
-        params = SamplingParams(n=samples, temperature=args.temperature, top_p=args.top_p,
-                                max_new_tokens=args.max_new_tokens, stop=(CLOSE_TAG,), seed=args.seed)
-        counts = rewrite(pending, member, engine, args.out, rewriter=args.model, template=template, mode=mode,
-                         n=args.n, params=params, batch_size=args.batch_size,
-                         max_prompt_tokens=args.max_prompt_tokens, min_ratio=args.min_length_ratio,
-                         max_ratio=args.max_length_ratio)
-    summary = {"examples": len(loaded.examples), "already_done": len(loaded.examples) - len(pending),
-               **cache_totals(args.out, loaded.examples, args.n), "this_run": counts, "out": str(args.out)}
+        params = SamplingParams(
+            n=samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            stop=(CLOSE_TAG,),
+            seed=args.seed,
+        )
+        counts = rewrite(
+            pending,
+            member,
+            engine,
+            args.out,
+            rewriter=args.model,
+            template=template,
+            mode=mode,
+            n=args.n,
+            params=params,
+            batch_size=args.batch_size,
+            max_prompt_tokens=args.max_prompt_tokens,
+            min_ratio=args.min_length_ratio,
+            max_ratio=args.max_length_ratio,
+        )
+    summary = {
+        "examples": len(loaded.examples),
+        "already_done": len(loaded.examples) - len(pending),
+        **cache_totals(args.out, loaded.examples, args.n),
+        "this_run": counts,
+        "out": str(args.out),
+    }
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -58,9 +58,14 @@ def levels_arg(text: str) -> tuple[int, ...]:
 def record(example: Example, images: list[str]) -> dict:
     """The JSON object of one example, its images given as paths relative to the output file. A release field
     named like a record field (a "question" column beside the "problem" read as the question) gets "release_"."""
-    fields = {"id": example.id, "question": example.question, "images": images, "answer": example.answer,
-              "choices": None if example.choices is None else list(example.choices),
-              "paraphrases": list(example.paraphrases)}
+    fields = {
+        "id": example.id,
+        "question": example.question,
+        "images": images,
+        "answer": example.answer,
+        "choices": None if example.choices is None else list(example.choices),
+        "paraphrases": list(example.paraphrases),
+    }
     return {**fields, **{f"release_{k}" if k in fields else k: v for k, v in example.metadata.items()}}
 
 
@@ -101,14 +106,23 @@ def release_splits(fmt: str, src: Path, rephrased: Path | None = None) -> list[s
     return splits
 
 
-def prepare(fmt: str, src: Path, out: Path, splits: list[str], levels: tuple[int, ...] | None = None,
-            rephrased: Path | None = None) -> dict[str, LoadReport]:
+def prepare(
+    fmt: str,
+    src: Path,
+    out: Path,
+    splits: list[str],
+    levels: tuple[int, ...] | None = None,
+    rephrased: Path | None = None,
+) -> dict[str, LoadReport]:
     """Convert `splits` of the release at `src` into `out`; the load report of each split."""
     read = SOURCES[fmt].read
     reports, used = {}, set()
     for split in splits:
-        options = {} if fmt != "math" else {"levels": levels or DEFAULT_LEVELS,
-                                            "rephrased": rephrased if split == "train" else None}
+        options = (
+            {}
+            if fmt != "math"
+            else {"levels": levels or DEFAULT_LEVELS, "rephrased": rephrased if split == "train" else None}
+        )
         with quiet_load_warnings():
             loaded = load_examples(f"{read.__module__}:{read.__name__}", src, split, **options)
         write_split(out, split, loaded.examples, used)
@@ -130,13 +144,21 @@ def quiet_load_warnings() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser("python -m data_tools.prepare", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                        description=__doc__)
+    parser = cli.parser(
+        "python -m data_tools.prepare",
+        __doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+    )
     parser.add_argument("--format", required=True, choices=sorted(SOURCES), help="the release's format")
     parser.add_argument("--src", required=True, type=Path, help="the release on local disk (file or folder)")
     parser.add_argument("--out", required=True, type=Path, help="output directory: <split>.jsonl, images/, report")
-    parser.add_argument("--levels", type=levels_arg, default=None,
-                        help=f"math: levels to keep (default {','.join(map(str, DEFAULT_LEVELS))})")
+    parser.add_argument(
+        "--levels",
+        type=levels_arg,
+        default=None,
+        help=f"math: levels to keep (default {','.join(map(str, DEFAULT_LEVELS))})",
+    )
     parser.add_argument("--rephrased", type=Path, default=None, help="math: row-aligned rewordings of the train split")
     args = parser.parse_args(argv)
     if args.format != "math" and (args.levels or args.rephrased):
@@ -144,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     splits = release_splits(args.format, args.src, args.rephrased)
     out = cli.output_dir(args.out, "--out")
     reports = prepare(args.format, args.src, out, splits, args.levels, args.rephrased)
-    summary = {"format": args.format, "src": str(args.src), "out": str(out),
-               "splits": {split: report.as_dict() for split, report in reports.items()}}
+    summary = {
+        "format": args.format,
+        "src": str(args.src),
+        "out": str(out),
+        "splits": {split: report.as_dict() for split, report in reports.items()},
+    }
     (out / "prepare_report.json").write_text(json.dumps(summary, indent=2) + "\n")
     for split, report in reports.items():
         print(f"{report.summary()}\n  -> {out / f'{split}.jsonl'}")

@@ -48,8 +48,10 @@ from vlm_corl.records import Example
 
 DEFAULT_LEVELS = (3, 4, 5)
 _IMAGE_TOKEN = re.compile(r"<image>\s*")
-_DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should be of the form "
-              "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+_DAPO_HEAD = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
 _DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
@@ -70,8 +72,13 @@ def math_splits(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if any(p.glob("*/*.json"))) if path.is_dir() else []
 
 
-def read_math(path: str | os.PathLike, split: str, *, levels: tuple[int, ...] = DEFAULT_LEVELS,
-              rephrased: str | os.PathLike | None = None) -> Iterator[Example | Skip]:
+def read_math(
+    path: str | os.PathLike,
+    split: str,
+    *,
+    levels: tuple[int, ...] = DEFAULT_LEVELS,
+    rephrased: str | os.PathLike | None = None,
+) -> Iterator[Example | Skip]:
     """MATH problems of `levels` with a boxed answer; `rephrased` (JSON Lines, one row per problem of the
     split, all levels, in reading order) gives each its paraphrase (see `rephrasings`)."""
     files = sorted((Path(path) / split).glob("*/*.json"), key=lambda f: (f.parent.name, _number(f.stem)))
@@ -92,9 +99,14 @@ def read_math(path: str | os.PathLike, split: str, *, levels: tuple[int, ...] = 
         if answer is None:
             yield Skip("no_boxed_answer", f"{rel}: the solution has no \\boxed{{}} answer")
             continue
-        yield Example(id=rel, question=problem, answer=answer, source="math",
-                      paraphrases=() if wordings is None else (wordings[index],),
-                      metadata={"level": number, "subject": row.get("type"), "solution": solution})
+        yield Example(
+            id=rel,
+            question=problem,
+            answer=answer,
+            source="math",
+            paraphrases=() if wordings is None else (wordings[index],),
+            metadata={"level": number, "subject": row.get("type"), "solution": solution},
+        )
 
 
 def _number(text: str) -> int | float:
@@ -110,19 +122,24 @@ def rephrasings(path: str | os.PathLike, files: list[Path], folder: Path) -> lis
     a count mismatch or a misaligned row."""
     rows = list(jsonl_rows(Path(path)))
     if len(rows) != len(files):
-        raise DataError(f"--rephrased {path} has {len(rows)} rows but {folder} has {len(files)} problems: the rows "
-                        f"must align one to one with the split's problems (all levels, subjects sorted, then by "
-                        f"number)")
+        raise DataError(
+            f"--rephrased {path} has {len(rows)} rows but {folder} has {len(files)} problems: the rows "
+            f"must align one to one with the split's problems (all levels, subjects sorted, then by "
+            f"number)"
+        )
     wordings = []
     for (number, row), file in zip(rows, files):
         wording = next((row[k] for k in _WORDING_KEYS if isinstance(row, dict) and isinstance(row.get(k), str)), None)
         if wording is None:
-            raise DataError(f"--rephrased {path}:{number}: no rephrased problem (a string under one of "
-                            f"{', '.join(_WORDING_KEYS)})")
+            raise DataError(
+                f"--rephrased {path}:{number}: no rephrased problem (a string under one of {', '.join(_WORDING_KEYS)})"
+            )
         original = row.get("original")
         if isinstance(original, str) and original.strip() != _problem_text(file).strip():
-            raise DataError(f"--rephrased {path}:{number} rewords another problem than {file}: the rows are not in "
-                            f"the split's order")
+            raise DataError(
+                f"--rephrased {path}:{number} rewords another problem than {file}: the rows are not in "
+                f"the split's order"
+            )
         wordings.append(wording)
     return wordings
 
@@ -169,13 +186,19 @@ def _easyr1_rows(path, split: str, source: str, answer: Callable[[Example], str 
     """images/problem/answer rows (EasyR1's layout) as Examples without "<image>" placeholders."""
     root = Path(path) if Path(path).is_dir() else Path(path).parent
     for number, row in parquet_rows(path, split):
-        item = example_from_row(row, fallback_id=f"{source}-{split}-{number:06d}", source=source,
-                                image_root=root.resolve(), fields={"question": "problem"})
+        item = example_from_row(
+            row,
+            fallback_id=f"{source}-{split}-{number:06d}",
+            source=source,
+            image_root=root.resolve(),
+            fields={"question": "problem"},
+        )
         if isinstance(item, Skip):
             yield item
             continue
-        item = replace(item, question=_IMAGE_TOKEN.sub("", item.question).strip(),
-                       answer=answer(item) if answer else item.answer)
+        item = replace(
+            item, question=_IMAGE_TOKEN.sub("", item.question).strip(), answer=answer(item) if answer else item.answer
+        )
         yield item if item.answer and item.answer.strip() else Skip("no_answer", f"{item.id}: no answer")
 
 
@@ -197,14 +220,23 @@ def read_dapo(path: str | os.PathLike, split: str) -> Iterator[Example | Skip]:
         if not answer:
             yield Skip("no_answer", f"row {number} (index {index}): empty ground_truth")
             continue
-        yield Example(id=f"dapo-{index}", question=problem, answer=str(answer), source="dapo_math_17k",
-                      metadata={"data_source": row.get("data_source")})
+        yield Example(
+            id=f"dapo-{index}",
+            question=problem,
+            answer=str(answer),
+            source="dapo_math_17k",
+            metadata={"data_source": row.get("data_source")},
+        )
 
 
 def read_open_r1(path: str | os.PathLike, split: str) -> Iterator[Example | Skip]:
     """multimodal-open-r1-8k-verified: the answer is the last <answer>…</answer> of the solution."""
-    return _easyr1_rows(path, split, "multimodal_open_r1_8k_verified",
-                        lambda ex: extract_answer(str(ex.metadata.get("solution") or ""), "answer_tags"))
+    return _easyr1_rows(
+        path,
+        split,
+        "multimodal_open_r1_8k_verified",
+        lambda ex: extract_answer(str(ex.metadata.get("solution") or ""), "answer_tags"),
+    )
 
 
 def read_mmr1(path: str | os.PathLike, split: str) -> Iterator[Example | Skip]:
@@ -241,18 +273,27 @@ def read_geometry3k(path: str | os.PathLike, split: str) -> Iterator[Example | S
             yield Skip("bad_record", f"{file}: {type(e).__name__}: {e}")
             continue
         listing = "\n".join(f"({string.ascii_uppercase[i]}) {c}" for i, c in enumerate(choices))
-        yield Example(id=f"geometry3k-{row.get('id', file.parent.name)}", question=f"{text}\nChoices:\n{listing}",
-                      images=(str((file.parent / "img_diagram.png").resolve()),), answer=answer,
-                      choices=tuple(choices), source="geometry3k",
-                      metadata={k: row[k] for k in ("problem_type_graph", "problem_type_goal") if k in row})
+        yield Example(
+            id=f"geometry3k-{row.get('id', file.parent.name)}",
+            question=f"{text}\nChoices:\n{listing}",
+            images=(str((file.parent / "img_diagram.png").resolve()),),
+            answer=answer,
+            choices=tuple(choices),
+            source="geometry3k",
+            metadata={k: row[k] for k in ("problem_type_graph", "problem_type_goal") if k in row},
+        )
 
 
 SOURCES: dict[str, Source] = {
     "math": Source(read_math, math_splits, "the Hendrycks MATH release folder, MATH/<split>/<subject>/<n>.json"),
     "dapo_math_17k": Source(read_dapo, parquet_splits, "DAPO-Math-17k's parquet file, or a folder holding it"),
-    "geometry3k": Source(read_geometry3k, geometry3k_splits,
-                         "hiyouga/geometry3k's parquet files, or the InterGPS folders <split>/<id>/data.json"),
-    "multimodal_open_r1_8k_verified": Source(read_open_r1, parquet_splits,
-                                             "lmms-lab/multimodal-open-r1-8k-verified's parquet files"),
+    "geometry3k": Source(
+        read_geometry3k,
+        geometry3k_splits,
+        "hiyouga/geometry3k's parquet files, or the InterGPS folders <split>/<id>/data.json",
+    ),
+    "multimodal_open_r1_8k_verified": Source(
+        read_open_r1, parquet_splits, "lmms-lab/multimodal-open-r1-8k-verified's parquet files"
+    ),
     "mmr1_math_rl": Source(read_mmr1, parquet_splits, "MMR1-Math-RL-Data-v0's parquet files"),
 }

@@ -115,15 +115,21 @@ def table(reports: dict[str, LoadReport], extra: LoadReport) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser("python -m data_tools.validate", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                        description=__doc__)
+    parser = cli.parser(
+        "python -m data_tools.validate",
+        __doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+    )
     parser.add_argument("path", type=Path, help="a record file (.jsonl) or a directory of them")
     args = parser.parse_args(argv)
     reports, extra = validate(args.path)
     text, problems = table(reports, extra)
     records = sum(r.kept + r.total_skipped for r in reports.values())
-    print(f"{args.path}: {records} records in {len(reports)} split(s) ({', '.join(reports) or 'none readable'}); "
-          f"{problems} problem(s)")
+    print(
+        f"{args.path}: {records} records in {len(reports)} split(s) ({', '.join(reports) or 'none readable'}); "
+        f"{problems} problem(s)"
+    )
     if problems:
         print(text)
     return 1 if problems else 0

@@ -11,11 +11,10 @@ import re
 
 import pytest
 
-from vlm_corl.answers import answers_equivalent, grade, math_verify_equivalent, normalize_answer
 from text_corl.data import MATH500_DIR
+from vlm_corl.answers import answers_equivalent, grade, math_verify_equivalent, normalize_answer
 
 MATH500 = MATH500_DIR / "test.json"
-
 
 
 @pytest.fixture(scope="module")

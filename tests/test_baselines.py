@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cohort_helpers import cohort, metrics, weights
 
 from vlm_corl.cohort import ema_update, teacher_decay
 from vlm_corl.config import MemberConfig, RewardConfig, config_from_dict
@@ -18,8 +19,6 @@ from vlm_corl.render import Renderer
 from vlm_corl.rewards import CohortBatch
 from vlm_corl.rollout import SamplingParams, make_engine
 from vlm_corl.update import response_token_stats
-
-from cohort_helpers import cohort, metrics, weights
 
 
 def test_intrinsic_rewards_read_the_rollout_statistics():
@@ -49,10 +48,15 @@ def test_scoring_pass_equals_the_rollout_statistics(tiny_zoo):
     render = Renderer(member, "original", 10**6, 10**6)
     groups = make_engine("hf", member).generate(
         [render(e) for e in load_examples("easyvqa", split="train", limit=3).examples],
-        SamplingParams(n=2, max_new_tokens=6, temperature=0.8, seed=3))
+        SamplingParams(n=2, max_new_tokens=6, temperature=0.8, seed=3),
+    )
     responses = [r for g in groups for r in g.responses]
-    stats = response_token_stats(member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
-                                 [r.token_ids for r in responses], member.policy(0.8))
+    stats = response_token_stats(
+        member.model.eval(),
+        [g.prompt.inputs for g in groups for _ in g.responses],
+        [r.token_ids for r in responses],
+        member.policy(0.8),
+    )
     for key in ("entropy", "self_certainty"):
         assert torch.allclose(stats[key], torch.tensor([r.mean(key) for r in responses]), atol=1e-4), key
 
@@ -74,7 +78,8 @@ def test_single_model_baselines_train(base_models, tmp_path, mode):
         teacher = weights(Path(summary["checkpoint"]) / "qwen.teacher")
         moved = [k for k in before if not torch.equal(teacher[k], before[k])]
         assert moved and all(
-            (teacher[k] - before[k]).abs().max() <= (after[k] - before[k]).abs().max() + 1e-6 for k in moved)
+            (teacher[k] - before[k]).abs().max() <= (after[k] - before[k]).abs().max() + 1e-6 for k in moved
+        )
     if mode == "co_rewarding_1":
         assert all(r["abstain_rate"] < 1 for r in rows)  # the two views did produce votes
 
@@ -100,11 +105,27 @@ def test_views_come_from_a_paraphrase_cache_and_gaps_stop_the_run(base_models, t
     under view_fallback=error, and trains on the original wording under view_fallback=original."""
     examples = load_examples("easyvqa", split="train", limit=16).examples
     cache = tmp_path / "para.jsonl"
-    cache.write_text("".join(
-        json.dumps({"id": e.id, "source_question": e.question, "paraphrases": [f"Look closely. {e.question}"],
-                    "rewriter": "hand", "prompt": "-"}) + "\n" for e in examples[:12]))
-    cfg = cohort(tmp_path, [("qwen", base_models["qwen2_vl"])], reward={"mode": "self_vote"},
-                 data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 4, "paraphrases": str(cache)})
+    cache.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": e.id,
+                    "source_question": e.question,
+                    "paraphrases": [f"Look closely. {e.question}"],
+                    "rewriter": "hand",
+                    "prompt": "-",
+                }
+            )
+            + "\n"
+            for e in examples[:12]
+        )
+    )
+    cfg = cohort(
+        tmp_path,
+        [("qwen", base_models["qwen2_vl"])],
+        reward={"mode": "self_vote"},
+        data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 4, "paraphrases": str(cache)},
+    )
     cfg["members"][0]["view"] = "paraphrase:1"
     with pytest.raises(ViewError, match=r"qwen: 4 of 16"):
         run_cohort(config_from_dict(cfg))

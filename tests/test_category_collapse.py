@@ -23,8 +23,9 @@ def test_category_step_sums_by_hand():
     answers = [[["red", "red"], ["blue", None], ["yes", "no"]], [["red", "red"], ["green", "green"], ["yes", "yes"]]]
     batch = CohortBatch(("a", "b"), answers, [[["t"] * 2] * 3] * 2, [[[True] * 2] * 3] * 2, [None] * 3, [None] * 3)
     labels = [["red", "green", "yes"], ["red", "blue", "yes"]]
-    out = RewardOutput(torch.tensor([[[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]], [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]]),
-                       {}, labels)
+    out = RewardOutput(
+        torch.tensor([[[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]], [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]]), {}, labels
+    )
     gold = ["red", "blue", None]
     votes = [["red", "blue", "yes"], ["red", "green", "yes"]]
     flags = unanimous_questions(votes, [None] * 3, gold)
@@ -44,15 +45,29 @@ def test_category_step_sums_by_hand():
     window = window_metrics([stats, stats])
     assert window["category/color/agreement"] == 0.5 and window["category/yes/no/pseudo_label_acc"] is None
     assert window["category/color/distinct_pooled"] == 2 and window["category/color/questions"] == 4
-    assert window["category/color/answer_entropy_pooled"] == pytest.approx(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)))
-    assert pooled_diversity({"a": 3, "<other>": 2}) == (pytest.approx(-(0.6 * math.log(0.6) + 2 * 0.2 * math.log(0.2))), 3)
+    assert window["category/color/answer_entropy_pooled"] == pytest.approx(
+        -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
+    )
+    assert pooled_diversity({"a": 3, "<other>": 2}) == (
+        pytest.approx(-(0.6 * math.log(0.6) + 2 * 0.2 * math.log(0.2))),
+        3,
+    )
 
 
 def _cat(answers: dict, agree: tuple, pla: tuple, questions: int = 2) -> dict:
     zero = [0.0, 0]
-    return {"questions": questions, "reward": list(agree), "agreement": list(agree), "answer_entropy": zero,
-            "distinct_answers": zero, "unanimous": [float(questions), questions], "unanimous_wrong": zero,
-            "pseudo_label_acc": list(pla), "answer_acc": zero, "answers": answers}
+    return {
+        "questions": questions,
+        "reward": list(agree),
+        "agreement": list(agree),
+        "answer_entropy": zero,
+        "distinct_answers": zero,
+        "unanimous": [float(questions), questions],
+        "unanimous_wrong": zero,
+        "pseudo_label_acc": list(pla),
+        "answer_acc": zero,
+        "answers": answers,
+    }
 
 
 def reproduction(steps: int = 40, colour_collapses: bool = True) -> list[dict]:
@@ -63,12 +78,22 @@ def reproduction(steps: int = 40, colour_collapses: bool = True) -> list[dict]:
     for s in range(1, steps + 1):
         t = (s - 1) / (steps - 1)
         late = colour_collapses and s >= 15
-        colour = (_cat({"blue": 8}, (8.0, 8), (0.0, 2)) if late else
-                  _cat({"red": 3, "green": 3, "blue": 2}, (2.0, 8), (0.0, 2)))
-        rows.append({"step": s, "member": "b", "answer_entropy_batch": 1.6, "agreement": 0.6 + 0.2 * t,
-                     "unanimous_rate": 0.5 + 0.2 * t, "pseudo_label_acc": 0.5 + 0.25 * t,
-                     "category_stats": {"color": colour,
-                                        "yes/no": _cat({"yes": 20, "no": 20}, (30.0, 40), (8.0, 10), 10)}})
+        colour = (
+            _cat({"blue": 8}, (8.0, 8), (0.0, 2))
+            if late
+            else _cat({"red": 3, "green": 3, "blue": 2}, (2.0, 8), (0.0, 2))
+        )
+        rows.append(
+            {
+                "step": s,
+                "member": "b",
+                "answer_entropy_batch": 1.6,
+                "agreement": 0.6 + 0.2 * t,
+                "unanimous_rate": 0.5 + 0.2 * t,
+                "pseudo_label_acc": 0.5 + 0.25 * t,
+                "category_stats": {"color": colour, "yes/no": _cat({"yes": 20, "no": 20}, (30.0, 40), (8.0, 10), 10)},
+            }
+        )
     return rows
 
 
@@ -102,12 +127,16 @@ def test_a_confident_healthy_category_is_not_flagged():
 
 def test_eval_drops_against_step_0():
     n = {"n_color": 20, "n_shape": 20}
-    rows = [{"step": 0, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.9, "accuracy_shape": 0.4, **n},
-            {"step": 10, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.75, "accuracy_shape": 0.1, **n},
-            {"step": 20, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.2, "accuracy_shape": 0.1, **n}]
+    rows = [
+        {"step": 0, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.9, "accuracy_shape": 0.4, **n},
+        {"step": 10, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.75, "accuracy_shape": 0.1, **n},
+        {"step": 20, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.2, "accuracy_shape": 0.1, **n},
+    ]
     found = eval_drops(rows, 0.2)
     assert [(w["step"], w["category"], w["accuracy_step0"], w["accuracy"]) for w in found] == [
-        (10, "shape", 0.4, 0.1), (20, "color", 0.9, 0.2)]
+        (10, "shape", 0.4, 0.1),
+        (20, "color", 0.9, 0.2),
+    ]
     # shape 8/20 -> 2/20 by hand: pooled p = 0.25, se = sqrt(0.25 * 0.75 * 0.1) = 0.1369, z = 0.3 / 0.1369
     assert found[0]["z"] == pytest.approx(0.3 / math.sqrt(0.25 * 0.75 * 0.1), abs=0.01)
     assert eval_drops(rows[1:], 0.2) == []  # no step-0 baseline, no flag
@@ -123,8 +152,9 @@ def test_rollback_sets_aside_the_checkpoints_from_the_first_flag_on(tmp_path):
         (ckpt / "m").mkdir(parents=True)
         (ckpt / "m" / "config.json").write_text("{}")
         (ckpt / "m" / "model.safetensors").write_text("x")
-        (ckpt / "manifest.json").write_text(json.dumps({"step": step, "members": {"m": ["config.json",
-                                                                                       "model.safetensors"]}}))
+        (ckpt / "manifest.json").write_text(
+            json.dumps({"step": step, "members": {"m": ["config.json", "model.safetensors"]}})
+        )
         torch.save({"step": step}, ckpt / "cohort_state.pt")
     kept = roll_back(tmp_path, 20)
     assert kept == tmp_path / "checkpoints" / "step-10"
@@ -137,7 +167,7 @@ def test_the_report_draws_category_curves_with_the_flags(tmp_path):
 
     rows = reproduction()
     for i, row in enumerate(rows):
-        row.update(window_metrics([r["category_stats"] for r in rows[max(0, i - 9): i + 1]]))
+        row.update(window_metrics([r["category_stats"] for r in rows[max(0, i - 9) : i + 1]]))
     lines = category_lines(rows)
     assert sorted(lines) == ["b: color", "b: yes/no"] and lines["b: color"][-1]["agreement"] == 1.0
     evals = [{"step": s, "member": "b", "benchmark": "easyvqa", "accuracy_color": a} for s, a in ((0, 0.9), (20, 0.1))]

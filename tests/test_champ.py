@@ -28,18 +28,21 @@ def test_all_270_problems_with_their_categories(champ):
     assert sum(is_word_answer(normalize_answer(e.answer)) for e in champ.values()) == 56  # compared as text
 
 
-@pytest.mark.parametrize("raw, gold", [
-    ("C(10, 5), or equivalently 252", "252"),
-    ("5/14, or approximately 35.7%", "5/14"),
-    ("100 (i.e., all values)", "100"),
-    ("At most 0 values (i.e., no such values)", "0"),
-    ("The limit exists and is equal to 2/3", "2/3"),
-    ("-3 is the only possible value", "-3"),
-    ("98 values", "98"),
-    ("((-1)^(n+1)+n+1)/(n+2) (i.e., 1 if for odd n, and n/(n+2) for even n)", "((-1)^(n+1)+n+1)/(n+2)"),
-    ("(x=8, y=2), (x=2, y=8)", "(x=8, y=2), (x=2, y=8)"),  # a trailing parenthesis that is part of the answer
-    ("No integer solutions", "No integer solutions"),
-])
+@pytest.mark.parametrize(
+    "raw, gold",
+    [
+        ("C(10, 5), or equivalently 252", "252"),
+        ("5/14, or approximately 35.7%", "5/14"),
+        ("100 (i.e., all values)", "100"),
+        ("At most 0 values (i.e., no such values)", "0"),
+        ("The limit exists and is equal to 2/3", "2/3"),
+        ("-3 is the only possible value", "-3"),
+        ("98 values", "98"),
+        ("((-1)^(n+1)+n+1)/(n+2) (i.e., 1 if for odd n, and n/(n+2) for even n)", "((-1)^(n+1)+n+1)/(n+2)"),
+        ("(x=8, y=2), (x=2, y=8)", "(x=8, y=2), (x=2, y=8)"),  # a trailing parenthesis that is part of the answer
+        ("No integer solutions", "No integer solutions"),
+    ],
+)
 def test_answers_rewritten_to_a_comparable_form(raw, gold):
     assert champ_answer(raw) == gold
 
@@ -55,6 +58,11 @@ def test_predictions_grade_against_the_gold(champ):
 def test_benchmark_and_a_path_given_by_mistake():
     bench = BENCHMARKS.get("champ")
     assert (bench.loader, bench.split, bench.temperature, bench.top_p, bench.category) == (
-        "champ", "test", 0.6, 0.95, "category")
+        "champ",
+        "test",
+        0.6,
+        0.95,
+        "category",
+    )
     with pytest.raises(DataError, match="reads the installed champ-dataset package"):
         load_examples("champ", "data/champ", split="test")

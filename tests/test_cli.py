@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cohort_helpers import cohort, write_jsonl
+
 from vlm_corl import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,8 +23,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def python_m(module: str, *args, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +63,11 @@ MISTAKES = [
     ("warmstart", "--model {root}/nope --out {root}/w", "member 'w' ({root}/nope): the model directory does not exist"),
     ("warmstart", "--model {root}/corrupt --out {root}/w --limit 3", "cannot load {root}/corrupt (SafetensorError"),
     ("warmstart", "--model {qwen2_vl} --out {root}/w --loader nope", "unknown loaders 'nope'"),
-    ("warmstart", "--model {qwen3} --out {root}/w --loader jsonl --path {root}/none.jsonl", "none.jsonl does not exist"),
+    (
+        "warmstart",
+        "--model {qwen3} --out {root}/w --loader jsonl --path {root}/none.jsonl",
+        "none.jsonl does not exist",
+    ),
     ("warmstart", "--model {qwen2_vl} --out {root}/afile", "--out {root}/afile is a file"),
     ("warmstart", "--model {qwen2_vl} --out {root}/w --balance-by colr", "cannot balance by 'colr'"),
     ("warmstart", "--model {qwen2_vl} --out {root}/w --skip 10000000", "skip=10000000 leaves no example"),
@@ -77,9 +87,21 @@ MISTAKES = [
     ("demo", "--reuse-base --eval-limit 3 train.lrr=1", "unknown key 'train.lrr'"),
     ("experiments.easyvqa", "--out {root}/empty_dir --plots-only", "results.json does not exist: run the experiment"),
     ("experiments.easyvqa", "--out {root}/afile --quick", "--out {root}/afile is a file"),
-    ("paraphrase", "--data {root}/nogold.jsonl --model {root}/nope --out {root}/p.jsonl", "the model directory does not exist"),
-    ("paraphrase", "--data {root}/nogold.jsonl --model {qwen3} --out {root}/empty_dir", "is a directory; give the paraphrase cache's"),
-    ("paraphrase", "--data {root}/nogold.jsonl --model {qwen3} --out {root}/p.jsonl --loader mypkg:load", "cannot load loaders 'mypkg:load': No module named 'mypkg'"),
+    (
+        "paraphrase",
+        "--data {root}/nogold.jsonl --model {root}/nope --out {root}/p.jsonl",
+        "the model directory does not exist",
+    ),
+    (
+        "paraphrase",
+        "--data {root}/nogold.jsonl --model {qwen3} --out {root}/empty_dir",
+        "is a directory; give the paraphrase cache's",
+    ),
+    (
+        "paraphrase",
+        "--data {root}/nogold.jsonl --model {qwen3} --out {root}/p.jsonl --loader mypkg:load",
+        "cannot load loaders 'mypkg:load': No module named 'mypkg'",
+    ),
 ]
 
 
@@ -102,9 +124,14 @@ def test_a_mistake_exits_2_with_one_line(files, capsys, command, argv, message):
 
 
 def test_argument_mistakes_are_argparse_errors(capsys):
-    for command, argv in [("warmstart", "--model m --out o --steps 0"), ("report", "r --smooth 0"),
-                          ("probe", "--models a b --limit -1"), ("demo", "--eval-limit 0"),
-                          ("experiments.easyvqa", "--out o --seeds 0"), ("paraphrase", "--data d --model m --out o --n 0")]:
+    for command, argv in [
+        ("warmstart", "--model m --out o --steps 0"),
+        ("report", "r --smooth 0"),
+        ("probe", "--models a b --limit -1"),
+        ("demo", "--eval-limit 0"),
+        ("experiments.easyvqa", "--out o --seeds 0"),
+        ("paraphrase", "--data d --model m --out o --n 0"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             cli.run(_main(command), argv.split())
         assert exit_.value.code == 2
@@ -146,22 +173,50 @@ def test_zoo_warmstart_probe_and_report_through_python_m(files, tmp_path):
     assert zoo.returncode == 0, zoo.stderr[-2000:]
     assert zoo.stdout.split()[:3] == ["family", "path", "parameters"]
 
-    warm = python_m("vlm_corl.warmstart", "--model", tmp_path / "zoo" / "qwen3", "--out", tmp_path / "base",
-                    "--loader", "jsonl", "--path", files["root"] / "gold.jsonl", "--limit", 8, "--steps", 3,
-                    "--batch-size", 4)
+    warm = python_m(
+        "vlm_corl.warmstart",
+        "--model",
+        tmp_path / "zoo" / "qwen3",
+        "--out",
+        tmp_path / "base",
+        "--loader",
+        "jsonl",
+        "--path",
+        files["root"] / "gold.jsonl",
+        "--limit",
+        8,
+        "--steps",
+        3,
+        "--batch-size",
+        4,
+    )
     assert warm.returncode == 0, warm.stderr[-2000:]
     record = json.loads(warm.stdout)
     assert record["steps"] == 3 and record["examples"] == 8 and record["last_loss"] < record["first_loss"] + 1
     assert (tmp_path / "base" / "model.safetensors").is_file()
 
-    probe = python_m("vlm_corl.probe", "--models", f"a={tmp_path / 'base'}", f"b={tmp_path / 'zoo' / 'qwen2'}",
-                     "--benchmark", "math500", "--limit", 4, "--out", tmp_path / "probe")
+    probe = python_m(
+        "vlm_corl.probe",
+        "--models",
+        f"a={tmp_path / 'base'}",
+        f"b={tmp_path / 'zoo' / 'qwen2'}",
+        "--benchmark",
+        "math500",
+        "--limit",
+        4,
+        "--out",
+        tmp_path / "probe",
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     report = json.loads((tmp_path / "probe" / "probe.json").read_text())
     assert report["n"] == 4 and set(report["records"]) == {"a", "b"}
 
-    cfg = cohort(tmp_path, [("t", tmp_path / "base")], data={"train": {"loader": "jsonl", "path": str(files["root"] / "gold.jsonl")},
-                                                             "batch_size": 4}, reward={"mode": "self_vote"})
+    cfg = cohort(
+        tmp_path,
+        [("t", tmp_path / "base")],
+        data={"train": {"loader": "jsonl", "path": str(files["root"] / "gold.jsonl")}, "batch_size": 4},
+        reward={"mode": "self_vote"},
+    )
     (tmp_path / "c.yaml").write_text(json.dumps(cfg))
     train = python_m("text_corl.train", "--config", tmp_path / "c.yaml")
     assert train.returncode == 0, train.stderr[-2000:]
@@ -172,9 +227,21 @@ def test_zoo_warmstart_probe_and_report_through_python_m(files, tmp_path):
 
 def test_demo_through_python_m_at_its_smallest(tmp_path):
     """The README's first command end to end (zoo, warm start, evaluation, Co-RL, evaluation) at toy size."""
-    demo = python_m("vlm_corl.demo", "--config", ROOT / "configs" / "cohorts" / "tiny_easyvqa.yaml", "--warm-steps", 2,
-                    "--eval-limit", 3, "train.max_steps=1", "data.batch_size=2", "rollout.n=2",
-                    "logging.tensorboard=false", "train.save_every=0", cwd=tmp_path)
+    demo = python_m(
+        "vlm_corl.demo",
+        "--config",
+        ROOT / "configs" / "cohorts" / "tiny_easyvqa.yaml",
+        "--warm-steps",
+        2,
+        "--eval-limit",
+        3,
+        "train.max_steps=1",
+        "data.batch_size=2",
+        "rollout.n=2",
+        "logging.tensorboard=false",
+        "train.save_every=0",
+        cwd=tmp_path,
+    )
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "[demo] 4. label-free Co-RL: ring rewards, 1 steps" in demo.stdout
     result = json.loads((tmp_path / "out" / "demo" / "demo.json").read_text())

@@ -5,9 +5,9 @@ import gzip
 import json
 
 import pytest
-
 from cohort_helpers import write_jsonl
-from text_corl.code import extract_code, grade_humaneval, grade_mbpp, load_humaneval, load_mbpp
+
+from text_corl.code import extract_code, grade_humaneval, grade_mbpp
 from vlm_corl.data import load_examples
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.rollout import Response, RolloutGroup
@@ -18,9 +18,16 @@ TEST = "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert 
 
 @pytest.fixture
 def humaneval(tmp_path):
-    rows = [{"task_id": "HumanEval/0", "prompt": PROMPT, "canonical_solution": "    return sum(xs)\n",
-             "test": TEST, "entry_point": "total"},
-            {"task_id": "HumanEval/1", "prompt": "def one():\n", "test": "def check(f):\n    assert f() == 1\n"}]
+    rows = [
+        {
+            "task_id": "HumanEval/0",
+            "prompt": PROMPT,
+            "canonical_solution": "    return sum(xs)\n",
+            "test": TEST,
+            "entry_point": "total",
+        },
+        {"task_id": "HumanEval/1", "prompt": "def one():\n", "test": "def check(f):\n    assert f() == 1\n"},
+    ]
     path = tmp_path / "HumanEval.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
@@ -41,11 +48,19 @@ def test_humaneval_rows_and_grading_in_the_sandbox(humaneval):
 
 
 def test_mbpp_split_of_the_full_release_and_grading(tmp_path):
-    write_jsonl(tmp_path / "mbpp.jsonl", [
-        {"task_id": 11, "text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
-         "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"], "test_setup_code": ""},
-        {"task_id": 600, "text": "A validation task.", "code": "", "test_list": ["assert True"]},
-    ])
+    write_jsonl(
+        tmp_path / "mbpp.jsonl",
+        [
+            {
+                "task_id": 11,
+                "text": "Write a function to add two numbers.",
+                "code": "def add(a, b):\n    return a + b",
+                "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"],
+                "test_setup_code": "",
+            },
+            {"task_id": 600, "text": "A validation task.", "code": "", "test_list": ["assert True"]},
+        ],
+    )
     examples = load_examples("mbpp", tmp_path / "mbpp.jsonl", split="test").examples
     assert [e.id for e in examples] == ["mbpp-11"] and "assert add(1, 2) == 3" in examples[0].question
     assert grade_mbpp(examples[0], "```python\ndef add(a, b):\n    return a + b\n```")

@@ -9,12 +9,21 @@ import math
 
 import pytest
 import torch
-
 from cohort_helpers import cohort, metrics
+
 from vlm_corl.collapse import CollapseRule, collapse_evidence, collapse_warnings, flag_step, window_size
 from vlm_corl.config import config_from_dict
-from vlm_corl.metrics import (answer_entropy, answer_key, batch_entropy, cohort_unanimity, entropy, group_entropy,
-                              member_metrics, unanimity, unanimous_questions)
+from vlm_corl.metrics import (
+    answer_entropy,
+    answer_key,
+    batch_entropy,
+    cohort_unanimity,
+    entropy,
+    group_entropy,
+    member_metrics,
+    unanimity,
+    unanimous_questions,
+)
 from vlm_corl.rewards import CohortBatch, RewardOutput
 
 H_31 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # entropy of (3/4, 1/4)
@@ -24,8 +33,14 @@ NEW_KEYS = ("answer_entropy", "answer_entropy_batch", "unanimous_rate", "unanimo
 
 def _batch(answers, choices=None):
     n, b, k = len(answers), len(answers[0]), len(answers[0][0])
-    return CohortBatch(tuple(f"m{i}" for i in range(n)), answers, [[[str(a) for a in g] for g in m] for m in answers],
-                       [[[True] * k for _ in range(b)] for _ in range(n)], choices or [None] * b, [None] * b)
+    return CohortBatch(
+        tuple(f"m{i}" for i in range(n)),
+        answers,
+        [[[str(a) for a in g] for g in m] for m in answers],
+        [[[True] * k for _ in range(b)] for _ in range(n)],
+        choices or [None] * b,
+        [None] * b,
+    )
 
 
 # ---- entropy and unanimity by hand ----------------------------------------------------------------------
@@ -62,12 +77,14 @@ def test_batch_entropy_across_questions():
 
 
 def test_unanimity_abstentions_and_wrong_consensus():
-    votes = [["yes", "red", "yes", "circle"],
-             ["yes", "Red", None, "square"]]
+    votes = [["yes", "red", "yes", "circle"], ["yes", "Red", None, "square"]]
     gold = ["no", "red", "yes", "circle"]
     out = unanimity(unanimous_questions(votes, [None] * 4, gold))
     assert out == {"unanimous_rate": 0.5, "unanimous_wrong_rate": 0.25}  # q0 unanimous+wrong, q1 right; q2 abstains
-    assert unanimity(unanimous_questions(votes, [None] * 4, [None] * 4)) == {"unanimous_rate": 0.5, "unanimous_wrong_rate": None}
+    assert unanimity(unanimous_questions(votes, [None] * 4, [None] * 4)) == {
+        "unanimous_rate": 0.5,
+        "unanimous_wrong_rate": None,
+    }
     # the denominator of the wrong rate is the questions WITH gold
     assert unanimity(unanimous_questions(votes, [None] * 4, ["no", None, None, None]))["unanimous_wrong_rate"] == 1.0
     # a single slot: unanimous exactly where it votes
@@ -75,8 +92,10 @@ def test_unanimity_abstentions_and_wrong_consensus():
 
 
 def test_cohort_metrics_use_the_votes_and_their_threshold():
-    answers = [[["yes", "yes", "no", "yes"], ["red", "blue", "green", "red"]],
-               [["yes", "no", "yes", "yes"], ["red", "red", "red", "red"]]]
+    answers = [
+        [["yes", "yes", "no", "yes"], ["red", "blue", "green", "red"]],
+        [["yes", "no", "yes", "yes"], ["red", "red", "red", "red"]],
+    ]
     b = _batch(answers)
     assert unanimity(cohort_unanimity(b, ["no", "red"], 0.0)) == {"unanimous_rate": 1.0, "unanimous_wrong_rate": 0.5}
     # tau = 0.6: member 0 abstains on q1 (share 2/4), so q1 is no longer unanimous
@@ -89,8 +108,9 @@ def test_member_metrics_rows_carry_the_diversity_keys():
     out = RewardOutput(torch.zeros(1, 2, 4), {}, [["yes", "red"]])
     row = member_metrics(0, b, out, [[3, 3, 3, 3], [2, 2, 2, 2]], ["no", "red"])
     assert row["answer_entropy"] == pytest.approx(H_21 / 2)
-    assert row["answer_entropy_batch"] == pytest.approx(-(2 / 7 * math.log(2 / 7) + 1 / 7 * math.log(1 / 7)
-                                                          + 4 / 7 * math.log(4 / 7)))
+    assert row["answer_entropy_batch"] == pytest.approx(
+        -(2 / 7 * math.log(2 / 7) + 1 / 7 * math.log(1 / 7) + 4 / 7 * math.log(4 / 7))
+    )
     assert row["distinct_answers"] == 1.5 and row["pseudo_label_acc"] == 0.5
 
 
@@ -106,8 +126,13 @@ def history(steps, slots, *, entropy=(2.0, 2.0), agreement=(0.4, 0.4), unanimous
     for s in range(1, steps + 1):
         t = (s - 1) / (steps - 1)
         for slot in slots:
-            row = {"step": s, "member": slot, "answer_entropy_batch": _lerp(*entropy, t),
-                   "agreement": _lerp(*agreement, t), "unanimous_rate": _lerp(*unanimous, t)}
+            row = {
+                "step": s,
+                "member": slot,
+                "answer_entropy_batch": _lerp(*entropy, t),
+                "agreement": _lerp(*agreement, t),
+                "unanimous_rate": _lerp(*unanimous, t),
+            }
             if pla is not None:
                 row["pseudo_label_acc"] = _lerp(*pla, t)
             rows.append(row)
@@ -139,8 +164,12 @@ def test_healthy_histories_are_not_flagged():
     # sharpening (diversity falls, agreement rises) while pseudo-label accuracy RISES: learning, not collapse
     assert collapse_warnings(history(40, ["a"], entropy=(2.0, 0.8), agreement=(0.4, 0.9), pla=(0.5, 0.8))) == []
     # diversity falls but agreement does not rise
-    assert collapse_warnings(history(40, ["a"], entropy=(2.0, 0.1), agreement=(0.6, 0.6), unanimous=(0.5, 0.5),
-                                     pla=(0.6, 0.3))) == []
+    assert (
+        collapse_warnings(
+            history(40, ["a"], entropy=(2.0, 0.1), agreement=(0.6, 0.6), unanimous=(0.5, 0.5), pla=(0.6, 0.3))
+        )
+        == []
+    )
     # too short to judge: 9 steps
     assert collapse_warnings(history(9, ["a"], entropy=(2.0, 0.0), agreement=(0.0, 1.0), pla=(1.0, 0.0))) == []
 

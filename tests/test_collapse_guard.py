@@ -35,10 +35,13 @@ def pair(tiny_zoo, tmp_path_factory) -> dict:
     for e in examples[3000:]:
         by_type.setdefault(e.metadata["question_type"], []).append(e)
     # the peer: yes/no 0.9 and colour as learnt, shapes all "circle" (measured on 90 balanced test questions)
-    peer_data = by_type["color"][:100] + [replace(e, answer="circle") for e in by_type["shape"][:200]] + \
-        by_type["yes/no"][:200]
-    recipes = {"strong": ("qwen2_vl", balance_by(examples[:3000], "question_type", 900), 150),
-               "peer": ("mllama", peer_data, 80)}
+    peer_data = (
+        by_type["color"][:100] + [replace(e, answer="circle") for e in by_type["shape"][:200]] + by_type["yes/no"][:200]
+    )
+    recipes = {
+        "strong": ("qwen2_vl", balance_by(examples[:3000], "question_type", 900), 150),
+        "peer": ("mllama", peer_data, 80),
+    }
     for name, (family, data, steps) in recipes.items():
         torch.manual_seed(0)
         member = load_member(MemberConfig(id=name, model=str(tiny_zoo[family])))
@@ -50,13 +53,21 @@ def pair(tiny_zoo, tmp_path_factory) -> dict:
 def _run(pair, tmp_path, mode: str, on_collapse: str, capsys) -> tuple[int, str, dict]:
     cfg = {
         "output_dir": str(tmp_path / "run"),
-        "members": [{"id": "strong", "model": str(pair["strong"])},
-                    {"id": "peer", "model": str(pair["peer"]), "trainable": False}],
+        "members": [
+            {"id": "strong", "model": str(pair["strong"])},
+            {"id": "peer", "model": str(pair["peer"]), "trainable": False},
+        ],
         "data": {"train": {"loader": "easyvqa", "skip": 6000, "limit": 2000}, "batch_size": 8},
         "rollout": {"n": 4, "max_new_tokens": 8},
         "reward": {"mode": mode},
-        "train": {"max_steps": 80, "lr": 1e-3, "save_every": 10, "keep_last": 10, "warmup_ratio": 0.0,
-                  "on_collapse": on_collapse},
+        "train": {
+            "max_steps": 80,
+            "lr": 1e-3,
+            "save_every": 10,
+            "keep_last": 10,
+            "warmup_ratio": 0.0,
+            "on_collapse": on_collapse,
+        },
         "eval": {"benchmarks": ["easyvqa"], "every": 10, "limit": 30, "keep_best": "easyvqa"},
         "logging": {"tensorboard": False, "progress": False, "category_key": "question_type"},
     }

@@ -80,8 +80,9 @@ def test_every_field_has_a_one_line_doc_and_explain_lists_it():
             doc = f.metadata.get("help", "")
             assert doc and "\n" not in doc, f"{cls.__name__}.{f.name} needs a one-line help"
             assert f"\n    {doc}" in text, f"{cls.__name__}.{f.name} missing from --explain"
-    assert "rollout.vllm.gpu_memory_utilization: a number = 0.5\n    share of GPU memory the vLLM engines of one process may take in all (split evenly among them) [> 0, <= 1]" in (
-        text
+    assert (
+        "rollout.vllm.gpu_memory_utilization: a number = 0.5\n    share of GPU memory the vLLM engines of one "
+        "process may take in all (split evenly among them) [> 0, <= 1]" in (text)
     )
     assert "members[].view: a string = original" in text
     assert "members[].model: a string (required)" in text
@@ -339,7 +340,8 @@ def test_eval_every_needs_benchmarks(models):
 
 def test_keep_best_names_an_evaluated_benchmark(models):
     assert one_problem(cohort(eval={"benchmarks": ["easyvqa"], "every": 10, "keep_best": "math500"})).startswith(
-        "eval.keep_best: 'math500' ranks the in-loop evaluations, so it must be one of eval.benchmarks (easyvqa)")
+        "eval.keep_best: 'math500' ranks the in-loop evaluations, so it must be one of eval.benchmarks (easyvqa)"
+    )
     assert one_problem(cohort(eval={"benchmarks": ["easyvqa"], "keep_best": "easyvqa"})).endswith("with eval.every > 0")
     ok = config_from_dict(cohort(eval={"benchmarks": ["easyvqa"], "every": 5, "keep_best": "easyvqa"}))
     assert ok.eval.keep_best == "easyvqa" and ok.train.on_collapse == "warn"

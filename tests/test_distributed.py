@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cohort_helpers import cohort, metrics, weights, write_jsonl
+
 from vlm_corl.config import ConfigError, MemberConfig, config_from_dict
 from vlm_corl.distributed import PlacementError, World, describe, place_members, shard, sum_over
 from vlm_corl.exchange import LockstepError, exchange
@@ -35,16 +35,20 @@ def test_explicit_placement_hosts_members_in_turn_or_apart():
     assert place_members(members, 3) == {"policy": (0, 1), "frozen": (0, 1), "other": (2,)}
 
 
-@pytest.mark.parametrize("ids, ranks, world, message", [
-    (("a", "b", "c"), None, 2, "3 members (a, b, c) cannot be split evenly over 2 processes"),
-    (("a", "b"), [[0, 1], [1, 2]], 3, "overlapping but different ranks"),
-    (("a", "b"), [[0], [5]], 2, "member 'b' is placed on ranks [5] but the launch has 2 process(es)"),
-    (("a", "b"), [[0], [1]], 3, "ranks [2] host no member"),
-    (("a", "b"), [[0], None], 2, "set for some members but not all"),
-])
+@pytest.mark.parametrize(
+    "ids, ranks, world, message",
+    [
+        (("a", "b", "c"), None, 2, "3 members (a, b, c) cannot be split evenly over 2 processes"),
+        (("a", "b"), [[0, 1], [1, 2]], 3, "overlapping but different ranks"),
+        (("a", "b"), [[0], [5]], 2, "member 'b' is placed on ranks [5] but the launch has 2 process(es)"),
+        (("a", "b"), [[0], [1]], 3, "ranks [2] host no member"),
+        (("a", "b"), [[0], None], 2, "set for some members but not all"),
+    ],
+)
 def test_placement_errors_name_the_members_and_the_fix(ids, ranks, world, message):
-    with pytest.raises(PlacementError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
-                       .replace("]", r"\]")):
+    with pytest.raises(
+        PlacementError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         place_members(_members(*ids, ranks=ranks), world)
 
 
@@ -121,8 +125,12 @@ def test_fp16_training_is_refused_with_the_fix(tiny_zoo, tmp_path):
 
 
 def test_a_member_with_more_ranks_than_examples_per_step_is_a_config_error(tiny_zoo, tmp_path):
-    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], data={"train": {"loader": "easyvqa", "limit": 8},
-                                                               "batch_size": 2}, reward={"mode": "self_vote"})
+    cfg = cohort(
+        tmp_path,
+        [("q", tiny_zoo["qwen2_vl"])],
+        data={"train": {"loader": "easyvqa", "limit": 8}, "batch_size": 2},
+        reward={"mode": "self_vote"},
+    )
     with pytest.raises(ConfigError, match="data.batch_size=2 is smaller than the 3 ranks of a member"):
         _check_shards(config_from_dict(cfg), {"q": (0, 1, 2)})
     _check_shards(config_from_dict(cfg), {"q": (0, 1)})
@@ -134,8 +142,11 @@ def test_a_run_directory_holds_one_run(tiny_zoo, tmp_path, caplog):
     cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote"})
     cfg["train"]["max_steps"] = 2
     run_cohort(config_from_dict(cfg))
-    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, summary.json, config.yaml, "
-                                          r"checkpoints\): continue it with train.resume=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"already holds a run \(metrics.jsonl, summary.json, config.yaml, "
+        r"checkpoints\): continue it with train.resume=true",
+    ):
         run_cohort(config_from_dict(cfg))
     with pytest.raises(ConfigError, match="train.max_steps=2 but .* is already at step 2"):
         run_cohort(config_from_dict({**cfg, "train": {**cfg["train"], "resume": True}}))
@@ -166,8 +177,9 @@ def test_summary_records_dropped_records_and_the_environment(tiny_zoo, tmp_path)
 def test_a_step_with_nothing_to_learn_still_steps_the_schedule(tiny_zoo, tmp_path, filtered):
     """All-zero advantages and all groups filtered out (algo.filter_zero_variance) behave the same: a
     zero-gradient optimizer step, so the learning-rate schedule advances identically."""
-    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote",
-                                                                "custom": "reward_fixtures:constant"})
+    cfg = cohort(
+        tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote", "custom": "reward_fixtures:constant"}
+    )
     cfg["train"].update(max_steps=3, warmup_ratio=0.0, lr=1e-3)
     cfg["algo"] = {"filter_zero_variance": filtered}
     run_cohort(config_from_dict(cfg))

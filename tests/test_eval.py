@@ -1,26 +1,39 @@
 """`python -m vlm_corl.eval` on both registries' benchmarks: easy-vqa (vision) and MATH-500 (text, via text_corl)."""
 
-import importlib.util
 import json
 import shutil
 
 import pytest
 import torch
 
+from text_corl.data import MATH500_DIR
 from vlm_corl import cli
 from vlm_corl.eval import main
-from text_corl.data import MATH500_DIR
 
 MATH500 = MATH500_DIR
 
 
 def test_eval_writes_results_for_a_vision_and_a_text_benchmark(tiny_zoo, tmp_path):
-    main(["--models", str(tiny_zoo["qwen2_vl"]), "--benchmarks", "easyvqa", "--limit", "6", "--out", str(tmp_path / "v")])
+    main(
+        ["--models", str(tiny_zoo["qwen2_vl"]), "--benchmarks", "easyvqa", "--limit", "6", "--out", str(tmp_path / "v")]
+    )
     vision = json.loads((tmp_path / "v" / "results.json").read_text())[str(tiny_zoo["qwen2_vl"])]["easyvqa"]
     assert vision["n"] == 6 and set(vision["by_type"]) == {"yes/no", "shape", "color"}
     assert "| easyvqa | 6 |" in (tmp_path / "v" / "results.md").read_text()
-    main(["--models", str(tiny_zoo["qwen3"]), "--benchmarks", "math500", "--limit", "2",
-          "--data", f"math500={MATH500}", "--out", str(tmp_path / "t")])
+    main(
+        [
+            "--models",
+            str(tiny_zoo["qwen3"]),
+            "--benchmarks",
+            "math500",
+            "--limit",
+            "2",
+            "--data",
+            f"math500={MATH500}",
+            "--out",
+            str(tmp_path / "t"),
+        ]
+    )
     text = json.loads((tmp_path / "t" / "results.json").read_text())[str(tiny_zoo["qwen3"])]["math500"]
     assert text["n"] == 2 and len(text["records"]) == 2
 
@@ -30,28 +43,51 @@ def test_eval_cli_runs_a_text_benchmark_through_python_m(tiny_zoo, tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "vlm_corl.eval", "--models", str(tiny_zoo["qwen3"]), "--benchmarks",
-                           "math500", "--limit", "2", "--out", str(tmp_path / "cli")],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlm_corl.eval",
+            "--models",
+            str(tiny_zoo["qwen3"]),
+            "--benchmarks",
+            "math500",
+            "--limit",
+            "2",
+            "--out",
+            str(tmp_path / "cli"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "cli" / "results.json").read_text())[str(tiny_zoo["qwen3"])]
     assert results["math500"]["n"] == 2
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--limit", "-3"], "--limit: must be at least 1 (got -3)"),
-    (["--limit", "0"], "--limit: must be at least 1 (got 0)"),
-    (["--out", "{file}"], "is a file; give a directory"),
-    (["--benchmarks", "easyvq"], "Did you mean 'easyvqa'?"),
-    (["--models", "{tmp}/none"], "member 'none' ({tmp}/none): the model directory does not exist"),
-    (["--limit", "2"], "a limit of 2 cannot be balanced over the 3 values of 'question_type'"),
-    (["--models", "{text}"], "is a text-only qwen3 model but the data has images"),
-    (["--models", "{tmp}"], "not a model directory (no config.json), a complete cohort checkpoint"),
-    (["--engine", "vllm"], "--engine vllm needs vLLM: pip install"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--limit", "-3"], "--limit: must be at least 1 (got -3)"),
+        (["--limit", "0"], "--limit: must be at least 1 (got 0)"),
+        (["--out", "{file}"], "is a file; give a directory"),
+        (["--benchmarks", "easyvq"], "Did you mean 'easyvqa'?"),
+        (["--models", "{tmp}/none"], "member 'none' ({tmp}/none): the model directory does not exist"),
+        (["--limit", "2"], "a limit of 2 cannot be balanced over the 3 values of 'question_type'"),
+        (["--models", "{text}"], "is a text-only qwen3 model but the data has images"),
+        (["--models", "{tmp}"], "not a model directory (no config.json), a complete cohort checkpoint"),
+        (["--engine", "vllm"], "--engine vllm needs vLLM: pip install"),
+    ],
+)
 def test_eval_cli_mistakes_exit_2_before_evaluating(tiny_zoo, tmp_path, capsys, args, message):
     (tmp_path / "a_file").write_text("x")
-    base = {"--models": str(tiny_zoo["qwen2_vl"]), "--benchmarks": "easyvqa", "--limit": "3", "--out": str(tmp_path / "o")}
+    base = {
+        "--models": str(tiny_zoo["qwen2_vl"]),
+        "--benchmarks": "easyvqa",
+        "--limit": "3",
+        "--out": str(tmp_path / "o"),
+    }
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value.format(file=tmp_path / "a_file", tmp=tmp_path, text=tiny_zoo["qwen3"])
     argv = [x for kv in base.items() for x in kv]

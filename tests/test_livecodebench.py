@@ -8,8 +8,8 @@ import pickle
 import zlib
 
 import pytest
-
 from cohort_helpers import write_jsonl
+
 from text_corl.livecodebench import grade_livecodebench, version_files
 from vlm_corl.data import DataError, load_examples
 from vlm_corl.registry import BENCHMARKS
@@ -31,10 +31,19 @@ class RunsCode:
 
 
 def problem(qid, date, *, platform="atcoder", difficulty="easy", public, private, starter="", func_name=None):
-    return {"question_title": f"title {qid}", "question_content": f"Problem {qid}.", "platform": platform,
-            "question_id": qid, "contest_id": "c1", "contest_date": date, "starter_code": starter,
-            "difficulty": difficulty, "public_test_cases": json.dumps(public), "private_test_cases": private,
-            "metadata": json.dumps({"func_name": func_name} if func_name else {})}
+    return {
+        "question_title": f"title {qid}",
+        "question_content": f"Problem {qid}.",
+        "platform": platform,
+        "question_id": qid,
+        "contest_id": "c1",
+        "contest_date": date,
+        "starter_code": starter,
+        "difficulty": difficulty,
+        "public_test_cases": json.dumps(public),
+        "private_test_cases": private,
+        "metadata": json.dumps({"func_name": func_name} if func_name else {}),
+    }
 
 
 def stdin_case(i, o):
@@ -48,20 +57,46 @@ def call_case(i, o):
 @pytest.fixture
 def release(tmp_path):
     marker = tmp_path / "pwned"
-    write_jsonl(tmp_path / "test.jsonl", [
-        problem("abc001_a", "2023-06-01T00:00:00", public=[stdin_case("1 2\n", "3\n")],
-                private=json.dumps([stdin_case("2 2\n", "4\n")])),  # before the v6 window
-    ])
+    write_jsonl(
+        tmp_path / "test.jsonl",
+        [
+            problem(
+                "abc001_a",
+                "2023-06-01T00:00:00",
+                public=[stdin_case("1 2\n", "3\n")],
+                private=json.dumps([stdin_case("2 2\n", "4\n")]),
+            ),  # before the v6 window
+        ],
+    )
     for n in (2, 3, 4, 5):
         (tmp_path / f"test{n}.jsonl").write_text("")
-    write_jsonl(tmp_path / "test6.jsonl", [
-        problem("abc400_a", "2025-03-01T12:00:00", public=[stdin_case("1 2\n", "3\n")],
-                private=compressed(json.dumps([stdin_case("5 5\n", "10\n"), stdin_case("0 0\n", "0\n")]))),
-        problem("3500", "2025-02-10T00:00:00", platform="leetcode", difficulty="medium", func_name="pairSum",
+    write_jsonl(
+        tmp_path / "test6.jsonl",
+        [
+            problem(
+                "abc400_a",
+                "2025-03-01T12:00:00",
+                public=[stdin_case("1 2\n", "3\n")],
+                private=compressed(json.dumps([stdin_case("5 5\n", "10\n"), stdin_case("0 0\n", "0\n")])),
+            ),
+            problem(
+                "3500",
+                "2025-02-10T00:00:00",
+                platform="leetcode",
+                difficulty="medium",
+                func_name="pairSum",
                 starter="class Solution:\n    def pairSum(self, nums: List[int], k: int) -> List[int]:\n        ",
-                public=[call_case("[1, 2]\n3", "[3, 3]")], private=json.dumps([call_case("[4]\n0", "[4, 0]")])),
-        problem("abc401_b", "2025-04-01T00:00:00", public=[stdin_case("1\n", "1\n")], private=compressed(RunsCode(str(marker)))),
-    ])
+                public=[call_case("[1, 2]\n3", "[3, 3]")],
+                private=json.dumps([call_case("[4]\n0", "[4, 0]")]),
+            ),
+            problem(
+                "abc401_b",
+                "2025-04-01T00:00:00",
+                public=[stdin_case("1\n", "1\n")],
+                private=compressed(RunsCode(str(marker))),
+            ),
+        ],
+    )
     with open(tmp_path / "test6.jsonl", "a") as f:
         f.write("{not json\n")
     return tmp_path, marker
@@ -104,8 +139,10 @@ def test_grading_stdin_and_functional_problems_in_the_sandbox(release):
     # Passes the public case, fails a private one.
     assert not grade_livecodebench(stdin, "```python\nprint(3)\n```")
     # A tuple counts as the expected list; List comes from the prelude's typing import.
-    solution = ("```python\nclass Solution:\n    def pairSum(self, nums: List[int], k: int) -> List[int]:\n"
-                "        return (sum(nums), k)\n```")
+    solution = (
+        "```python\nclass Solution:\n    def pairSum(self, nums: List[int], k: int) -> List[int]:\n"
+        "        return (sum(nums), k)\n```"
+    )
     assert grade_livecodebench(functional, solution)
     assert not grade_livecodebench(functional, solution.replace("sum(nums)", "nums[0]"))
 
@@ -113,8 +150,16 @@ def test_grading_stdin_and_functional_problems_in_the_sandbox(release):
 def test_benchmark_defaults_and_accuracy_per_platform(release):
     bench = BENCHMARKS.get("livecodebench")
     assert (bench.temperature, bench.top_p, bench.metric, bench.prompt_style, bench.category) == (
-        0.6, 0.95, "pass@1", "code", "difficulty")
+        0.6,
+        0.95,
+        "pass@1",
+        "code",
+        "difficulty",
+    )
     examples = load_examples("livecodebench", release[0], split="release_v6").examples
-    records = [{"id": "lcb-abc001_a", "correct": 1.0}, {"id": "lcb-abc400_a", "correct": 0.0},
-               {"id": "lcb-3500", "correct": 1.0}]
+    records = [
+        {"id": "lcb-abc001_a", "correct": 1.0},
+        {"id": "lcb-abc400_a", "correct": 0.0},
+        {"id": "lcb-3500", "correct": 1.0},
+    ]
     assert bench.aggregate(records, examples) == {"by_platform": {"atcoder": 0.5, "leetcode": 1.0}}

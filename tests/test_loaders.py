@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 import vlm_corl.data as data
+from text_corl.data import MATH500_DIR
 from vlm_corl.data import DataError, load_examples
 from vlm_corl.registry import LOADERS
-from text_corl.data import MATH500_DIR
 
 MATH500 = MATH500_DIR / "test.json"
 
@@ -124,8 +124,14 @@ def messy_jsonl(tmp_path):
     elsewhere.write_bytes(png((0, 255, 0)))
     lines = [
         {"id": "g1", "question": "What colour?", "image": "images/red.png", "answer": "red", "type": "colour"},
-        {"id": "g2", "prompt": "Same picture?", "images": ["images/red.png", "images/blue.png"], "answer": 2,
-         "choices": ["yes", "no"], "paraphrases": ["Is it the same picture?"]},
+        {
+            "id": "g2",
+            "prompt": "Same picture?",
+            "images": ["images/red.png", "images/blue.png"],
+            "answer": 2,
+            "choices": ["yes", "no"],
+            "paraphrases": ["Is it the same picture?"],
+        },
         {"id": 3, "problem": "A text-only question", "answer": None},
         {"question": "No id here", "image": str(elsewhere)},
         {"id": "g5", "question": "Also red?", "image": "images/red.png", "metadata": {"k": 1}},
@@ -198,8 +204,15 @@ def test_jsonl_options_directory_split_limit_fields_image_root(tmp_path):
     pics.mkdir()
     (pics / "a.png").write_bytes(png())
     write_jsonl(tmp_path / "val.jsonl", [{"q": f"question {i}", "img": "a.png", "id": f"v{i}"} for i in range(5)])
-    result = load_examples("jsonl", tmp_path, split="val", limit=3, fields={"question": "q", "images": "img"},
-                           image_root=pics, source="toy")
+    result = load_examples(
+        "jsonl",
+        tmp_path,
+        split="val",
+        limit=3,
+        fields={"question": "q", "images": "img"},
+        image_root=pics,
+        source="toy",
+    )
     assert [ex.id for ex in result.examples] == ["v0", "v1", "v2"]
     assert result.examples[0].images == (str(pics / "a.png"),) and result.examples[0].source == "toy"
     with pytest.raises(DataError, match="unknown field"):
@@ -227,17 +240,23 @@ def test_jsonl_unreadable_sources_are_errors_naming_the_path(tmp_path):
 @pytest.fixture(scope="module")
 def hf_dataset():
     datasets = pytest.importorskip("datasets")
-    features = datasets.Features({
-        "problem": datasets.Value("string"),
-        "image": datasets.Image(),
-        "extra": datasets.List(datasets.Image()),
-        "solution": datasets.Value("string"),
-        "level": datasets.Value("int32"),
-    })
+    features = datasets.Features(
+        {
+            "problem": datasets.Value("string"),
+            "image": datasets.Image(),
+            "extra": datasets.List(datasets.Image()),
+            "solution": datasets.Value("string"),
+            "level": datasets.Value("int32"),
+        }
+    )
     rows = {
         "problem": ["Colour?", "Two pictures?", "Broken picture?", ""],
-        "image": [{"bytes": png(), "path": None}, {"bytes": png((0, 0, 255)), "path": None},
-                  {"bytes": b"garbage", "path": None}, {"bytes": png(), "path": None}],
+        "image": [
+            {"bytes": png(), "path": None},
+            {"bytes": png((0, 0, 255)), "path": None},
+            {"bytes": b"garbage", "path": None},
+            {"bytes": png(), "path": None},
+        ],
         "extra": [[], [{"bytes": png((0, 255, 0)), "path": None}], [], []],
         "solution": ["red", "yes", "?", "x"],
         "level": [1, 2, 3, 4],

@@ -94,8 +94,15 @@ def test_token_stats_equal_the_unchunked_entropy_and_self_certainty(chunk_rows):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(cfg).train()
 
 
@@ -120,8 +127,10 @@ def test_response_logprobs_and_gradients_equal_the_unchunked_policy(model, share
 
     results = []
     policy = Policy(pad, 0.7, SUPPRESSED)
-    for compute in (lambda: _per_position(model, rows, responses, policy, reference),
-                    lambda: response_logprobs(model, rows, responses, policy)):
+    for compute in (
+        lambda: _per_position(model, rows, responses, policy, reference),
+        lambda: response_logprobs(model, rows, responses, policy),
+    ):
         model.zero_grad()
         logp, mask = compute()
         logp = torch.where(mask.bool(), logp, 0.0)
@@ -151,8 +160,14 @@ def test_scoring_in_micro_batches_equals_one_pass_and_the_reference(model, share
 
 def test_memory_bench_tiny_reports_less_memory_than_before():
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "bench" / "memory.py"), "--size", "tiny"], cwd=root,
-                         capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "memory.py"), "--size", "tiny"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bf16_logits_bytes"] == 2 * 128 * 32000 * 2
     for kind in ("update", "scoring"):

@@ -48,8 +48,9 @@ def test_each_row_of_a_mixed_batch_scores_and_samples_as_it_does_alone(tiny_zoo,
     with torch.no_grad():
         batch, mask = _full_logprobs(model, [p.inputs for p in prompts], responses, policy, _logp)
         # Two responses per prompt: the shared-prompt path (prefill once, continue from the cache).
-        shared, _ = _shared_prompt_logprobs(model, [p.inputs for p in prompts for _ in (0, 1)],
-                                            [r for r in responses for _ in (0, 1)], policy, _logp)
+        shared, _ = _shared_prompt_logprobs(
+            model, [p.inputs for p in prompts for _ in (0, 1)], [r for r in responses for _ in (0, 1)], policy, _logp
+        )
         for i, p in enumerate(prompts):
             own, _ = _full_logprobs(model, [p.inputs], [responses[i]], policy, _logp)
             n = len(responses[i])

@@ -13,8 +13,15 @@ from vlm_corl import cli
 from vlm_corl.config import MemberConfig
 from vlm_corl.member import load_member
 from vlm_corl.paraphrases import (
-    CacheError, CacheRecord, ParaphraseRejected, answer_options, apply_paraphrases, check_paraphrase,
-    parse_response, read_cache, select_paraphrases,
+    CacheError,
+    CacheRecord,
+    ParaphraseRejected,
+    answer_options,
+    apply_paraphrases,
+    check_paraphrase,
+    parse_response,
+    read_cache,
+    select_paraphrases,
 )
 from vlm_corl.records import Example
 from vlm_corl.rollout import Response, RolloutGroup, SamplingParams
@@ -22,8 +29,10 @@ from vlm_corl.zoo import build_zoo
 
 SOURCE = "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express it as a common fraction."
 GOOD = "Let $f(x) = \\frac{3x-2}{x-2}$. Find $f(-2) +f(-1)+f(0)$, written as a common fraction."
-OPTIONS = ("Find the curve defined by the equation\n\\[r^2 \\cos 2 \\theta = 4.\\](A) Line\n(B) Circle\n(C) Parabola"
-           "\n\nEnter the letter of the correct option.")
+OPTIONS = (
+    "Find the curve defined by the equation\n\\[r^2 \\cos 2 \\theta = 4.\\](A) Line\n(B) Circle\n(C) Parabola"
+    "\n\nEnter the letter of the correct option."
+)
 DIAGRAM = 'What is $DE$? [asy]\npair D,E;\nD = (0,7);\nlabel("$7$",D,W);\n[/asy]'
 
 
@@ -43,17 +52,20 @@ def test_parse_accepts_exactly_one_block_after_an_optional_think():
     assert parse_response("\n<think>hmm <paraphrase>?</think>\n<paraphrase>A\nB</paraphrase>\n") == "A\nB"
 
 
-@pytest.mark.parametrize("text, truncated, expected", [
-    ("Just a question?", False, "no_block"),
-    ("<paraphrase>Half a question", False, "unclosed_block"),
-    ("<paraphrase>Half a question", True, "truncated"),
-    ("<think>still thinking", True, "truncated"),
-    ("<paraphrase>a</paraphrase><paraphrase>b</paraphrase>", False, "multiple_blocks"),
-    ("<paraphrase>a<paraphrase>b</paraphrase>", False, "multiple_blocks"),
-    ("Sure! <paraphrase>a</paraphrase>", False, "text_outside_block"),
-    ("<paraphrase>a</paraphrase> Hope this helps.", False, "text_outside_block"),
-    ("</paraphrase>a<paraphrase>", False, "text_outside_block"),
-])
+@pytest.mark.parametrize(
+    "text, truncated, expected",
+    [
+        ("Just a question?", False, "no_block"),
+        ("<paraphrase>Half a question", False, "unclosed_block"),
+        ("<paraphrase>Half a question", True, "truncated"),
+        ("<think>still thinking", True, "truncated"),
+        ("<paraphrase>a</paraphrase><paraphrase>b</paraphrase>", False, "multiple_blocks"),
+        ("<paraphrase>a<paraphrase>b</paraphrase>", False, "multiple_blocks"),
+        ("Sure! <paraphrase>a</paraphrase>", False, "text_outside_block"),
+        ("<paraphrase>a</paraphrase> Hope this helps.", False, "text_outside_block"),
+        ("</paraphrase>a<paraphrase>", False, "text_outside_block"),
+    ],
+)
 def test_parse_names_each_malformed_response(text, truncated, expected):
     assert reason(parse_response, text, truncated) == expected
 
@@ -65,16 +77,19 @@ def test_a_faithful_rewording_passes():
     assert reason(check_paraphrase, GOOD, SOURCE) is None
 
 
-@pytest.mark.parametrize("candidate, expected", [
-    ("", "empty"),
-    ("   \n", "empty"),
-    (SOURCE.upper().replace(" ", "  ").rstrip("."), "identical"),
-    (GOOD.replace("3x-2", "3x-5"), "numbers_changed"),  # a number changed
-    (GOOD.replace("+f(0)", ""), "numbers_changed"),  # a number dropped
-    (GOOD + " Use 2 steps.", "numbers_changed"),  # a number added
-    ("Find $f(-2)+f(-1)+f(0)$ for $f(x)=\\frac{3x-2}{x-2}$.", None),  # reordered prose, same numbers
-    ("Find $f(-2)+f(-1)+f(0)$ for $f(x)=\\frac{3x-2}{x-2}$ " + "as a fraction, " * 30, "too_long"),
-])
+@pytest.mark.parametrize(
+    "candidate, expected",
+    [
+        ("", "empty"),
+        ("   \n", "empty"),
+        (SOURCE.upper().replace(" ", "  ").rstrip("."), "identical"),
+        (GOOD.replace("3x-2", "3x-5"), "numbers_changed"),  # a number changed
+        (GOOD.replace("+f(0)", ""), "numbers_changed"),  # a number dropped
+        (GOOD + " Use 2 steps.", "numbers_changed"),  # a number added
+        ("Find $f(-2)+f(-1)+f(0)$ for $f(x)=\\frac{3x-2}{x-2}$.", None),  # reordered prose, same numbers
+        ("Find $f(-2)+f(-1)+f(0)$ for $f(x)=\\frac{3x-2}{x-2}$ " + "as a fraction, " * 30, "too_long"),
+    ],
+)
 def test_each_check_has_its_reason(candidate, expected):
     assert reason(check_paraphrase, candidate, SOURCE) == expected
 
@@ -85,8 +100,10 @@ def test_too_short():
 
 def test_options_must_stay_verbatim_and_in_order():
     assert answer_options(OPTIONS) == ["(A) Line", "(B) Circle", "(C) Parabola"]
-    ok = ("Which curve has the equation \\[r^2 \\cos 2 \\theta = 4.\\]?\n(A) Line\n(B) Circle\n(C) Parabola\n\n"
-          "Answer with the letter of the right option.")
+    ok = (
+        "Which curve has the equation \\[r^2 \\cos 2 \\theta = 4.\\]?\n(A) Line\n(B) Circle\n(C) Parabola\n\n"
+        "Answer with the letter of the right option."
+    )
     assert reason(check_paraphrase, ok, OPTIONS) is None
     reordered = ok.replace("(A) Line\n(B) Circle", "(B) Circle\n(A) Line")
     assert reason(check_paraphrase, reordered, OPTIONS) == "options_changed"
@@ -116,10 +133,16 @@ def test_select_keeps_the_first_n_that_pass_and_counts_the_rest():
         ("<paraphrase>" + GOOD + "</paraphrase>", False),
         ("no tags", False),
         ("<paraphrase>" + GOOD.lower() + "</paraphrase>", False),  # same as the first, up to case
-        ("<paraphrase>Evaluate $f(-2) +f(-1)+f(0)$ where $f(x) = \\frac{3x-2}{x-2}$, as a common fraction."
-         "</paraphrase>", False),
-        ("<paraphrase>Compute $f(-2)+f(-1)+f(0)$ with $f(x)=\\frac{3x-2}{x-2}$; give a common fraction.</paraphrase>",
-         False),
+        (
+            "<paraphrase>Evaluate $f(-2) +f(-1)+f(0)$ where $f(x) = \\frac{3x-2}{x-2}$, as a common fraction."
+            "</paraphrase>",
+            False,
+        ),
+        (
+            "<paraphrase>Compute $f(-2)+f(-1)+f(0)$ with $f(x)=\\frac{3x-2}{x-2}$; "
+            "give a common fraction.</paraphrase>",
+            False,
+        ),
         ("<paraphrase>cut", True),
     ]
     kept, dropped, surplus = select_paraphrases(responses, SOURCE, n=2)
@@ -132,8 +155,14 @@ def test_select_keeps_the_first_n_that_pass_and_counts_the_rest():
 
 
 def record(id, question, paraphrases=()):
-    return CacheRecord(id=id, source_question=question, paraphrases=tuple(paraphrases), rewriter="m",
-                       prompt="{question}", metadata={"mode": "wording"})
+    return CacheRecord(
+        id=id,
+        source_question=question,
+        paraphrases=tuple(paraphrases),
+        rewriter="m",
+        prompt="{question}",
+        metadata={"mode": "wording"},
+    )
 
 
 def test_cache_round_trip(tmp_path):
@@ -143,16 +172,23 @@ def test_cache_round_trip(tmp_path):
     assert read_cache(path) == {r.id: r for r in records}
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"id": "a", "source_question": "Q"', "cache.jsonl:2: not a JSON object"),
-    ('["a"]', "cache.jsonl:2: expected a JSON object, got list"),
-    ('{"id": "b", "source_question": "Q", "paraphrases": [], "rewriter": "m"}', "cache.jsonl:2: no 'prompt' field"),
-    ('{"id": "b", "source_question": "Q", "paraphrases": "P", "rewriter": "m", "prompt": "p"}',
-     "'paraphrases' must be a list"),
-    ('{"id": "b", "source_question": "Q", "paraphrases": [1], "rewriter": "m", "prompt": "p"}',
-     "cache.jsonl:2: every entry of 'paraphrases' must be a string"),
-    (record("a", "Q").to_json(), "cache.jsonl:2: id 'a' already appears on line 1"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"id": "a", "source_question": "Q"', "cache.jsonl:2: not a JSON object"),
+        ('["a"]', "cache.jsonl:2: expected a JSON object, got list"),
+        ('{"id": "b", "source_question": "Q", "paraphrases": [], "rewriter": "m"}', "cache.jsonl:2: no 'prompt' field"),
+        (
+            '{"id": "b", "source_question": "Q", "paraphrases": "P", "rewriter": "m", "prompt": "p"}',
+            "'paraphrases' must be a list",
+        ),
+        (
+            '{"id": "b", "source_question": "Q", "paraphrases": [1], "rewriter": "m", "prompt": "p"}',
+            "cache.jsonl:2: every entry of 'paraphrases' must be a string",
+        ),
+        (record("a", "Q").to_json(), "cache.jsonl:2: id 'a' already appears on line 1"),
+    ],
+)
 def test_malformed_cache_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "cache.jsonl"
     path.write_text(record("a", "Q").to_json() + "\n" + line + "\n")
@@ -166,10 +202,18 @@ def test_missing_cache_file(tmp_path):
 
 
 def test_apply_replaces_paraphrases_and_counts_missing_and_stale():
-    examples = [Example("a", "Q1?", paraphrases=("own",)), Example("b", "Q2?", paraphrases=("own",)),
-                Example("c", "Q3?"), Example("d", "Q4?")]
-    cache = {"a": record("a", "Q1?", ["P1?", "P2?"]), "b": record("b", "Q2?", ["P3?"]),
-             "d": record("d", "an older Q4?", ["P4?"]), "z": record("z", "Q?", ["P?"])}
+    examples = [
+        Example("a", "Q1?", paraphrases=("own",)),
+        Example("b", "Q2?", paraphrases=("own",)),
+        Example("c", "Q3?"),
+        Example("d", "Q4?"),
+    ]
+    cache = {
+        "a": record("a", "Q1?", ["P1?", "P2?"]),
+        "b": record("b", "Q2?", ["P3?"]),
+        "d": record("d", "an older Q4?", ["P4?"]),
+        "z": record("z", "Q?", ["P?"]),
+    }
     out, report = apply_paraphrases(examples, cache)
     assert [ex.paraphrases for ex in out] == [("P1?", "P2?"), ("P3?",), (), ()]
     assert out[0].question_for("paraphrase:2") == "P2?" and out[0].question == "Q1?"
@@ -251,17 +295,33 @@ def png() -> bytes:
 
 
 def test_kept_wordings_reach_the_examples(tmp_path, rewriter):
-    examples = [Example("m1", SOURCE), Example("m2", OPTIONS), Example("v1", "What colour is the 2nd shape?",
-                                                                           images=(png(),))]
-    engine = CannedEngine({
-        "m1": ["<paraphrase>" + GOOD + "</paraphrase>", "<paraphrase>" + SOURCE + "</paraphrase>"],
-        "m2": ["<paraphrase>" + OPTIONS.replace("(B) Circle\n", "") + "</paraphrase>", "nothing"],
-        "v1": ["<think>ok</think><paraphrase>Which colour does the 2nd shape have?</paraphrase>"],
-    })
+    examples = [
+        Example("m1", SOURCE),
+        Example("m2", OPTIONS),
+        Example("v1", "What colour is the 2nd shape?", images=(png(),)),
+    ]
+    engine = CannedEngine(
+        {
+            "m1": ["<paraphrase>" + GOOD + "</paraphrase>", "<paraphrase>" + SOURCE + "</paraphrase>"],
+            "m2": ["<paraphrase>" + OPTIONS.replace("(B) Circle\n", "") + "</paraphrase>", "nothing"],
+            "v1": ["<think>ok</think><paraphrase>Which colour does the 2nd shape have?</paraphrase>"],
+        }
+    )
     member = load_member(MemberConfig(id="rewriter", model=str(rewriter), trainable=False))
     out = tmp_path / "cache.jsonl"
-    counts = tool.rewrite(examples, member, engine, out, rewriter="tiny", template=tool.PROMPT, mode="wording", n=1,
-                          params=SamplingParams(n=2), batch_size=2, max_prompt_tokens=4096)
+    counts = tool.rewrite(
+        examples,
+        member,
+        engine,
+        out,
+        rewriter="tiny",
+        template=tool.PROMPT,
+        mode="wording",
+        n=1,
+        params=SamplingParams(n=2),
+        batch_size=2,
+        max_prompt_tokens=4096,
+    )
     assert counts["kept"] == 2 and counts["dropped"] == {"identical": 1, "options_changed": 1, "no_block": 1}
     assert counts["paraphrases_per_example"] == {"0": 1, "1": 2}
     # The rewriter sees the question in its own chat template; a text model sees no image.
@@ -279,7 +339,17 @@ def test_kept_wordings_reach_the_examples(tmp_path, rewriter):
 def test_too_long_prompts_are_skipped_without_a_line(tmp_path, rewriter):
     member = load_member(MemberConfig(id="rewriter", model=str(rewriter), trainable=False))
     out = tmp_path / "cache.jsonl"
-    counts = tool.rewrite([Example("a", SOURCE)], member, CannedEngine({}), out, rewriter="tiny",
-                          template=tool.PROMPT, mode="wording", n=1, params=SamplingParams(n=2), batch_size=2,
-                          max_prompt_tokens=10)
+    counts = tool.rewrite(
+        [Example("a", SOURCE)],
+        member,
+        CannedEngine({}),
+        out,
+        rewriter="tiny",
+        template=tool.PROMPT,
+        mode="wording",
+        n=1,
+        params=SamplingParams(n=2),
+        batch_size=2,
+        max_prompt_tokens=10,
+    )
     assert counts["prompt_too_long"] == 1 and counts["rewritten"] == 0 and out.read_text() == ""

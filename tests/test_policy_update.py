@@ -28,8 +28,10 @@ from vlm_corl.update import policy_update, response_logprobs
 CONST_NORM = 8  # Dr.GRPO's constant normaliser (rollout.max_new_tokens)
 # Hand-chosen rewards of each slot's 3 groups x 3 responses; the middle group of slot 1 and the last of slot 2
 # are constant: zero advantage (and filtered out under algo.filter_zero_variance).
-REWARDS = (torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]),
-           torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+REWARDS = (
+    torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]),
+    torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]),
+)
 
 
 @dataclass
@@ -64,8 +66,10 @@ def setup(tiny_zoo):
     first = [r.token_ids for g in engine.generate([render(e) for e in examples[:3]], params) for r in g.responses]
     member.model.generation_config.eos_token_id = member.eos_token_ids + [first[0][3], first[4][5]]
     try:
-        slots = [Slot(engine.generate([render(e) for e in examples[i : i + 3]], params), r)
-                 for i, r in ((0, REWARDS[0]), (3, REWARDS[1]))]
+        slots = [
+            Slot(engine.generate([render(e) for e in examples[i : i + 3]], params), r)
+            for i, r in ((0, REWARDS[0]), (3, REWARDS[1]))
+        ]
     finally:
         member.model.generation_config.eos_token_id = eos
     lengths = {n for s in slots for row in s.lengths for n in row}
@@ -99,7 +103,9 @@ def update(setup, seqs, algo=None, totals=None, micro_batch_size=64, lr=1e-3, re
 
     member.step = step
     try:
-        out.stats = policy_update(member, seqs, algo or AlgoConfig(), train, RolloutConfig(max_new_tokens=CONST_NORM), totals)
+        out.stats = policy_update(
+            member, seqs, algo or AlgoConfig(), train, RolloutConfig(max_new_tokens=CONST_NORM), totals
+        )
     finally:
         del member.step
         member.reference = None
@@ -119,8 +125,9 @@ def tokens(seqs) -> int:
 
 def policy_logprobs(member, seqs, model=None):
     """(logp, mask) of `seqs` under `model` (default: the member's), as the update computes them."""
-    return response_logprobs(model or member.model, [s.prompt_inputs for s in seqs], [s.token_ids for s in seqs],
-                             member.policy())
+    return response_logprobs(
+        model or member.model, [s.prompt_inputs for s in seqs], [s.token_ids for s in seqs], member.policy()
+    )
 
 
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "drgrpo"])

@@ -5,8 +5,17 @@ from __future__ import annotations
 import json
 
 from cohort_helpers import write_jsonl
-from vlm_corl.report import (by_member, first_last, main, moving_average, per_step, plot_metric, plot_panel,
-                             render_report)
+
+from vlm_corl.report import (
+    by_member,
+    first_last,
+    main,
+    moving_average,
+    per_step,
+    plot_metric,
+    plot_panel,
+    render_report,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -17,15 +26,29 @@ def synthetic_rows(steps: int = 30, slots=("qwen", "llama"), collapse: bool = Tr
         t = (s - 1) / (steps - 1)
         for i, slot in enumerate(slots):
             fall = t if collapse else 0.1 * t
-            rows.append({
-                "step": s, "member": slot, "reward_mean": 0.3 + 0.5 * t, "reward_std": 0.4 - 0.2 * t,
-                "agreement": 0.4 + 0.5 * t, "abstain_rate": 0.0, "distinct_answers": 2.5 - 1.4 * t,
-                "answer_entropy": 0.9 - 0.8 * t, "answer_entropy_batch": 2.0 * (1 - fall) + 0.05 * i,
-                "unparsed_rate": 0.1, "response_len": 6 + i, "pseudo_label_acc": 0.6 - 0.3 * t,
-                "answer_acc": 0.5 - 0.2 * t, "unanimous_rate": 0.2 + 0.7 * t, "unanimous_wrong_rate": 0.1 + 0.3 * t,
-                "loss": 0.01 * (-1) ** s if i == 0 else None, "grad_norm": 1.0 + t if i == 0 else None,
-                "lr": 1e-3, "tokens_per_s": 100.0,
-            })
+            rows.append(
+                {
+                    "step": s,
+                    "member": slot,
+                    "reward_mean": 0.3 + 0.5 * t,
+                    "reward_std": 0.4 - 0.2 * t,
+                    "agreement": 0.4 + 0.5 * t,
+                    "abstain_rate": 0.0,
+                    "distinct_answers": 2.5 - 1.4 * t,
+                    "answer_entropy": 0.9 - 0.8 * t,
+                    "answer_entropy_batch": 2.0 * (1 - fall) + 0.05 * i,
+                    "unparsed_rate": 0.1,
+                    "response_len": 6 + i,
+                    "pseudo_label_acc": 0.6 - 0.3 * t,
+                    "answer_acc": 0.5 - 0.2 * t,
+                    "unanimous_rate": 0.2 + 0.7 * t,
+                    "unanimous_wrong_rate": 0.1 + 0.3 * t,
+                    "loss": 0.01 * (-1) ** s if i == 0 else None,
+                    "grad_norm": 1.0 + t if i == 0 else None,
+                    "lr": 1e-3,
+                    "tokens_per_s": 100.0,
+                }
+            )
     return rows
 
 
@@ -33,17 +56,28 @@ def test_report_on_a_synthetic_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     write_jsonl(run / "metrics.jsonl", synthetic_rows())
-    write_jsonl(run / "eval.jsonl", [
-        {"step": s, "member": m, "benchmark": "easyvqa", "accuracy": a, "n": 64, "accuracy_yes/no": a + 0.1}
-        for s, (qa, la) in ((0, (0.4, 0.3)), (15, (0.45, 0.35)), (30, (0.5, 0.2)))
-        for m, a in (("qwen", qa), ("llama", la))
-    ])
+    write_jsonl(
+        run / "eval.jsonl",
+        [
+            {"step": s, "member": m, "benchmark": "easyvqa", "accuracy": a, "n": 64, "accuracy_yes/no": a + 0.1}
+            for s, (qa, la) in ((0, (0.4, 0.3)), (15, (0.45, 0.35)), (30, (0.5, 0.2)))
+            for m, a in (("qwen", qa), ("llama", la))
+        ],
+    )
     (run / "summary.json").write_text(json.dumps({"steps": 30, "reward_mode": "ring"}))  # no collapse_warnings key
     out = tmp_path / "out"
     assert main([str(run), "--out", str(out)]) == 0  # the CLI, in process
     report = (out / "report.md").read_text()
-    for stem in ("reward", "agreement", "pseudo_label_acc", "diversity", "unanimous", "length", "optim",
-                 "eval_accuracy"):
+    for stem in (
+        "reward",
+        "agreement",
+        "pseudo_label_acc",
+        "diversity",
+        "unanimous",
+        "length",
+        "optim",
+        "eval_accuracy",
+    ):
         png = out / f"{stem}.png"
         assert png.read_bytes()[:8] == PNG, stem
         assert f"]({stem}.png)" in report

@@ -44,8 +44,12 @@ def test_rollout_logprobs_match_the_update_forward(tiny_zoo, examples, family):
     assert len({len(r.token_ids) for r in responses}) > 1
     assert not set(member.suppressed_ids) & {t for r in responses for t in r.token_ids}
     with torch.no_grad():
-        logp, mask = response_logprobs(member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
-                                       [r.token_ids for r in responses], member.policy(0.7))
+        logp, mask = response_logprobs(
+            member.model.eval(),
+            [g.prompt.inputs for g in groups for _ in g.responses],
+            [r.token_ids for r in responses],
+            member.policy(0.7),
+        )
     assert torch.isfinite(logp).all()  # padding included: it enters the loss as 0, never as -inf * 0
     trained = torch.where(mask.bool(), logp, 0.0).sum(dim=1)
     sampled = torch.tensor([r.logprob_sum for r in responses])
@@ -84,12 +88,15 @@ def _generate_reference(member, prompts, params) -> list[list[int]]:
     the first eos."""
     inputs, _ = collate([p.inputs for p in prompts for _ in range(params.n)], member.tokenizer.pad_token_id)
     out = member.model.eval().generate(
-        **inputs, do_sample=False, max_new_tokens=params.max_new_tokens,
-        pad_token_id=member.tokenizer.pad_token_id, stop_strings=list(params.stop) or None,
+        **inputs,
+        do_sample=False,
+        max_new_tokens=params.max_new_tokens,
+        pad_token_id=member.tokenizer.pad_token_id,
+        stop_strings=list(params.stop) or None,
         tokenizer=member.tokenizer,
     )
     rows = []
-    for row in out[:, inputs["input_ids"].shape[1]:].tolist():
+    for row in out[:, inputs["input_ids"].shape[1] :].tolist():
         ends = [i for i, t in enumerate(row) if t in member.eos_token_ids]
         rows.append(row[: ends[0] + 1] if ends else row)
     return rows
@@ -143,11 +150,14 @@ def test_sharing_the_prompt_pass_leaves_logits_and_gradients_unchanged(tiny_zoo,
     cache)."""
     member, prompts = _prompts(tiny_zoo, examples, family)
     gen = torch.Generator().manual_seed(0)
-    samplable = [t for t in range(member.model.get_output_embeddings().weight.shape[0])
-                 if t not in set(member.suppressed_ids)]
+    samplable = [
+        t for t in range(member.model.get_output_embeddings().weight.shape[0]) if t not in set(member.suppressed_ids)
+    ]
     rows = [p.inputs for p in prompts for _ in range(3)]
-    responses = [[samplable[i] for i in torch.randint(len(samplable), (int(n),), generator=gen)]
-                 for n in torch.randint(1, 9, (len(rows),), generator=gen)]
+    responses = [
+        [samplable[i] for i in torch.randint(len(samplable), (int(n),), generator=gen)]
+        for n in torch.randint(1, 9, (len(rows),), generator=gen)
+    ]
     pad = member.tokenizer.pad_token_id
     model = member.model.train()
     results = []
@@ -173,9 +183,13 @@ def test_rollout_statistics_are_those_of_the_policy(tiny_zoo, examples, family):
     params = SamplingParams(n=2, max_new_tokens=8, seed=3, temperature=0.7)
     responses = [r for g in make_engine("hf", member).generate(prompts, params) for r in g.responses]
     with torch.no_grad():
-        logits, mask = _full_logprobs(member.model.eval(), [p.inputs for p in prompts for _ in range(2)],
-                                      [r.token_ids for r in responses], member.policy(),
-                                      lambda logits, targets: logits)
+        logits, mask = _full_logprobs(
+            member.model.eval(),
+            [p.inputs for p in prompts for _ in range(2)],
+            [r.token_ids for r in responses],
+            member.policy(),
+            lambda logits, targets: logits,
+        )
     logits = logits / 0.7
     logits[..., member.suppressed_ids] = float("-inf")
     for stat, fn in (("entropy", token_entropy), ("self_certainty", token_self_certainty)):

@@ -27,8 +27,15 @@ def test_truncated_weights_and_mismatch_by_hand():
     k3 = (4 - 1 - math.log(4)) + (0.5 - 1 - math.log(0.5))  # r - 1 - log r per token
     assert sums["kl"] == pytest.approx(k3, rel=1e-5)
     means = rollout_mismatch(sums)
-    assert means == pytest.approx({"is_abs_dlogp": (math.log(4) + math.log(2)) / 2, "is_kl": k3 / 2,
-                                   "is_capped_frac": 0.5, "is_nonfinite_tokens": 1}, rel=1e-5)
+    assert means == pytest.approx(
+        {
+            "is_abs_dlogp": (math.log(4) + math.log(2)) / 2,
+            "is_kl": k3 / 2,
+            "is_capped_frac": 0.5,
+            "is_nonfinite_tokens": 1,
+        },
+        rel=1e-5,
+    )
 
 
 def _update(tiny_zoo, shift: float | None, nan_first: bool = False, mode: str = "token_truncated") -> dict:
@@ -77,7 +84,11 @@ def test_the_correction_scales_the_policy_gradient_as_the_weights_say(tiny_zoo):
 def test_the_config_refuses_the_correction_with_truncated_sampling(tmp_path, tiny_zoo):
     from vlm_corl.config import ConfigError, config_from_dict
 
-    cfg = {"members": [{"id": "a", "model": str(tiny_zoo["qwen3"])}], "reward": {"mode": "self_vote"},
-           "algo": {"rollout_is": "token_truncated"}, "rollout": {"top_p": 0.9}}
+    cfg = {
+        "members": [{"id": "a", "model": str(tiny_zoo["qwen3"])}],
+        "reward": {"mode": "self_vote"},
+        "algo": {"rollout_is": "token_truncated"},
+        "rollout": {"top_p": 0.9},
+    }
     with pytest.raises(ConfigError, match="set rollout.top_p=1.0 and rollout.top_k=0"):
         config_from_dict(cfg)

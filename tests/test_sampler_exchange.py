@@ -127,10 +127,13 @@ def test_exchange_merges_the_ranks_parts():
     assert exchange(world, ids, {"a": rows("a", [0, 1])}, ["a", "b"]) == expected(["a", "b"])
 
 
-@pytest.mark.parametrize("theirs, difference", [
-    (["q0", "q9", "q2"], "position 1: 'q9' vs 'q1'"),
-    (["q0", "q1"], "2 vs 3 examples"),
-])
+@pytest.mark.parametrize(
+    "theirs, difference",
+    [
+        (["q0", "q9", "q2"], "position 1: 'q9' vs 'q1'"),
+        (["q0", "q1"], "2 vs 3 examples"),
+    ],
+)
 def test_a_rank_with_other_examples_breaks_the_lockstep(theirs, difference):
     ids = ["q0", "q1", "q2"]
     other = {"batch": theirs, "rows": {"b": rows("b", range(3))}}
@@ -142,11 +145,14 @@ def test_a_rank_with_other_examples_breaks_the_lockstep(theirs, difference):
         exchange(Launch(rank=1, size=2, others=(mine,)), theirs, {"b": rows("b", range(3))}, ["a", "b"])
 
 
-@pytest.mark.parametrize("local, message", [
-    ({"a": rows("a", [0, 2]), "b": rows("b", range(3))}, r"slot 'a' has no answers for batch positions \[1\]"),
-    ({"a": rows("a", range(3)), "b": rows("b", range(4))}, r"slot 'b' .*\(unexpected: \[3\]\)"),
-    ({"a": rows("a", range(3))}, r"slot 'b' has no answers for batch positions \[0, 1, 2\]"),
-])
+@pytest.mark.parametrize(
+    "local, message",
+    [
+        ({"a": rows("a", [0, 2]), "b": rows("b", range(3))}, r"slot 'a' has no answers for batch positions \[1\]"),
+        ({"a": rows("a", range(3)), "b": rows("b", range(4))}, r"slot 'b' .*\(unexpected: \[3\]\)"),
+        ({"a": rows("a", range(3))}, r"slot 'b' has no answers for batch positions \[0, 1, 2\]"),
+    ],
+)
 def test_missing_or_unexpected_positions_are_an_error(local, message):
     with pytest.raises(LockstepError, match=message):
         exchange(World(), ["q0", "q1", "q2"], local, ["a", "b"])
@@ -157,10 +163,14 @@ def test_missing_or_unexpected_positions_are_an_error(local, message):
 
 def cohort_batch(answers, format_ok=None) -> CohortBatch:
     n, b, k = len(answers), len(answers[0]), len(answers[0][0])
-    return CohortBatch(member_ids=tuple(f"s{i}" for i in range(n)), answers=answers,
-                       texts=[[[str(a) for a in g] for g in s] for s in answers],
-                       format_ok=format_ok or [[[True] * k for _ in range(b)] for _ in range(n)],
-                       choices=[None] * b, gold=[None] * b)
+    return CohortBatch(
+        member_ids=tuple(f"s{i}" for i in range(n)),
+        answers=answers,
+        texts=[[[str(a) for a in g] for g in s] for s in answers],
+        format_ok=format_ok or [[[True] * k for _ in range(b)] for _ in range(n)],
+        choices=[None] * b,
+        gold=[None] * b,
+    )
 
 
 def test_paired_reward_labels_a_member_by_its_teacher_and_the_teacher_by_the_member():
@@ -174,8 +184,10 @@ def test_paired_reward_labels_a_member_by_its_teacher_and_the_teacher_by_the_mem
       member ex0 vs "3": match [0, 0, 1, 0], format [1, 0, 1, 1] -> [0.5, 0, 1.5, 0.5]; ex1 unlabelled -> 0s.
       teacher ex0 vs "0.5": "\\frac{1}{2}" is equivalent -> match [0, 0, 1, 0], format 1s -> [0.5, 0.5, 1.5, 0.5];
       teacher ex1 vs "circle": no match, format [0, 0, 0, 1] -> [0, 0, 0, 0.5]."""
-    answers = [[["0.5", "0.5", "3", None], ["circle", "square", "square", "circle"]],
-               [["3", "3", "\\frac{1}{2}", "3"], [None, None, None, "red"]]]
+    answers = [
+        [["0.5", "0.5", "3", None], ["circle", "square", "square", "circle"]],
+        [["3", "3", "\\frac{1}{2}", "3"], [None, None, None, "red"]],
+    ]
     fmt = [[[True, False, True, True], [True] * 4], [[True] * 4, [False, False, False, True]]]
     cfg = RewardConfig(mode="co_rewarding_2", vote_threshold=0.5, format_weight=0.5)
     out = REWARDS.get("co_rewarding_2").fn(cohort_batch(answers, fmt), cfg)

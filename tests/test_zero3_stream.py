@@ -16,14 +16,38 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-CHECKS = ("initial_equal", "updated", "stream_equals_copy", "stream_names", "checksum_equal", "ema_equal",
-          "scoring_close", "saved_equal")
+CHECKS = (
+    "initial_equal",
+    "updated",
+    "stream_equals_copy",
+    "stream_names",
+    "checksum_equal",
+    "ema_equal",
+    "scoring_close",
+    "saved_equal",
+)
 
 
 def _run_worker(model: Path, out: Path, *flags: str) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "tests" / "zero3_stream_worker.py"), str(model), str(out), *flags],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "tests" / "zero3_stream_worker.py"),
+            str(model),
+            str(out),
+            *flags,
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text())
 
@@ -35,12 +59,15 @@ def test_a_partitioned_member_streams_what_a_full_copy_holds(tiny_zoo, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("deepspeed") is None,
-                    reason="needs vllm and deepspeed: the vLLM lane (`make test-vllm`)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None or importlib.util.find_spec("deepspeed") is None,
+    reason="needs vllm and deepspeed: the vLLM lane (`make test-vllm`)",
+)
 def test_the_vllm_engine_of_a_partitioned_member_decodes_its_saved_weights(tmp_path):
     from vlm_corl.zoo import build_zoo
 
     model = build_zoo(tmp_path / "zoo", families=["qwen2"], size="small")["qwen2"]
     for rank, result in enumerate(_run_worker(model, tmp_path / "out", "--vllm")):
-        assert {k: result[k] for k in (*CHECKS, "vllm_equals_hf")} == dict.fromkeys((*CHECKS, "vllm_equals_hf"), True), \
-            f"rank {rank}: {result}"
+        assert {k: result[k] for k in (*CHECKS, "vllm_equals_hf")} == dict.fromkeys(
+            (*CHECKS, "vllm_equals_hf"), True
+        ), f"rank {rank}: {result}"

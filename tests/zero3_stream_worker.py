@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from vlm_corl.cohort import ema_update
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig, VllmConfig
-from vlm_corl.cohort import ema_update
 from vlm_corl.data import load_examples
 from vlm_corl.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
 from vlm_corl.distributed import build_groups, launch_world, weights_checksum
@@ -39,8 +39,9 @@ def member(cfg_id: str, model: str, world, train: TrainConfig, keep_full_copy: b
     m.setup_optimizer(train, 4)
     ds = load_deepspeed_config(ROOT / "configs" / "deepspeed" / "zero3.json", train.grad_clip, 2)
     # a small bucket so that the stream gathers in several rounds
-    m.deepspeed = DeepSpeedUpdate(m, ds, m.group, world.singles[world.rank], keep_full_copy=keep_full_copy,
-                                  bucket_bytes=64 << 10)
+    m.deepspeed = DeepSpeedUpdate(
+        m, ds, m.group, world.singles[world.rank], keep_full_copy=keep_full_copy, bucket_bytes=64 << 10
+    )
     return m
 
 
@@ -55,13 +56,15 @@ def main() -> None:
     result = {"initial_equal": all(torch.equal(original[k], t) for k, t in part.full_weights())}
 
     render = Renderer(part, "original", 10**6, 10**6)
-    examples = load_examples("easyvqa" if part.is_vision else "math500", split="train" if part.is_vision else "test",
-                             limit=6).examples
-    prompts = [render(ex) for ex in examples[world.rank * 3: world.rank * 3 + 3]]
+    examples = load_examples(
+        "easyvqa" if part.is_vision else "math500", split="train" if part.is_vision else "test", limit=6
+    ).examples
+    prompts = [render(ex) for ex in examples[world.rank * 3 : world.rank * 3 + 3]]
     params = SamplingParams(n=2, max_new_tokens=5, temperature=1.0, seed=7, first_position=world.rank * 3)
     groups = make_engine("hf", twin).generate(prompts, params)
-    seqs = [Sequence(g.prompt.inputs, r.token_ids, advantage=(-1.0) ** k) for g in groups
-            for k, r in enumerate(g.responses)]
+    seqs = [
+        Sequence(g.prompt.inputs, r.token_ids, advantage=(-1.0) ** k) for g in groups for k, r in enumerate(g.responses)
+    ]
     totals = (2 * sum(len(s.token_ids) for s in seqs), 2 * len(seqs))  # both ranks' shares (same sizes here)
     for m in (part, twin):
         policy_update(m, seqs, AlgoConfig(), train, RolloutConfig(max_new_tokens=8), totals)
@@ -71,8 +74,9 @@ def main() -> None:
     result["updated"] = any(not torch.equal(original[k], t) for k, t in streamed.items())
     result["stream_equals_copy"] = all(torch.equal(copy[k], t) for k, t in streamed.items())
     result["stream_names"] = sorted(streamed) == sorted(k for k in copy if k in streamed)
-    result["checksum_equal"] = (weights_checksum(t for _, t in part.full_weights())
-                                == weights_checksum(t for _, t in twin.full_weights()))
+    result["checksum_equal"] = weights_checksum(t for _, t in part.full_weights()) == weights_checksum(
+        t for _, t in twin.full_weights()
+    )
 
     teacher_a = load_member(MemberConfig(id="ta", model=model, trainable=False)).model.float()
     teacher_b = load_member(MemberConfig(id="tb", model=model, trainable=False)).model.float()
@@ -87,9 +91,16 @@ def main() -> None:
     for m in (part, twin):
         count = -(-len(mine) // 2)
         with m.updating():
-            stats.append(response_token_stats(m.scoring_module, [p for p, _ in mine], [t for _, t in mine],
-                                              m.policy(), micro_batch_size=2,
-                                              passes=m.micro_batch_count(count) if m.partitioned else None))
+            stats.append(
+                response_token_stats(
+                    m.scoring_module,
+                    [p for p, _ in mine],
+                    [t for _, t in mine],
+                    m.policy(),
+                    micro_batch_size=2,
+                    passes=m.micro_batch_count(count) if m.partitioned else None,
+                )
+            )
     result["scoring_close"] = all(torch.allclose(stats[0][k], stats[1][k], atol=1e-5) for k in stats[0])
 
     saved = out / "saved"
@@ -99,14 +110,16 @@ def main() -> None:
     result["saved_equal"] = all(torch.equal(reloaded[k], t) for k, t in streamed.items())
 
     if use_vllm:
-        rollout = RolloutConfig(engine="vllm", max_prompt_tokens=1024, max_new_tokens=8,
-                                vllm=VllmConfig(kv_cache_memory_bytes=32 << 20))
+        rollout = RolloutConfig(
+            engine="vllm", max_prompt_tokens=1024, max_new_tokens=8, vllm=VllmConfig(kv_cache_memory_bytes=32 << 20)
+        )
         engine = make_engine("vllm", part, rollout)  # synced from the stream when built
         greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
         got = [g.responses[0].token_ids for g in engine.generate(prompts, greedy)]
         reference = load_member(MemberConfig(id="r", model=str(saved), trainable=False))
-        ref_prompts = [Renderer(reference, "original", 10**6, 10**6)(ex) for ex in
-                       examples[world.rank * 3: world.rank * 3 + 3]]
+        ref_prompts = [
+            Renderer(reference, "original", 10**6, 10**6)(ex) for ex in examples[world.rank * 3 : world.rank * 3 + 3]
+        ]
         want = [g.responses[0].token_ids for g in make_engine("hf", reference).generate(ref_prompts, greedy)]
         result["vllm_equals_hf"] = got == want
     parts = world.all_gather(result)

@@ -30,18 +30,26 @@ def extract_code(response: str) -> str:
 
 def load_humaneval(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
     """HumanEval as openai/human-eval releases it: `HumanEval.jsonl(.gz)` of {"task_id", "prompt",
-    "canonical_solution", "test", "entry_point"} (without a path: openai/openai_humaneval from the hub). The question shows the function to complete."""
-    file, rows = release_rows(path, split, (".jsonl", ".jsonl.gz"), "humaneval", ("openai/openai_humaneval", None, split))
+    "canonical_solution", "test", "entry_point"} (without a path: openai/openai_humaneval from the hub). The
+    question shows the function to complete."""
+    file, rows = release_rows(
+        path, split, (".jsonl", ".jsonl.gz"), "humaneval", ("openai/openai_humaneval", None, split)
+    )
     for number, row in rows:
         if isinstance(row, Skip):
             yield row
-        elif not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("prompt", "test",
-                                                                                          "entry_point")):
+        elif not isinstance(row, dict) or not all(
+            isinstance(row.get(k), str) for k in ("prompt", "test", "entry_point")
+        ):
             yield Skip("bad_record", f"{file}:{number}: needs prompt, test and entry_point strings")
         else:
             question = f"Complete this Python function and return the whole function:\n```python\n{row['prompt']}```"
-            yield Example(id=str(row.get("task_id") or f"humaneval-{number}"), question=question, source="humaneval",
-                          metadata={"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]})
+            yield Example(
+                id=str(row.get("task_id") or f"humaneval-{number}"),
+                question=question,
+                source="humaneval",
+                metadata={"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]},
+            )
 
 
 def load_mbpp(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
@@ -65,8 +73,12 @@ def load_mbpp(path: str | os.PathLike | None, split: str = "test") -> Iterator[E
         if whole and isinstance(task, int) and not ranges[split][0] <= task <= ranges[split][1]:
             continue  # another split of the full release
         question = f"{text}\nYour code should pass these tests:\n" + "\n".join(tests)
-        yield Example(id=f"mbpp-{task}", question=question, source="mbpp",
-                      metadata={"tests": tests, "setup": row.get("test_setup_code") or ""})
+        yield Example(
+            id=f"mbpp-{task}",
+            question=question,
+            source="mbpp",
+            metadata={"tests": tests, "setup": row.get("test_setup_code") or ""},
+        )
 
 
 def grade_humaneval(example: Example, response: str) -> bool:
@@ -79,8 +91,11 @@ def grade_humaneval(example: Example, response: str) -> bool:
     program = code if re.search(rf"def\s+{re.escape(meta['entry_point'])}\s*\(", code) else meta["prompt"] + code
     # The prompt's imports (typing, math, …) are in scope for a rewritten function too.
     header = "\n".join(line for line in meta["prompt"].splitlines() if line.startswith(("import ", "from ")))
-    outcome = run_tests(f"{header}\n{program}", f"{meta['test']}\ncheck({meta['entry_point']})",
-                        Limits(wall_s=TIME_LIMIT_S, cpu_s=TIME_LIMIT_S))
+    outcome = run_tests(
+        f"{header}\n{program}",
+        f"{meta['test']}\ncheck({meta['entry_point']})",
+        Limits(wall_s=TIME_LIMIT_S, cpu_s=TIME_LIMIT_S),
+    )
     return outcome.status == "passed"
 
 
@@ -89,6 +104,9 @@ def grade_mbpp(example: Example, response: str) -> bool:
     from vlm_corl.sandbox import Limits, run_tests
 
     meta = example.metadata
-    outcome = run_tests(extract_code(response), meta["setup"] + "\n" + "\n".join(meta["tests"]),
-                        Limits(wall_s=TIME_LIMIT_S, cpu_s=TIME_LIMIT_S))
+    outcome = run_tests(
+        extract_code(response),
+        meta["setup"] + "\n" + "\n".join(meta["tests"]),
+        Limits(wall_s=TIME_LIMIT_S, cpu_s=TIME_LIMIT_S),
+    )
     return outcome.status == "passed"

@@ -16,7 +16,6 @@ from pathlib import Path
 from vlm_corl.data import DataError, Skip, example_from_row, hub_dataset, resolve_data_file
 from vlm_corl.records import Example, with_choices
 
-
 MATH500_DIR = Path(__file__).resolve().parent / "datasets" / "math500"  # vendored copy (README.md there)
 
 
@@ -31,8 +30,10 @@ def load_math500(path: str | os.PathLike | None, split: str = "test") -> Iterato
     try:
         rows = json.loads(file.read_bytes())
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {file} as JSON ({e}); MATH-500 is one JSON list of "
-                        f'{{"prompt", "answer", "source", "id"}} objects') from e
+        raise DataError(
+            f"cannot read {file} as JSON ({e}); MATH-500 is one JSON list of "
+            f'{{"prompt", "answer", "source", "id"}} objects'
+        ) from e
     if not isinstance(rows, list):
         raise DataError(f"{file} holds a JSON {type(rows).__name__}, not the list of problems MATH-500 is")
     return (_math500_example(row, index, split, file.parent) for index, row in enumerate(rows))
@@ -62,8 +63,13 @@ def jsonl_rows(file: Path) -> Iterator[tuple[int, object]]:
         raise DataError(f"cannot read {file}: {e}") from e
 
 
-def release_rows(path: str | os.PathLike | None, split: str, suffixes: tuple[str, ...], loader: str,
-                 hub: tuple[str, str | None, str] | None = None) -> tuple[str, Iterator[tuple[int, object]]]:
+def release_rows(
+    path: str | os.PathLike | None,
+    split: str,
+    suffixes: tuple[str, ...],
+    loader: str,
+    hub: tuple[str, str | None, str] | None = None,
+) -> tuple[str, Iterator[tuple[int, object]]]:
     """(where, rows) of a benchmark's release: its JSON Lines file (`path`, or `path/<split><suffix>`), or, with
     no path, the `hub` dataset (name, config, split) through `vlm_corl.data.hub_dataset` where a hub can be
     reached, its rows numbered from 1. `where` names the file or dataset in skip reasons."""
@@ -88,8 +94,13 @@ def load_gsm8k(path: str | os.PathLike | None, split: str = "test") -> Iterator[
             yield Skip("no_final_answer", f"{file}:{number}: the answer has no '#### <number>' line")
             continue
         final = solution.rsplit("####", 1)[1].strip().replace(",", "")
-        yield Example(id=f"gsm8k-{split}-{number:06d}", question=str(row.get("question") or ""), answer=final,
-                      source="gsm8k", metadata={"solution": solution})
+        yield Example(
+            id=f"gsm8k-{split}-{number:06d}",
+            question=str(row.get("question") or ""),
+            answer=final,
+            source="gsm8k",
+            metadata={"solution": solution},
+        )
 
 
 def load_amc23(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
@@ -104,9 +115,13 @@ def load_amc23(path: str | os.PathLike | None, split: str = "test") -> Iterator[
         if isinstance(answer, float) and answer.is_integer():
             answer = int(answer)
         question = str(row.get("question") or row.get("problem") or "")
-        yield Example(id=f"amc23-{row.get('id', number)}", question=question,
-                      answer=None if answer is None else str(answer), source="amc23",
-                      metadata={k: v for k, v in row.items() if k not in ("question", "problem", "answer")})
+        yield Example(
+            id=f"amc23-{row.get('id', number)}",
+            question=question,
+            answer=None if answer is None else str(answer),
+            source="amc23",
+            metadata={k: v for k, v in row.items() if k not in ("question", "problem", "answer")},
+        )
 
 
 GPQA_CHOICES_SEED = 0  # choices are shuffled per question with this seed and the question's record id
@@ -130,9 +145,14 @@ def load_gpqa(path: str | os.PathLike | None, split: str = "diamond") -> Iterato
         order = list(range(4))
         random.Random(f"{GPQA_CHOICES_SEED}:{record}").shuffle(order)
         choices = tuple(options[i].strip() for i in order)
-        yield Example(id=f"gpqa-{split}-{record}", question=with_choices(row["Question"].strip(), choices),
-                      choices=choices, answer="ABCD"[order.index(0)], source="gpqa",
-                      metadata={"domain": row.get("High-level domain"), "subdomain": row.get("Subdomain")})
+        yield Example(
+            id=f"gpqa-{split}-{record}",
+            question=with_choices(row["Question"].strip(), choices),
+            choices=choices,
+            answer="ABCD"[order.index(0)],
+            source="gpqa",
+            metadata={"domain": row.get("High-level domain"), "subdomain": row.get("Subdomain")},
+        )
 
 
 def _gpqa_rows(path, split: str) -> Iterator[tuple[str, int, dict]]:
@@ -140,8 +160,10 @@ def _gpqa_rows(path, split: str) -> Iterator[tuple[str, int, dict]]:
     import csv
 
     if path is None:
-        yield from (("Idavidrein/gpqa", number, row)
-                    for number, row in enumerate(hub_dataset("Idavidrein/gpqa", f"gpqa_{split}", "train", "gpqa"), 1))
+        yield from (
+            ("Idavidrein/gpqa", number, row)
+            for number, row in enumerate(hub_dataset("Idavidrein/gpqa", f"gpqa_{split}", "train", "gpqa"), 1)
+        )
         return
     if Path(path).is_dir():
         path = Path(path) / f"gpqa_{split}.csv"
@@ -190,5 +212,10 @@ def load_champ(path: str | os.PathLike | None, split: str = "test") -> Iterator[
     except ImportError as e:
         raise DataError("the 'champ' loader needs the champ-dataset package: pip install champ-dataset==1.0.0") from e
     for identifier, problem in champ_dataset.load("v0").problems.items():
-        yield Example(id=identifier, question=problem.text, answer=champ_answer(problem.answer), source="champ",
-                      metadata={"category": problem.category, "raw_answer": problem.answer})
+        yield Example(
+            id=identifier,
+            question=problem.text,
+            answer=champ_answer(problem.answer),
+            source="champ",
+            metadata={"category": problem.category, "raw_answer": problem.answer},
+        )

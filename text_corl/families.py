@@ -16,7 +16,6 @@ from vlm_corl.families import (
     text_config_kwargs,
 )
 
-
 QWEN_ROPE = {"rope_type": "default", "rope_theta": 1e6}
 
 

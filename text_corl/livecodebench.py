@@ -45,10 +45,29 @@ MAX_PRIVATE_BYTES = 1 << 30  # decompressed size of one record's private tests: 
 VERSIONS = 6  # test.jsonl … test6.jsonl
 # lcb_runner prepends these star-imports to every program (stdin and functional), so solutions may use e.g.
 # `deque` or `sys` without importing them; the same names must be in scope here for the same verdicts.
-_PRELUDE_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
-                    "statistics", "itertools", "functools", "operator", "io", "sys", "json")
-PRELUDE = "".join(f"from {m} import *\n" for m in (*_PRELUDE_MODULES, "builtins", "typing")) + "".join(
-    f"import {m}\n" for m in _PRELUDE_MODULES) + "sys.setrecursionlimit(50000)\n"
+_PRELUDE_MODULES = (
+    "string",
+    "re",
+    "datetime",
+    "collections",
+    "heapq",
+    "bisect",
+    "copy",
+    "math",
+    "random",
+    "statistics",
+    "itertools",
+    "functools",
+    "operator",
+    "io",
+    "sys",
+    "json",
+)
+PRELUDE = (
+    "".join(f"from {m} import *\n" for m in (*_PRELUDE_MODULES, "builtins", "typing"))
+    + "".join(f"import {m}\n" for m in _PRELUDE_MODULES)
+    + "sys.setrecursionlimit(50000)\n"
+)
 
 
 def version_files(split: str) -> list[str] | None:
@@ -60,19 +79,27 @@ def version_files(split: str) -> list[str] | None:
         first, last = (1, int(m[1])) if m[1] else (int(m[2]), int(m[3] or m[2]))
         if 1 <= first <= last <= VERSIONS:
             return ["test.jsonl" if n == 1 else f"test{n}.jsonl" for n in range(first, last + 1)]
-    raise DataError(f"unknown LiveCodeBench split {split!r}: use release_v1 … release_v{VERSIONS}, release_latest, "
-                    f"v1 … v{VERSIONS} or vA_vB (LiveCodeBench's version tags)")
+    raise DataError(
+        f"unknown LiveCodeBench split {split!r}: use release_v1 … release_v{VERSIONS}, release_latest, "
+        f"v1 … v{VERSIONS} or vA_vB (LiveCodeBench's version tags)"
+    )
 
 
-def load_livecodebench(path: str | os.PathLike | None, split: str = "release_v6", *, start_date: str | None = None,
-                       end_date: str | None = None) -> Iterator[Example | Skip]:
+def load_livecodebench(
+    path: str | os.PathLike | None,
+    split: str = "release_v6",
+    *,
+    start_date: str | None = None,
+    end_date: str | None = None,
+) -> Iterator[Example | Skip]:
     """Problems of a release (see the module docstring) with contest_date in [start_date, end_date].
 
     Ids: "lcb-<question_id>". metadata: title, platform, difficulty, contest_id, contest_date, func_name (None
     for stdin problems) and tests, every public then private (input, output) pair.
     """
-    start, end = (None if d is None else _date(d, name) for d, name in ((start_date, "start_date"),
-                                                                        (end_date, "end_date")))
+    start, end = (
+        None if d is None else _date(d, name) for d, name in ((start_date, "start_date"), (end_date, "end_date"))
+    )
     for file in _release_files(path, split):
         for number, row in jsonl_rows(file):
             if isinstance(row, Skip):
@@ -98,8 +125,10 @@ def _date(text: str, name: str) -> datetime:
 
 def _release_files(path: str | os.PathLike | None, split: str) -> list[Path]:
     if path is None:
-        raise DataError("the 'livecodebench' loader needs the code_generation_lite release: a directory of "
-                        "test*.jsonl files or one of them (--data livecodebench=PATH; nothing is downloaded)")
+        raise DataError(
+            "the 'livecodebench' loader needs the code_generation_lite release: a directory of "
+            "test*.jsonl files or one of them (--data livecodebench=PATH; nothing is downloaded)"
+        )
     path = Path(path)
     if path.is_file():
         return [path]
@@ -110,8 +139,10 @@ def _release_files(path: str | os.PathLike | None, split: str) -> list[Path]:
         names = sorted((p.name for p in path.glob("test*.jsonl")), key=lambda n: (len(n), n))
     missing = [n for n in names if not (path / n).is_file()]
     if missing or not names:
-        raise DataError(f"{path} lacks {', '.join(missing) or 'any test*.jsonl'} for LiveCodeBench split {split!r}; "
-                        f"give the directory holding the code_generation_lite release files")
+        raise DataError(
+            f"{path} lacks {', '.join(missing) or 'any test*.jsonl'} for LiveCodeBench split {split!r}; "
+            f"give the directory holding the code_generation_lite release files"
+        )
     return [path / n for n in names]
 
 
@@ -123,8 +154,16 @@ def _example(row: object, where: str, date: datetime) -> Example | Skip:
         func_name = json.loads(row.get("metadata") or "{}").get("func_name")
     except _UnsafePickle as e:
         return Skip("unsafe_pickle", f"{where}: private_test_cases: {e}")
-    except (ValueError, TypeError, AttributeError, KeyError, IndexError, zlib.error, pickle.UnpicklingError,
-            EOFError) as e:  # the ways a malformed JSON, base64, zlib or pickle payload fails to decode
+    except (
+        ValueError,
+        TypeError,
+        AttributeError,
+        KeyError,
+        IndexError,
+        zlib.error,
+        pickle.UnpicklingError,
+        EOFError,
+    ) as e:  # the ways a malformed JSON, base64, zlib or pickle payload fails to decode
         return Skip("bad_tests", f"{where}: {type(e).__name__}: {e}")
     if not tests:
         return Skip("bad_tests", f"{where}: no test cases")
@@ -134,18 +173,26 @@ def _example(row: object, where: str, date: datetime) -> Example | Skip:
     else:
         task = "Read the input from standard input and write the answer to standard output."
     return Example(
-        id=f"lcb-{row.get('question_id')}", question=f"{row['question_content'].strip()}\n\n{task}",
+        id=f"lcb-{row.get('question_id')}",
+        question=f"{row['question_content'].strip()}\n\n{task}",
         source="livecodebench",
-        metadata={"title": row.get("question_title"), "platform": row.get("platform"),
-                  "difficulty": row.get("difficulty"), "contest_id": row.get("contest_id"),
-                  "contest_date": date.isoformat(), "func_name": func_name, "tests": tests},
+        metadata={
+            "title": row.get("question_title"),
+            "platform": row.get("platform"),
+            "difficulty": row.get("difficulty"),
+            "contest_id": row.get("contest_id"),
+            "contest_date": date.isoformat(),
+            "func_name": func_name,
+            "tests": tests,
+        },
     )
 
 
 def _cases(items: object) -> list[tuple[str, str]]:
     """(input, output) pairs of a decoded test list; ValueError when it is not a list of such objects."""
-    if not isinstance(items, list) or not all(isinstance(t, dict) and isinstance(t.get("input"), str)
-                                              and isinstance(t.get("output"), str) for t in items):
+    if not isinstance(items, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("input"), str) and isinstance(t.get("output"), str) for t in items
+    ):
         raise ValueError("test cases must be a list of {input, output} strings")
     return [(t["input"], t["output"]) for t in items]
 

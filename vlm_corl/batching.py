@@ -45,7 +45,9 @@ def _pad_value(key: str, pad_id: int) -> int:
 
 
 def collate(
-    prompts: list[dict[str, Tensor]], pad_id: int, responses: list[list[int]] | None = None,
+    prompts: list[dict[str, Tensor]],
+    pad_id: int,
+    responses: list[list[int]] | None = None,
     aligned: tuple[str, ...] = (),
 ) -> tuple[dict[str, Tensor], Tensor | None]:
     """Stack prompts (optionally each followed by its response) into one batch.
@@ -66,8 +68,9 @@ def collate(
         if key in aligned:
             values = _aligned_rows(values, key, lengths)
         elif key in SEQ_KEYS:  # a token-axis key only some prompts have (token types): absent is plain text, 0
-            values = [p["input_ids"].new_zeros(p["input_ids"].shape) if v is None else v
-                      for p, v in zip(prompts, values)]
+            values = [
+                p["input_ids"].new_zeros(p["input_ids"].shape) if v is None else v for p, v in zip(prompts, values)
+            ]
         else:
             values = [v for v in values if v is not None]
         if key not in SEQ_KEYS:
@@ -186,9 +189,14 @@ def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: in
     cache = getattr(out, cache_arg)
     cache.batch_select_indices(rows)
     cross = inputs.get("cross_attention_mask")
-    return Prefix(cache, out.logits[rows, -1], inputs["attention_mask"][rows],
-                  None if rope_delta is None else rope_delta[rows], None if cross is None else cross[rows, -1:],
-                  cache_arg)
+    return Prefix(
+        cache,
+        out.logits[rows, -1],
+        inputs["attention_mask"][rows],
+        None if rope_delta is None else rope_delta[rows],
+        None if cross is None else cross[rows, -1:],
+        cache_arg,
+    )
 
 
 def continuation(prefix: Prefix, token_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
@@ -201,11 +209,16 @@ def continuation(prefix: Prefix, token_ids: Tensor, attention_mask: Tensor) -> d
     default.
     """
     mask = torch.cat([prefix.attention_mask, attention_mask.to(prefix.attention_mask.dtype)], dim=1)
-    pos = position_ids(mask)[:, -token_ids.shape[1]:]  # (R, T)
+    pos = position_ids(mask)[:, -token_ids.shape[1] :]  # (R, T)
     if prefix.rope_delta is not None:
         pos = (pos + prefix.rope_delta).unsqueeze(0).expand(3, -1, -1)  # (3, R, T): t, h, w all advance as text
-    inputs = {"input_ids": token_ids, "attention_mask": mask, "position_ids": pos, prefix.cache_arg: prefix.cache,
-              "use_cache": True}
+    inputs = {
+        "input_ids": token_ids,
+        "attention_mask": mask,
+        "position_ids": pos,
+        prefix.cache_arg: prefix.cache,
+        "use_cache": True,
+    }
     if prefix.cross_attention_mask is not None:
         cross = prefix.cross_attention_mask
         inputs["cross_attention_mask"] = cross.expand(-1, token_ids.shape[1], *cross.shape[2:])

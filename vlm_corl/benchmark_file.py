@@ -68,17 +68,26 @@ def load_benchmark_file(path: str | Path) -> Benchmark:
         raise BenchmarkFileError(f"{where}: fields maps our names (id, question, answer, ...) to the records' names")
     samples = 1 if match.group(1) else int(match.group(3))
     if samples > 1 and decoding.get("temperature", 0.0) == 0:
-        raise BenchmarkFileError(f"{where}: metric {metric} samples {samples} answers per question, which needs "
-                                 "decoding.temperature > 0")
+        raise BenchmarkFileError(
+            f"{where}: metric {metric} samples {samples} answers per question, which needs decoding.temperature > 0"
+        )
     options = {"fields": fields}
     if spec.get("image_root") is not None:
         options["image_root"] = str((path.parent / spec["image_root"]).resolve())
     return Benchmark(
-        name=str(spec.get("name") or path.stem), loader=_loader(data_path), split=str(spec.get("split", "test")),
-        path=str(data_path), balance_by=spec.get("balance_by"), category=spec.get("category"),
-        temperature=float(decoding.get("temperature", 0.0)), top_p=float(decoding.get("top_p", 1.0)),
-        max_new_tokens=int(decoding.get("max_new_tokens", 512)), options=options, answer_type=answer_type,
-        metric=metric, samples=samples,
+        name=str(spec.get("name") or path.stem),
+        loader=_loader(data_path),
+        split=str(spec.get("split", "test")),
+        path=str(data_path),
+        balance_by=spec.get("balance_by"),
+        category=spec.get("category"),
+        temperature=float(decoding.get("temperature", 0.0)),
+        top_p=float(decoding.get("top_p", 1.0)),
+        max_new_tokens=int(decoding.get("max_new_tokens", 512)),
+        options=options,
+        answer_type=answer_type,
+        metric=metric,
+        samples=samples,
     )
 
 

@@ -32,14 +32,28 @@ from vlm_corl.answers import answers_equivalent, group_equivalent
 from vlm_corl.metrics import answer_key, entropy, group_entropy
 from vlm_corl.rewards import CohortBatch, RewardOutput
 
-STATS = ("reward", "agreement", "answer_entropy", "distinct_answers", "unanimous", "unanimous_wrong",
-         "pseudo_label_acc", "answer_acc")
+STATS = (
+    "reward",
+    "agreement",
+    "answer_entropy",
+    "distinct_answers",
+    "unanimous",
+    "unanimous_wrong",
+    "pseudo_label_acc",
+    "answer_acc",
+)
 MAX_ANSWER_KEYS = 32  # distinct answers kept per category and step (the rest pooled under OTHER)
 OTHER = "<other>"
 
 
-def category_step_stats(n: int, batch: CohortBatch, out: RewardOutput, categories: Sequence[str | None],
-                        gold: Sequence[str | None], unanimous: Sequence[tuple[bool, bool | None]]) -> dict:
+def category_step_stats(
+    n: int,
+    batch: CohortBatch,
+    out: RewardOutput,
+    categories: Sequence[str | None],
+    gold: Sequence[str | None],
+    unanimous: Sequence[tuple[bool, bool | None]],
+) -> dict:
     """Slot n's raw per-category sums of one step (see the module docstring). `categories` (B,) names each
     question's category (None: not counted); `unanimous` (B,) is `metrics.unanimous_questions` of the step."""
     stats: dict[str, dict] = {}

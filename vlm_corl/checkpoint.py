@@ -56,8 +56,9 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def save_checkpoint(world: World, run_dir: Path, step: int, models: Iterable[tuple[Member, bool]], cohort_state: dict,
-                    keep_last: int) -> Path:
+def save_checkpoint(
+    world: World, run_dir: Path, step: int, models: Iterable[tuple[Member, bool]], cohort_state: dict, keep_last: int
+) -> Path:
     """Write step `step` atomically, then prune to the newest `keep_last` checkpoints.
 
     `models` are (model, whether this rank writes it) for this process's models to save (members and
@@ -76,8 +77,7 @@ def save_checkpoint(world: World, run_dir: Path, step: int, models: Iterable[tup
     world.barrier()  # every member's directory is written
     if world.is_main:
         required = cohort_state["members"]
-        missing = [f"{mid}/{name}" for mid, files in required.items() for name in files
-                   if not _has(tmp / mid, name)]
+        missing = [f"{mid}/{name}" for mid, files in required.items() for name in files if not _has(tmp / mid, name)]
         if missing:
             raise RuntimeError(f"checkpoint step {step} is incomplete after every rank wrote it: missing {missing}")
         torch.save({"step": step, "rng": rngs, **cohort_state}, tmp / STATE_FILE)
@@ -147,9 +147,11 @@ def read_state(path: Path, weights_only: bool = True) -> dict:
             raise
         checkpoint = path.parent if path.parent.name.startswith("step-") else path.parent.parent
         detail = (str(err).splitlines() or [""])[0].split(". ")[0][:120]
-        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {detail}); the file is truncated or "
-                              f"corrupt. Move {checkpoint} out of checkpoints/ to resume from the one before "
-                              "it") from err
+        raise CheckpointError(
+            f"{path} cannot be read ({type(err).__name__}: {detail}); the file is truncated or "
+            f"corrupt. Move {checkpoint} out of checkpoints/ to resume from the one before "
+            "it"
+        ) from err
 
 
 def load_cohort_state(checkpoint: Path) -> dict:
@@ -161,8 +163,11 @@ def load_cohort_state(checkpoint: Path) -> dict:
 def restore_rng(states: list[dict], world: World) -> None:
     """Set this rank's RNG states from a checkpoint's (one entry per rank of the run that saved it)."""
     if len(states) != world.size:
-        log.warning("the checkpoint was taken with %d processes, this run has %d: RNG states are not restored "
-                    "(sampling seeds are derived from the step, so only other random draws differ)",
-                    len(states), world.size)
+        log.warning(
+            "the checkpoint was taken with %d processes, this run has %d: RNG states are not restored "
+            "(sampling seeds are derived from the step, so only other random draws differ)",
+            len(states),
+            world.size,
+        )
         return
     set_rng_states(states[world.rank])

@@ -69,8 +69,9 @@ def slot_specs(member_cfgs: Sequence[MemberConfig], layout: str) -> list[SlotSpe
     return specs
 
 
-def build_slots(cfg: CohortConfig, members: list[Member], specs: list[SlotSpec], max_images: int,
-                resume_from: Path | None) -> list[Slot]:
+def build_slots(
+    cfg: CohortConfig, members: list[Member], specs: list[SlotSpec], max_images: int, resume_from: Path | None
+) -> list[Slot]:
     """The slots of `specs` whose member this process hosts (`members`), with their engines and renderers;
     builds an EMA teacher where a slot is one."""
     local = {m.id: m for m in members}
@@ -86,8 +87,9 @@ def build_slots(cfg: CohortConfig, members: list[Member], specs: list[SlotSpec],
         if spec.teacher:
             model = load_teacher(member, resume_from)
             engine, follows = make_engine(cfg.rollout.engine, model, cfg.rollout, max_images, share), member
-        renderer = Renderer(model, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens,
-                            view=spec.view)
+        renderer = Renderer(
+            model, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens, view=spec.view
+        )
         slots.append(Slot(index, spec.id, model, spec.view, engine, renderer, follows))
     return slots
 

@@ -108,8 +108,11 @@ def _evidence(rows, n: int, rule: CollapseRule) -> dict | None:
     w = window_size(n, rule)
     if w is None:
         return None
-    ev: dict = {"step": rows[n - 1]["step"], "early_steps": [rows[0]["step"], rows[w - 1]["step"]],
-                "late_steps": [rows[n - w]["step"], rows[n - 1]["step"]]}
+    ev: dict = {
+        "step": rows[n - 1]["step"],
+        "early_steps": [rows[0]["step"], rows[w - 1]["step"]],
+        "late_steps": [rows[n - w]["step"], rows[n - 1]["step"]],
+    }
     means = {key: (window_mean(rows, key, 0, w), window_mean(rows, key, n - w, n)) for key in EVIDENCE_KEYS}
     for key, (early, late) in means.items():
         ev[f"{key}_early"] = None if early is None else round(early, 4)
@@ -119,15 +122,22 @@ def _evidence(rows, n: int, rule: CollapseRule) -> dict | None:
     return ev
 
 
-def trend_flagged(diversity: tuple[float | None, float | None],
-                  agreements: Sequence[tuple[float | None, float | None]],
-                  gold: tuple[float | None, float | None], rule: CollapseRule = DEFAULT_RULE) -> bool:
+def trend_flagged(
+    diversity: tuple[float | None, float | None],
+    agreements: Sequence[tuple[float | None, float | None]],
+    gold: tuple[float | None, float | None],
+    rule: CollapseRule = DEFAULT_RULE,
+) -> bool:
     """Conditions 1-3 of the window rule on (early, late) pairs: diversity, each agreement measure, and
     pseudo-label accuracy (a pair with a None is unevaluable: no diversity or agreement, or no gold)."""
     d_early, d_late = diversity
-    diversity_falls = (d_early is not None and d_late is not None and d_early > 0
-                       and (d_early - d_late) / d_early >= rule.min_diversity_drop
-                       and d_early - d_late >= rule.min_diversity_drop_abs)
+    diversity_falls = (
+        d_early is not None
+        and d_late is not None
+        and d_early > 0
+        and (d_early - d_late) / d_early >= rule.min_diversity_drop
+        and d_early - d_late >= rule.min_diversity_drop_abs
+    )
     rises = [late - early for early, late in agreements if early is not None and late is not None]
     agreement_rises = bool(rises) and max(rises) >= rule.min_agreement_rise
     g_early, g_late = gold
@@ -145,21 +155,31 @@ def category_evidence(rows: list[dict] | _Ends, n: int, rule: CollapseRule = DEF
     late = pooled(rows[i].get("category_stats") for i in range(n - w, n))
     found = []
     for category in sorted(set(early) & set(late)):
-        e, l = early[category], late[category]
-        (h_early, _), (h_late, distinct_late) = pooled_diversity(e["answers"]), pooled_diversity(l["answers"])
-        pairs = {key: (ratio(e[key]), ratio(l[key])) for key in ("agreement", "unanimous", "pseudo_label_acc")}
-        one_answer = (distinct_late == 1 and sum(l["answers"].values()) >= rule.min_pooled_answers
-                      and (pairs["agreement"][1] or 0.0) >= rule.one_answer_agreement
-                      and (h_early or 0.0) >= rule.min_early_entropy)
-        trend = trend_flagged((h_early, h_late), [pairs["agreement"], pairs["unanimous"]], pairs["pseudo_label_acc"],
-                              rule)
+        e, late_c = early[category], late[category]
+        (h_early, _), (h_late, distinct_late) = pooled_diversity(e["answers"]), pooled_diversity(late_c["answers"])
+        pairs = {key: (ratio(e[key]), ratio(late_c[key])) for key in ("agreement", "unanimous", "pseudo_label_acc")}
+        one_answer = (
+            distinct_late == 1
+            and sum(late_c["answers"].values()) >= rule.min_pooled_answers
+            and (pairs["agreement"][1] or 0.0) >= rule.one_answer_agreement
+            and (h_early or 0.0) >= rule.min_early_entropy
+        )
+        trend = trend_flagged(
+            (h_early, h_late), [pairs["agreement"], pairs["unanimous"]], pairs["pseudo_label_acc"], rule
+        )
         if not (one_answer or trend):
             continue
-        ev = {"category": category, "rule": "one_answer" if one_answer else "trend", "step": rows[n - 1]["step"],
-              "early_steps": [rows[0]["step"], rows[w - 1]["step"]],
-              "late_steps": [rows[n - w]["step"], rows[n - 1]["step"]],
-              "answer_entropy_early": _round(h_early), "answer_entropy_late": _round(h_late),
-              "distinct_late": distinct_late, "top_answer_late": max(l["answers"], key=l["answers"].get, default=None)}
+        ev = {
+            "category": category,
+            "rule": "one_answer" if one_answer else "trend",
+            "step": rows[n - 1]["step"],
+            "early_steps": [rows[0]["step"], rows[w - 1]["step"]],
+            "late_steps": [rows[n - w]["step"], rows[n - 1]["step"]],
+            "answer_entropy_early": _round(h_early),
+            "answer_entropy_late": _round(h_late),
+            "distinct_late": distinct_late,
+            "top_answer_late": max(late_c["answers"], key=late_c["answers"].get, default=None),
+        }
         for key, (a, b) in pairs.items():
             ev[f"{key}_early"], ev[f"{key}_late"] = _round(a), _round(b)
         found.append(ev)
@@ -215,16 +235,21 @@ def flag_step(history: list[dict], rows: list[dict], rule: CollapseRule = DEFAUL
         mine = ends[row["member"]]
         mine.add(row)
         ev = _evidence(mine, mine.n, rule)
-        found = ([{"category": None, **{k: v for k, v in ev.items() if k != "flagged"}}] if ev and ev["flagged"]
-                 else []) + category_evidence(mine, mine.n, rule)
+        found = (
+            [{"category": None, **{k: v for k, v in ev.items() if k != "flagged"}}] if ev and ev["flagged"] else []
+        ) + category_evidence(mine, mine.n, rule)
         row["collapse_flag"] = None if ev is None else int(bool(found))
         row["collapse_on"] = [BATCH if f["category"] is None else f["category"] for f in found]
         for f in found:
             if (row["member"], BATCH if f["category"] is None else f["category"]) not in flagged_before:
                 warning = {"slot": row["member"], **f}
-                log.warning("possible collapse of %s%s at step %s: %s", row["member"],
-                            f" in category {f['category']!r}" if f["category"] is not None else "", row["step"],
-                            describe(warning))
+                log.warning(
+                    "possible collapse of %s%s at step %s: %s",
+                    row["member"],
+                    f" in category {f['category']!r}" if f["category"] is not None else "",
+                    row["step"],
+                    describe(warning),
+                )
                 new.append(warning)
     return new
 
@@ -260,21 +285,28 @@ def describe(warning: dict) -> str:
     """One line for a warning: how diversity, agreement and pseudo-label accuracy moved between the windows, or
     how an evaluated category fell."""
     if warning.get("rule") == "eval_drop":
-        return (f"{warning['benchmark']} accuracy on {warning['category']!r} fell from {warning['accuracy_step0']:.3f} "
-                f"at step 0 to {warning['accuracy']:.3f} at step {warning['step']} (more than "
-                f"eval.max_category_drop={warning['max_drop']}, {warning['z']} standard errors)")
+        return (
+            f"{warning['benchmark']} accuracy on {warning['category']!r} fell from {warning['accuracy_step0']:.3f} "
+            f"at step 0 to {warning['accuracy']:.3f} at step {warning['step']} (more than "
+            f"eval.max_category_drop={warning['max_drop']}, {warning['z']} standard errors)"
+        )
 
     def move(key: str) -> str | None:
         early, late = warning.get(f"{key}_early"), warning.get(f"{key}_late")
         return None if early is None or late is None else f"{key} {early:.3f} -> {late:.3f}"
 
-    keys = (DIVERSITY_KEY, *AGREEMENT_KEYS, GOLD_KEY) if warning.get("category") is None else (
-        "answer_entropy", "agreement", "unanimous", "pseudo_label_acc")
+    keys = (
+        (DIVERSITY_KEY, *AGREEMENT_KEYS, GOLD_KEY)
+        if warning.get("category") is None
+        else ("answer_entropy", "agreement", "unanimous", "pseudo_label_acc")
+    )
     parts = [m for key in keys if (m := move(key))]
     early, late = warning["early_steps"], warning["late_steps"]
-    what = ("its answers are all one answer, "
-            f"{warning['top_answer_late']!r}, while agreement is high" if warning.get("rule") == "one_answer"
-            else "diversity falls while agreement rises")
+    what = (
+        f"its answers are all one answer, {warning['top_answer_late']!r}, while agreement is high"
+        if warning.get("rule") == "one_answer"
+        else "diversity falls while agreement rises"
+    )
     return f"{what} (steps {early[0]}-{early[1]} vs {late[0]}-{late[1]}: " + ", ".join(parts) + ")"
 
 
@@ -298,14 +330,24 @@ def eval_drops(eval_rows: list[dict], max_drop: float, z: float = EVAL_DROP_Z) -
         for name, value in row.items():
             if not name.startswith("accuracy_") or key not in base or base[key].get(name) is None:
                 continue
-            category, start = name[len("accuracy_"):], base[key][name]
+            category, start = name[len("accuracy_") :], base[key][name]
             n0, n1 = base[key].get(f"n_{category}"), row.get(f"n_{category}")
             score = _drop_z(start, value, n0, n1)
             if start - value > max_drop and score >= z and (*key, category) not in seen:
                 seen.add((*key, category))
-                found.append({"slot": row["member"], "step": row["step"], "category": category, "rule": "eval_drop",
-                              "benchmark": row["benchmark"], "accuracy_step0": start, "accuracy": value,
-                              "max_drop": max_drop, "z": round(score, 2)})
+                found.append(
+                    {
+                        "slot": row["member"],
+                        "step": row["step"],
+                        "category": category,
+                        "rule": "eval_drop",
+                        "benchmark": row["benchmark"],
+                        "accuracy_step0": start,
+                        "accuracy": value,
+                        "max_drop": max_drop,
+                        "z": round(score, 2),
+                    }
+                )
     return found
 
 

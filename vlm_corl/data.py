@@ -150,8 +150,10 @@ def load_examples(
         inspect.signature(fn).bind(path, split, **options)
     except TypeError as err:
         accepted = [p for p in list(inspect.signature(fn).parameters)[2:]]
-        raise DataError(f"the {loader!r} loader does not take these options {sorted(options)} ({err}); it accepts "
-                        f"{accepted or 'no options'} (data.train.options)") from err
+        raise DataError(
+            f"the {loader!r} loader does not take these options {sorted(options)} ({err}); it accepts "
+            f"{accepted or 'no options'} (data.train.options)"
+        ) from err
     items = fn(path, split, **options)
     report = LoadReport(loader, None if path is None else os.fspath(path), split)
     examples: list[Example] = []
@@ -202,15 +204,19 @@ def hub_dataset(name: str, config: str | None, split: str, loader: str) -> datas
 
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # no network, no such split, an interrupted download: the user's fix is the same
-        raise DataError(f"the {loader!r} loader got no path and cannot load {name} from the Hugging Face hub "
-                        f"({constants.ENDPOINT}: {type(e).__name__}: {str(e)[:200]}); download the official release "
-                        f"and give it with --data {loader}=PATH (data.train.path in a config)") from e
+        raise DataError(
+            f"the {loader!r} loader got no path and cannot load {name} from the Hugging Face hub "
+            f"({constants.ENDPOINT}: {type(e).__name__}: {str(e)[:200]}); download the official release "
+            f"and give it with --data {loader}=PATH (data.train.path in a config)"
+        ) from e
 
 
 def missing_path(path: Path) -> DataError:
     """The error for a data path that does not exist."""
-    return DataError(f"{path} does not exist: check the data path (data.train.path in a cohort config; relative "
-                     f"paths are from {Path.cwd()})")
+    return DataError(
+        f"{path} does not exist: check the data path (data.train.path in a cohort config; relative "
+        f"paths are from {Path.cwd()})"
+    )
 
 
 def balance_by(examples: list[Example], key: str, limit: int | None = None) -> list[Example]:
@@ -227,8 +233,10 @@ def balance_by(examples: list[Example], key: str, limit: int | None = None) -> l
         groups.setdefault(str(ex.metadata.get(key)), []).append(ex)
     per_value = min(len(g) for g in groups.values())
     if limit is not None and limit < len(groups):
-        raise DataError(f"a limit of {limit} cannot be balanced over the {len(groups)} values of {key!r} "
-                        f"({', '.join(sorted(groups))}); give at least {len(groups)}")
+        raise DataError(
+            f"a limit of {limit} cannot be balanced over the {len(groups)} values of {key!r} "
+            f"({', '.join(sorted(groups))}); give at least {len(groups)}"
+        )
     if limit is not None:
         per_value = min(per_value, limit // len(groups))
     return [ex for group in groups.values() for ex in group[:per_value]]
@@ -264,8 +272,10 @@ def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tupl
     Raises DataError naming the path when there is none.
     """
     if path is None:
-        raise DataError(f"the {loader!r} loader needs a path to a {'/'.join(suffixes)} file or a directory holding "
-                        f"<split>{suffixes[0]}: data.train.path in a cohort file, --data NAME=PATH for the eval CLI")
+        raise DataError(
+            f"the {loader!r} loader needs a path to a {'/'.join(suffixes)} file or a directory holding "
+            f"<split>{suffixes[0]}: data.train.path in a cohort file, --data NAME=PATH for the eval CLI"
+        )
     path = Path(path)
     if path.is_file():
         return path
@@ -274,8 +284,10 @@ def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tupl
             if (path / f"{split}{suffix}").is_file():
                 return path / f"{split}{suffix}"
         found = sorted(p.name for p in path.iterdir())[:20]
-        raise DataError(f"{path} has no {split}{suffixes[0]} for split {split!r} (found: "
-                        f"{', '.join(found) or 'nothing'}); give the file itself as the path, or another split")
+        raise DataError(
+            f"{path} has no {split}{suffixes[0]} for split {split!r} (found: "
+            f"{', '.join(found) or 'nothing'}); give the file itself as the path, or another split"
+        )
     raise missing_path(path)
 
 
@@ -403,8 +415,9 @@ def _jsonl_rows(file: Path, split: str, source: str, root: Path, fields) -> Iter
             except ValueError as e:
                 yield Skip("undecodable_line", f"line {index + 1}: {e}")
                 continue
-            yield example_from_row(row, fallback_id=f"{source}-{split}-{index:06d}", source=source,
-                                   image_root=root, fields=fields)
+            yield example_from_row(
+                row, fallback_id=f"{source}-{split}-{index:06d}", source=source, image_root=root, fields=fields
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -433,8 +446,10 @@ def load_hf(
     `datasets` converts data files to Arrow (default: its own cache). `source` defaults to the directory name.
     """
     if path is None:
-        raise DataError("the 'hf' loader needs a path: set data.train.path to a save_to_disk directory, a directory of "
-                        "parquet/arrow/json files, or one such file (nothing is downloaded)")
+        raise DataError(
+            "the 'hf' loader needs a path: set data.train.path to a save_to_disk directory, a directory of "
+            "parquet/arrow/json files, or one such file (nothing is downloaded)"
+        )
     path = Path(path)
     if not path.exists():
         raise missing_path(path)
@@ -445,8 +460,10 @@ def load_hf(
     if missing:
         raise DataError(f"{path}: no column {', '.join(missing)}; columns: {', '.join(columns)}")
     if not set(names["question"]) & set(columns):
-        raise DataError(f"{path}: no question column (looked for {', '.join(names['question'])}; columns: "
-                        f"{', '.join(columns)}); name it with fields={{'question': '<column>'}}")
+        raise DataError(
+            f"{path}: no question column (looked for {', '.join(names['question'])}; columns: "
+            f"{', '.join(columns)}); name it with fields={{'question': '<column>'}}"
+        )
     directory = path if path.is_dir() else path.parent
     name = source or directory.resolve().name
     root = Path(image_root) if image_root is not None else directory
@@ -463,15 +480,18 @@ def _open_hf(path: Path, split: str, cache_dir):
         elif path.is_dir():
             loaded = datasets.load_dataset(str(path), cache_dir=cache_dir)
         elif path.suffix in _HF_FILE_BUILDERS:
-            loaded = datasets.load_dataset(_HF_FILE_BUILDERS[path.suffix], data_files=str(path), split="train",
-                                           cache_dir=cache_dir)
+            loaded = datasets.load_dataset(
+                _HF_FILE_BUILDERS[path.suffix], data_files=str(path), split="train", cache_dir=cache_dir
+            )
         else:
             raise DataError(f"{path}: not a dataset file (expected {', '.join(_HF_FILE_BUILDERS)} or a directory)")
     except DataError:
         raise
     except Exception as e:  # datasets and pyarrow report unreadable data with many exception types
-        raise DataError(f"cannot read {path} as a Hugging Face dataset ({type(e).__name__}: {e}); it should be a "
-                        f"save_to_disk directory or parquet/arrow/json/csv files") from e
+        raise DataError(
+            f"cannot read {path} as a Hugging Face dataset ({type(e).__name__}: {e}); it should be a "
+            f"save_to_disk directory or parquet/arrow/json/csv files"
+        ) from e
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DataError(f"{path} has no split {split!r} (splits: {', '.join(loaded)})")
@@ -484,8 +504,9 @@ def _hf_rows(dataset, split: str, source: str, root: Path, fields) -> Iterator[E
     index = 0
     for batch in dataset.with_format("arrow").iter(batch_size=1000):
         for row in batch.to_pylist():
-            yield example_from_row(row, fallback_id=f"{source}-{split}-{index:06d}", source=source,
-                                   image_root=root, fields=fields)
+            yield example_from_row(
+                row, fallback_id=f"{source}-{split}-{index:06d}", source=source, image_root=root, fields=fields
+            )
             index += 1
 
 
@@ -498,8 +519,12 @@ _EASYVQA_SHAPES = frozenset({"circle", "rectangle", "triangle"})
 # a colour + "shape", or "shape"). "which shape is {x}?" is ours: "what is the {x} shape?" has no twin.
 _EASYVQA_WORDINGS = (
     ("is there a {x}?", "is there a {x} in the image?", "does the image contain a {x}?", "is a {x} present?"),
-    ("is there not a {x}?", "is there not a {x} in the image?", "does the image not contain a {x}?",
-     "is no {x} present?"),
+    (
+        "is there not a {x}?",
+        "is there not a {x} in the image?",
+        "does the image not contain a {x}?",
+        "is no {x} present?",
+    ),
     ("what color is the {x}?", "what is the color of the {x}?"),
     ("what shape is in the image?", "what shape does the image contain?", "what shape is present?"),
     ("what is the {x} shape?", "which shape is {x}?"),
@@ -523,7 +548,7 @@ def easyvqa_paraphrases(question: str) -> tuple[str, ...]:
 
 
 def easyvqa_question_type(answer: str) -> str:
-    """"yes/no", "shape" or "color", from the answer (the 13 answers split cleanly into these)."""
+    """ "yes/no", "shape" or "color", from the answer (the 13 answers split cleanly into these)."""
     if answer in ("yes", "no"):
         return "yes/no"
     return "shape" if answer in _EASYVQA_SHAPES else "color"
@@ -537,8 +562,9 @@ def load_easyvqa(path: str | os.PathLike | None, split: str = "train") -> Iterat
     the other wordings of its question as paraphrases, and metadata {"question_type", "image_id"}.
     """
     if path is not None:
-        raise DataError(f"the 'easyvqa' loader reads the installed easy-vqa package; leave data.train.path empty "
-                        f"(got {path})")
+        raise DataError(
+            f"the 'easyvqa' loader reads the installed easy-vqa package; leave data.train.path empty (got {path})"
+        )
     try:
         import easy_vqa
     except ImportError as e:

@@ -84,17 +84,21 @@ def load_deepspeed_config(path: str | Path, grad_clip: float, group_size: int) -
             raise DeepSpeedConfigError(f"{path}: remove the {key!r} section: {why}")
     zero = cfg.setdefault("zero_optimization", {"stage": 2})
     if zero.get("stage", 0) not in (2, 3):
-        raise DeepSpeedConfigError(f"{path}: zero_optimization.stage must be 2 or 3 (without DeepSpeed the update "
-                                   "is plain data parallel: set train.deepspeed=null)")
-    cfg.update({
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": group_size,
-        "managed_gradient_accumulation": False,  # step() is the boundary, whatever the micro-batch count
-        "gradient_clipping": grad_clip,
-        "zero_allow_untested_optimizer": True,  # a client torch AdamW
-        "steps_per_print": 10**9,
-    })
+        raise DeepSpeedConfigError(
+            f"{path}: zero_optimization.stage must be 2 or 3 (without DeepSpeed the update "
+            "is plain data parallel: set train.deepspeed=null)"
+        )
+    cfg.update(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": group_size,
+            "managed_gradient_accumulation": False,  # step() is the boundary, whatever the micro-batch count
+            "gradient_clipping": grad_clip,
+            "zero_allow_untested_optimizer": True,  # a client torch AdamW
+            "steps_per_print": 10**9,
+        }
+    )
     if "offload_optimizer" in zero:
         cfg["zero_force_ds_cpu_optimizer"] = False  # keep the client AdamW (no JIT-built CPU Adam)
     return cfg
@@ -115,8 +119,10 @@ def _check_trace_within_group(ints: list[int]) -> None:
     seen = [None] * dist.get_world_size(group)
     dist.all_gather_object(seen, list(ints), group=group)
     if any(other != seen[0] for other in seen):
-        raise RuntimeError("the ranks of a ZeRO-3 member ran different module orders (their micro-batches differ "
-                           "in structure, e.g. with and without images); keep each member's data homogeneous")
+        raise RuntimeError(
+            "the ranks of a ZeRO-3 member ran different module orders (their micro-batches differ "
+            "in structure, e.g. with and without images); keep each member's data homogeneous"
+        )
 
 
 def _patch_zero3_trace_check() -> None:
@@ -129,8 +135,9 @@ def _patch_zero3_trace_check() -> None:
 class DeepSpeedUpdate:
     """A trainable member's DeepSpeed engine over its group: backward, step, lockstep, state save/load."""
 
-    def __init__(self, member, ds_config: dict, dp_group, mp_group, keep_full_copy: bool = False,
-                 bucket_bytes: int = 512 << 20):
+    def __init__(
+        self, member, ds_config: dict, dp_group, mp_group, keep_full_copy: bool = False, bucket_bytes: int = 512 << 20
+    ):
         import deepspeed  # optional dependency: the `deepspeed` extra
 
         self.stage = ds_config["zero_optimization"]["stage"]
@@ -145,7 +152,10 @@ class DeepSpeedUpdate:
         for p in member.model.parameters():
             p.grad = None  # DeepSpeed keeps gradients in its own buffers
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=member.model, optimizer=member.optimizer, lr_scheduler=member.scheduler, config=ds_config,
+            model=member.model,
+            optimizer=member.optimizer,
+            lr_scheduler=member.scheduler,
+            config=ds_config,
             mpu=GroupMPU(dp_group, mp_group),
         )
         self.module = self.engine.module
@@ -226,16 +236,24 @@ class DeepSpeedUpdate:
 
     def save_state(self, directory: Path) -> None:
         """This rank's partition of the optimizer state, the schedule and the step count (no collective)."""
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "global_steps": self.engine.global_steps, "group_size": self.size},
-                   Path(directory) / STATE_FILE.format(self.rank))
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "global_steps": self.engine.global_steps,
+                "group_size": self.size,
+            },
+            Path(directory) / STATE_FILE.format(self.rank),
+        )
 
     def load_state(self, directory: Path) -> None:
         path = Path(directory) / STATE_FILE.format(self.rank)
         state = read_state(path, weights_only=False)
         if state["group_size"] != self.size:
-            raise ValueError(f"{path} was saved by a member on {state['group_size']} ranks, this run gives it "
-                             f"{self.size}: resume with the same members[*].ranks and number of processes")
+            raise ValueError(
+                f"{path} was saved by a member on {state['group_size']} ranks, this run gives it "
+                f"{self.size}: resume with the same members[*].ranks and number of processes"
+            )
         parts = [None] * self.size
         parts[self.rank] = state["optimizer"]  # ZeRO's loader indexes the states by group rank
         self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)

@@ -141,11 +141,13 @@ def launch_world(timeout_s: float = 1800.0, need_group: bool = False) -> World:
         torch.cuda.set_device(device)
     if size == 1 and need_group and "MASTER_PORT" not in os.environ:
         # what a launcher would set (DeepSpeed reads LOCAL_RANK from the environment)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     if (size > 1 or need_group) and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s),
-                                rank=rank, world_size=size)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s), rank=rank, world_size=size
+        )
     return World(rank, size, local_rank, device, timeout_s)
 
 
@@ -160,8 +162,10 @@ def place_members(members: Sequence[MemberConfig], world_size: int) -> dict[str,
     ids = ", ".join(m.id for m in members)
     given = [m.ranks for m in members if m.ranks is not None]
     if given and len(given) != n:
-        raise PlacementError("members[*].ranks is set for some members but not all: give every member its "
-                             "ranks, or none (an even automatic split)")
+        raise PlacementError(
+            "members[*].ranks is set for some members but not all: give every member its "
+            "ranks, or none (an even automatic split)"
+        )
     if given:
         placement = {m.id: tuple(sorted(set(m.ranks))) for m in members}
     elif world_size == 1:
@@ -191,7 +195,7 @@ def _check_placement(placement: dict[str, tuple[int, ...]], world_size: int) -> 
             )
     lists = sorted(set(placement.values()))
     for i, a in enumerate(lists):
-        for b in lists[i + 1:]:
+        for b in lists[i + 1 :]:
             if set(a) & set(b):
                 owners = [mid for mid, r in placement.items() if r in (a, b)]
                 raise PlacementError(
@@ -279,8 +283,14 @@ def weights_checksum(tensors: Iterable[torch.Tensor]) -> float:
 ALIVE_GRACE_S = 3.0  # how long a surviving rank waits for the others to mark themselves alive
 
 
-def failure_report(world: World, placement: dict[str, tuple[int, ...]], err: CollectiveError, step: int,
-                   phase: str, checkpoint: Path | None) -> str:
+def failure_report(
+    world: World,
+    placement: dict[str, tuple[int, ...]],
+    err: CollectiveError,
+    step: int,
+    phase: str,
+    checkpoint: Path | None,
+) -> str:
     """The message a surviving rank stops with: which ranks (and members) are dead or hung, where each was,
     and how to resume.
 
@@ -302,9 +312,18 @@ def failure_report(world: World, placement: dict[str, tuple[int, ...]], err: Col
     progress = world.progress()
     members = {r: ", ".join(mid for mid, ranks in placement.items() if r in ranks) for r in range(world.size)}
     silent = [r for r in range(world.size) if r not in answered] if store is not None else []
-    who = "; ".join(f"rank {r} ({members[r]}) died or hangs (last at step/phase {progress.get(r, 'unknown')!r})"
-                    for r in silent) or "every rank answered (a network failure?)"
-    resume = (f"the last complete checkpoint is {checkpoint}: after fixing the cause, relaunch with "
-              "train.resume=true" if checkpoint else "no checkpoint was written yet; relaunch from the start")
-    return (f"rank {world.rank} stopped at step {step}, phase {phase}: {err}. {who}. Collectives wait at most "
-            f"train.dist_timeout_s={world.timeout_s:g}s; {resume}.")
+    who = (
+        "; ".join(
+            f"rank {r} ({members[r]}) died or hangs (last at step/phase {progress.get(r, 'unknown')!r})" for r in silent
+        )
+        or "every rank answered (a network failure?)"
+    )
+    resume = (
+        f"the last complete checkpoint is {checkpoint}: after fixing the cause, relaunch with train.resume=true"
+        if checkpoint
+        else "no checkpoint was written yet; relaunch from the start"
+    )
+    return (
+        f"rank {world.rank} stopped at step {step}, phase {phase}: {err}. {who}. Collectives wait at most "
+        f"train.dist_timeout_s={world.timeout_s:g}s; {resume}."
+    )

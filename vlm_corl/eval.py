@@ -78,8 +78,14 @@ EVAL_BATCH = 64  # questions per engine call
 EVAL_IMAGE_PIXELS = DataConfig().max_image_pixels  # as in training: larger images are downscaled
 
 
-def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, progress: bool = False,
-                    engine: RolloutEngine | None = None, max_prompt_tokens: int = 1 << 30) -> dict:
+def evaluate_member(
+    member: Member,
+    examples: list[Example],
+    bench: Benchmark,
+    progress: bool = False,
+    engine: RolloutEngine | None = None,
+    max_prompt_tokens: int = 1 << 30,
+) -> dict:
     """Accuracy of `member` on `examples` (overall and per category), every prediction, and with K samples per
     question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal.
 
@@ -87,12 +93,14 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, p
     for `max_prompt_tokens` + the benchmark's max_new_tokens)."""
     render = Renderer(member, "original", EVAL_IMAGE_PIXELS, max_prompt_tokens, style=bench.prompt_style)
     engine = engine or make_engine("hf", member)
-    params = SamplingParams(n=bench.samples, temperature=bench.temperature, top_p=bench.top_p,
-                            max_new_tokens=bench.max_new_tokens)
+    params = SamplingParams(
+        n=bench.samples, temperature=bench.temperature, top_p=bench.top_p, max_new_tokens=bench.max_new_tokens
+    )
     key = bench.category or bench.balance_by
     records = []
-    bar = tqdm(total=len(examples), desc=f"eval {member.id} on {bench.name}", unit="q",
-               disable=None if progress else True)
+    bar = tqdm(
+        total=len(examples), desc=f"eval {member.id} on {bench.name}", unit="q", disable=None if progress else True
+    )
     for start in range(0, len(examples), EVAL_BATCH):
         chunk = examples[start : start + EVAL_BATCH]
         bar.update(len(chunk))
@@ -104,8 +112,14 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, p
                 right = [bench.grade(ex, t) for t in texts]
             else:
                 right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
-            record = {"id": ex.id, "type": ex.metadata.get(key) if key else None, "pred": preds[0],
-                      "gold": ex.answer, "correct": sum(right) / len(right), "response": texts[0]}
+            record = {
+                "id": ex.id,
+                "type": ex.metadata.get(key) if key else None,
+                "pred": preds[0],
+                "gold": ex.answer,
+                "correct": sum(right) / len(right),
+                "response": texts[0],
+            }
             if bench.samples > 1:
                 record.update(preds=preds, n_correct=sum(right))
                 if bench.grade is None:  # a majority needs extracted answers to vote on
@@ -113,10 +127,15 @@ def evaluate_member(member: Member, examples: list[Example], bench: Benchmark, p
                     record["maj_correct"] = grade_answer(ex.answer, vote, ex.choices, bench.answer_type)
             records.append(record)
     bar.close()
-    result = {"accuracy": _acc(records), "by_type": _by_type(records), "n": len(records), "records": records,
-              "metric": bench.metric, "samples": bench.samples,
-              "decoding": {"temperature": bench.temperature, "top_p": bench.top_p,
-                           "max_new_tokens": bench.max_new_tokens}}
+    result = {
+        "accuracy": _acc(records),
+        "by_type": _by_type(records),
+        "n": len(records),
+        "records": records,
+        "metric": bench.metric,
+        "samples": bench.samples,
+        "decoding": {"temperature": bench.temperature, "top_p": bench.top_p, "max_new_tokens": bench.max_new_tokens},
+    }
     if bench.samples > 1:
         k = bench.samples
         result[f"avg@{k}"] = result["accuracy"]
@@ -165,8 +184,9 @@ def check_models(models: dict[str, str], examples: list[Example]) -> None:
         check_modality(member_family(MemberConfig(id=name, model=str(path)), path), examples, f"model {name} ({path})")
 
 
-def evaluate_dir(model_dir: str | Path, bench: Benchmark, examples: list[Example], name: str | None = None,
-                 progress: bool = False) -> dict:
+def evaluate_dir(
+    model_dir: str | Path, bench: Benchmark, examples: list[Example], name: str | None = None, progress: bool = False
+) -> dict:
     """Load a saved model (zoo member or checkpoint) as a frozen member and evaluate it."""
     cfg = MemberConfig(id=name or Path(model_dir).name, model=str(model_dir), trainable=False)
     return evaluate_member(load_member(cfg), examples, bench, progress=progress)
@@ -175,29 +195,39 @@ def evaluate_dir(model_dir: str | Path, bench: Benchmark, examples: list[Example
 def results_markdown(results: dict) -> str:
     """A table: one row per model and benchmark: its metric, accuracy (avg over samples), per category, decoding;
     then one line per benchmark with aggregate scores (`Benchmark.aggregate`)."""
-    lines = ["| model | benchmark | n | metric | score | accuracy | by category | decoding |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | benchmark | n | metric | score | accuracy | by category | decoding |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for model, benches in results.items():
         for bench, r in benches.items():
             types = ", ".join(f"{t} {a:.3f}" for t, a in r["by_type"].items())
             d = r.get("decoding", {})
             decoding = "greedy" if not d.get("temperature") else f"T={d['temperature']}, top-p {d['top_p']}"
             score = r.get("score", r["accuracy"])
-            lines.append(f"| {model} | {bench} | {r['n']} | {r.get('metric', 'accuracy')} | {score:.3f} "
-                         f"| {r['accuracy']:.3f} | {types} | {decoding} |")
-    extra = [f"- {model} / {bench}: {_compact(r['aggregate'])}" for model, benches in results.items()
-             for bench, r in benches.items() if r.get("aggregate")]
+            lines.append(
+                f"| {model} | {bench} | {r['n']} | {r.get('metric', 'accuracy')} | {score:.3f} "
+                f"| {r['accuracy']:.3f} | {types} | {decoding} |"
+            )
+    extra = [
+        f"- {model} / {bench}: {_compact(r['aggregate'])}"
+        for model, benches in results.items()
+        for bench, r in benches.items()
+        if r.get("aggregate")
+    ]
     return "\n".join(lines + ([""] + extra if extra else [])) + "\n"
 
 
 def _compact(scores: dict) -> str:
     """One line for a benchmark's aggregate scores: "by_level: 1 0.500, 2 0.250; IK 0.167, ..."."""
+
     def show(value: object) -> str:
         return f"{value:.3f}" if isinstance(value, float) else str(value)
 
     flat = ", ".join(f"{k} {show(v)}" for k, v in scores.items() if not isinstance(v, dict))
-    nested = [f"{k}: " + ", ".join(f"{t} {show(v)}" for t, v in d.items()) for k, d in scores.items()
-              if isinstance(d, dict)]
+    nested = [
+        f"{k}: " + ", ".join(f"{t} {show(v)}" for t, v in d.items()) for k, d in scores.items() if isinstance(d, dict)
+    ]
     return "; ".join(([flat] if flat else []) + nested)
 
 
@@ -205,29 +235,58 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("python -m vlm_corl.eval", __doc__)
     parser.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
     parser.add_argument("--models", nargs="+", help="model directories (HF format)")
-    parser.add_argument("--benchmarks", help="comma-separated registered names or benchmark YAML files "
-                        "(vlm_corl.benchmark_file); see --list")
+    parser.add_argument(
+        "--benchmarks",
+        help="comma-separated registered names or benchmark YAML files (vlm_corl.benchmark_file); see --list",
+    )
     parser.add_argument("--out", help="directory for results.json and results.md")
-    parser.add_argument("--limit", type=cli.positive_int, default=None,
-                        help="examples per benchmark, at least 1 (balanced by type where defined); leave it out "
-                             "for every example")
-    parser.add_argument("--data", action="append", default=[], metavar="BENCH=PATH",
-                        help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 "
-                             "(default: the copy shipped in text_corl)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                        help="answer sampler: hf (transformers, any machine) | vllm (one engine per model)")
-    parser.add_argument("--max-prompt-tokens", type=cli.positive_int, default=4096,
-                        help="vllm: longest prompt the engines make room for (with the benchmarks' max_new_tokens)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8,
-                        help="vllm: share of GPU memory all the engines take together (split among the models)")
-    parser.add_argument("--kv-cache-bytes", type=cli.positive_int, default=None,
-                        help="vllm on a CPU: KV cache bytes of all engines together (the share above is of RAM there)")
+    parser.add_argument(
+        "--limit",
+        type=cli.positive_int,
+        default=None,
+        help="examples per benchmark, at least 1 (balanced by type where defined); leave it out for every example",
+    )
+    parser.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="BENCH=PATH",
+        help="data path for a benchmark whose loader needs one, e.g. math500=path/to/math500 "
+        "(default: the copy shipped in text_corl)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="answer sampler: hf (transformers, any machine) | vllm (one engine per model)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=cli.positive_int,
+        default=4096,
+        help="vllm: longest prompt the engines make room for (with the benchmarks' max_new_tokens)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.8,
+        help="vllm: share of GPU memory all the engines take together (split among the models)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=cli.positive_int,
+        default=None,
+        help="vllm on a CPU: KV cache bytes of all engines together (the share above is of RAM there)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         print(benchmark_list())
         return 0
-    missing = [flag for flag, value in (("--models", args.models), ("--benchmarks", args.benchmarks),
-                                        ("--out", args.out)) if not value]
+    missing = [
+        flag
+        for flag, value in (("--models", args.models), ("--benchmarks", args.benchmarks), ("--out", args.out))
+        if not value
+    ]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)} (or --list)")
     bad_data = [item for item in args.data if "=" not in item]
@@ -251,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(engine if args.engine == "vllm" else None)
         for name, bench in benches.items():
             results.setdefault(str(model_dir), {})[bench.name] = evaluate_member(
-                member, examples[name], bench, progress=True, engine=engine, max_prompt_tokens=room)
+                member, examples[name], bench, progress=True, engine=engine, max_prompt_tokens=room
+            )
     write_results(out, results, results_markdown(results))
     return 0
 
@@ -268,8 +328,10 @@ def model_dirs(paths: list[str]) -> list[Path]:
             continue
         checkpoint = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
         if checkpoint is None or not is_complete(checkpoint):
-            raise UserError(f"--models {raw}: not a model directory (no config.json), a complete cohort checkpoint "
-                                "(RUN/checkpoints/step-N with its manifest.json) or a run directory holding one")
+            raise UserError(
+                f"--models {raw}: not a model directory (no config.json), a complete cohort checkpoint "
+                "(RUN/checkpoints/step-N with its manifest.json) or a run directory holding one"
+            )
         found += [checkpoint / mid for mid in json.loads((checkpoint / MANIFEST).read_text())["members"]]
     return found
 
@@ -280,8 +342,12 @@ def _engine(args, member: Member, benches: list[Benchmark], examples: dict, shar
     if args.engine == "hf":
         return make_engine("hf", member), 1 << 30
     budget = VllmConfig(gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_bytes)
-    rollout = RolloutConfig(engine="vllm", max_prompt_tokens=args.max_prompt_tokens,
-                            max_new_tokens=max(b.max_new_tokens for b in benches), vllm=budget)
+    rollout = RolloutConfig(
+        engine="vllm",
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=max(b.max_new_tokens for b in benches),
+        vllm=budget,
+    )
     images = max(len(ex.images) for exs in examples.values() for ex in exs)
     return make_engine("vllm", member, rollout, images, share), args.max_prompt_tokens
 

@@ -39,8 +39,10 @@ def exchange(world: World, batch_ids: list[str], local: dict[str, dict[int, Row]
     for rank, part in enumerate(parts):
         for slot, rows in part["rows"].items():
             if slot not in merged:
-                raise LockstepError(f"rank {rank} sent answers of slot {slot!r}, which is not one of the cohort's "
-                                    f"{slot_ids}: every rank must run the same config and code version")
+                raise LockstepError(
+                    f"rank {rank} sent answers of slot {slot!r}, which is not one of the cohort's "
+                    f"{slot_ids}: every rank must run the same config and code version"
+                )
             merged[slot].update(rows)
     positions = range(len(batch_ids))
     fields: list[list] | None = None

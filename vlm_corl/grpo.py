@@ -156,8 +156,14 @@ def _self_certainty(logp: Tensor) -> Tensor:
 CHUNK_ELEMENTS = 1 << 23  # fp32 elements per chunk (32 MiB) when chunk_rows is not given
 
 
-def selective_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = (),
-                       chunk_rows: int | None = None, inplace_backward: bool = False) -> Tensor:
+def selective_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    suppressed: Sequence[int] = (),
+    chunk_rows: int | None = None,
+    inplace_backward: bool = False,
+) -> Tensor:
     """log pi(target) under the policy of `logits`: tempered, `suppressed` ids removed. (..., V), (...) -> (...) fp32.
 
     Equals log_softmax(logits.float() / temperature with suppressed ids at -inf).gather(targets) (a suppressed
@@ -171,8 +177,9 @@ def selective_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0
 
 
 @torch.no_grad()
-def token_stats(logits: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = (),
-                chunk_rows: int | None = None) -> tuple[Tensor, Tensor]:
+def token_stats(
+    logits: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = (), chunk_rows: int | None = None
+) -> tuple[Tensor, Tensor]:
     """(`token_entropy`, `token_self_certainty`) of the policy of `logits` (tempered, `suppressed` ids removed),
     (..., V) -> (...) each, computed `chunk_rows` rows at a time. No gradients."""
     rows = _rows(logits)
@@ -206,8 +213,9 @@ class _SelectiveLogprobs(torch.autograd.Function):
     softmax: d logp_t / d logits = (onehot(t) - softmax) / temperature is recomputed chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, how: tuple[float, tuple[int, ...], int],
-                inplace_backward: bool) -> Tensor:  # how: (temperature, suppressed ids, chunk rows)
+    def forward(
+        ctx, logits: Tensor, targets: Tensor, how: tuple[float, tuple[int, ...], int], inplace_backward: bool
+    ) -> Tensor:  # how: (temperature, suppressed ids, chunk rows)
         temperature, suppressed, chunk_rows = how
         rows, index = _rows(logits), targets.reshape(-1, 1)
         logp = torch.empty(rows.shape[0], device=logits.device)

@@ -46,11 +46,17 @@ class CollapseStopped(Exception):
 def stop_message(warning: dict, action: str, checkpoint: Path | None) -> str:
     """The one message a guarded run stops with."""
     where = f" in category {warning['category']!r}" if warning.get("category") is not None else ""
-    text = (f"collapse guard (train.on_collapse={action}): member {warning['slot']!r}{where} at step "
-            f"{warning['step']}: {describe(warning)}")
+    text = (
+        f"collapse guard (train.on_collapse={action}): member {warning['slot']!r}{where} at step "
+        f"{warning['step']}: {describe(warning)}"
+    )
     if action == "rollback":
-        text += (f"; rolled back to {checkpoint}, the last checkpoint before it (later ones moved to "
-                 f"checkpoints/{COLLAPSED_DIR}/)" if checkpoint else "; no checkpoint was taken before it")
+        text += (
+            f"; rolled back to {checkpoint}, the last checkpoint before it (later ones moved to "
+            f"checkpoints/{COLLAPSED_DIR}/)"
+            if checkpoint
+            else "; no checkpoint was taken before it"
+        )
     elif checkpoint:
         text += f"; the newest checkpoint is {checkpoint}"
     return text
@@ -73,8 +79,11 @@ def roll_back(run_dir: Path, first_flag_step: int) -> Path | None:
 def improved(rows: list[dict], benchmark: str, best: dict[str, dict]) -> list[dict]:
     """The evaluation rows of `benchmark` whose score beats the member's best so far (`best`: {member: {step,
     benchmark, score}}; a first evaluation always does)."""
-    return [r for r in rows if r["benchmark"] == benchmark
-            and (r["member"] not in best or r["score"] > best[r["member"]]["score"])]
+    return [
+        r
+        for r in rows
+        if r["benchmark"] == benchmark and (r["member"] not in best or r["score"] > best[r["member"]]["score"])
+    ]
 
 
 def save_best(member: Member, run_dir: Path, writer: bool) -> None:

@@ -25,30 +25,55 @@ import torch
 from tqdm import tqdm
 
 from vlm_corl.answers import extract_answer
-from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, required_files, restore_rng, save_checkpoint
-from vlm_corl.cohort import (Slot, SlotSpec, build_slots, check_views, ema_update, models_to_save, slot_specs,
-                             teacher_decay)
 from vlm_corl.category_metrics import category_step_stats, window_metrics
+from vlm_corl.checkpoint import latest_checkpoint, load_cohort_state, required_files, restore_rng, save_checkpoint
+from vlm_corl.cohort import (
+    Slot,
+    SlotSpec,
+    build_slots,
+    check_views,
+    ema_update,
+    models_to_save,
+    slot_specs,
+    teacher_decay,
+)
 from vlm_corl.collapse import collapse_warnings, eval_drops, flag_step
 from vlm_corl.collapse import describe as describe_collapse
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.schema import DatasetConfig, EvalConfig
 from vlm_corl.data import DataError, load_examples
-from vlm_corl.errors import Interrupted
 from vlm_corl.deepspeed_update import state_files
+from vlm_corl.distributed import (
+    CollectiveError,
+    World,
+    build_groups,
+    describe,
+    failure_report,
+    launch_world,
+    place_members,
+    shard,
+    weights_checksum,
+)
+from vlm_corl.errors import Interrupted
 from vlm_corl.eval import benchmark_examples, evaluate_member
-from vlm_corl.distributed import (CollectiveError, World, build_groups, describe, failure_report, launch_world,
-                                  place_members, shard, weights_checksum)
 from vlm_corl.exchange import exchange
 from vlm_corl.grpo import group_advantages, nonzero_variance_groups
+from vlm_corl.guard import (
+    BEST_DIR,
+    CollapseStopped,
+    improved,
+    read_best,
+    roll_back,
+    save_best,
+    stop_message,
+    write_best,
+)
 from vlm_corl.member import Member, check_modality, load_member, member_family
-from vlm_corl.guard import (BEST_DIR, CollapseStopped, improved, read_best, roll_back, save_best, stop_message,
-                            write_best)
 from vlm_corl.metrics import MetricsSink, cohort_unanimity, member_metrics, unanimity
 from vlm_corl.paraphrases import apply_paraphrases, read_cache
+from vlm_corl.records import Example
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.rewards import CohortBatch, RewardSpec, resolve_reward
-from vlm_corl.records import Example
 from vlm_corl.rollout import Prompt, RolloutGroup, SamplingParams
 from vlm_corl.sampler import LockstepSampler
 from vlm_corl.update import Sequence, policy_update, response_token_stats
@@ -81,16 +106,24 @@ class PhaseTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-def sampling_params(cfg: CohortConfig, slot_index: int, member_seed: int, step: int,
-                    first_position: int = 0) -> SamplingParams:
+def sampling_params(
+    cfg: CohortConfig, slot_index: int, member_seed: int, step: int, first_position: int = 0
+) -> SamplingParams:
     """A slot's sampling parameters at `step` for prompts from batch position `first_position` on; its seed
     is a pure function of (run, slot, step), so a resumed run samples exactly what the uninterrupted one
     would have (engines derive each prompt's stream from the seed and the prompt's batch position)."""
     r = cfg.rollout
     seed = (cfg.seed * 1_000_003 + (slot_index * 7919 + member_seed) * 104_729 + step) % (2**63)
-    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=seed,
-                          first_position=first_position)
+    return SamplingParams(
+        n=r.n,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=tuple(r.stop),
+        seed=seed,
+        first_position=first_position,
+    )
 
 
 def format_ok(text: str, style: str) -> bool:
@@ -139,8 +172,9 @@ def run_cohort(cfg: CohortConfig) -> dict:
     except CollectiveError as err:
         if run.world.distributed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop may not cut the report short
-        raise RankFailure(failure_report(run.world, run.placement, err, timer.step + 1, timer.phase,
-                                         latest_checkpoint(run.run_dir))) from err
+        raise RankFailure(
+            failure_report(run.world, run.placement, err, timer.step + 1, timer.phase, latest_checkpoint(run.run_dir))
+        ) from err
 
 
 @contextmanager
@@ -164,8 +198,14 @@ def stopped_by_launcher(world: World) -> Iterator[None]:
 def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     """The step loop from `run.start` to train.max_steps; `timer` is renewed each step (phases and times)."""
     cfg = run.cfg
-    bar = tqdm(range(run.start, cfg.train.max_steps), initial=run.start, total=cfg.train.max_steps,
-               disable=not (cfg.logging.progress and run.world.is_main), desc="cohort", dynamic_ncols=True)
+    bar = tqdm(
+        range(run.start, cfg.train.max_steps),
+        initial=run.start,
+        total=cfg.train.max_steps,
+        disable=not (cfg.logging.progress and run.world.is_main),
+        desc="cohort",
+        dynamic_ncols=True,
+    )
     renders, stopped = RenderAhead(run), None
     if cfg.eval.every and run.start == 0:  # the step-0 baseline of the eval-drop flag and the first best model
         with timer("eval"):
@@ -215,8 +255,9 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
         cohort = cohort_batch(run, batch, exchanged)
         scored = run.reward_spec.fn(cohort, cfg.reward)
     with timer("advantage"):
-        advantages = [group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps)
-                      for n in range(len(run.specs))]
+        advantages = [
+            group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps) for n in range(len(run.specs))
+        ]
     with timer("update"):
         updates = update_phase(run, groups, advantages, scored.rewards, lengths, step)
     with timer("sync"):
@@ -225,8 +266,16 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
         updates, rollout_s = _gather_step_facts(run.world, updates, rollout_s)
         if not run.world.is_main:
             return [], []
-        outcome = StepOutcome(step + 1, cohort, scored, [ex.answer for ex in batch],
-                              categories(batch, cfg.logging.category_key), lengths, updates, rollout_s)
+        outcome = StepOutcome(
+            step + 1,
+            cohort,
+            scored,
+            [ex.answer for ex in batch],
+            categories(batch, cfg.logging.category_key),
+            lengths,
+            updates,
+            rollout_s,
+        )
         rows, warnings = metrics_rows(run, outcome)
         run.history.extend(rows)
         return rows, warnings
@@ -263,15 +312,25 @@ def cohort_batch(run: CohortRun, batch: list[Example], exchanged: list[list]) ->
     if run.reward_spec.needs_scores:
         scores = {"entropy": torch.tensor(entropy).float(), "self_certainty": torch.tensor(certainty).float()}
     gold = [ex.answer for ex in batch] if run.reward_spec.uses_gold else [None] * len(batch)
-    return CohortBatch(member_ids=tuple(s.id for s in run.specs), answers=answers, format_ok=formats, texts=texts,
-                       choices=[ex.choices for ex in batch], gold=gold, scores=scores)
+    return CohortBatch(
+        member_ids=tuple(s.id for s in run.specs),
+        answers=answers,
+        format_ok=formats,
+        texts=texts,
+        choices=[ex.choices for ex in batch],
+        gold=gold,
+        scores=scores,
+    )
 
 
 def finish_run(run: CohortRun, stopped: dict | None) -> dict:
     """The run's summary (written by rank 0 to summary.json): last metrics per member, collapse warnings, the
     guard's stop, best models, data records kept and skipped, and the environment."""
-    fallbacks = {sid: n for part in run.world.all_gather({s.id: s.renderer.view_fallbacks for s in run.slots})
-                 for sid, n in part.items()}
+    fallbacks = {
+        sid: n
+        for part in run.world.all_gather({s.id: s.renderer.view_fallbacks for s in run.slots})
+        for sid, n in part.items()
+    }
     summary = _summary(run.cfg, run.history, run.run_dir, fallbacks)
     if run.cfg.eval.max_category_drop:
         summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
@@ -317,8 +376,13 @@ def eval_phase(run: CohortRun, step: int) -> list[dict]:
     max_drop = run.cfg.eval.max_category_drop
     new = [w for w in eval_drops(run.eval_history, max_drop) if w["step"] == step] if max_drop else []
     for w in new:
-        log.warning("possible collapse of %s in category %r at step %d: %s", w["slot"], w["category"], step,
-                    describe_collapse(w))
+        log.warning(
+            "possible collapse of %s in category %r at step %d: %s",
+            w["slot"],
+            w["category"],
+            step,
+            describe_collapse(w),
+        )
     return new
 
 
@@ -353,9 +417,13 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     resume_from = _resume_point(cfg, run_dir)
     state = load_cohort_state(resume_from) if resume_from else None
     if state is not None and state["step"] >= cfg.train.max_steps:  # before anything expensive is loaded
-        raise ConfigError([f"train.max_steps={cfg.train.max_steps} but {resume_from} is already at step "
-                           f"{state['step']}: raise train.max_steps to train further, or start a new output_dir"],
-                          ["train.max_steps"])
+        raise ConfigError(
+            [
+                f"train.max_steps={cfg.train.max_steps} but {resume_from} is already at step "
+                f"{state['step']}: raise train.max_steps to train further, or start a new output_dir"
+            ],
+            ["train.max_steps"],
+        )
     if resume_from is None:
         _claim_run_dir(cfg, run_dir, clear=world.is_main)
     world.barrier()  # every rank has looked at the run directory before anything new is written
@@ -392,8 +460,25 @@ def start_run(cfg: CohortConfig) -> CohortRun:
                 sink.write(state.get("rows", []))
                 history += state.get("rows", [])
         log.info("resumed from %s (step %d)", resume_from, start)
-    return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
-                     reward_spec, start, history, data_report, eval_history, read_best(run_dir))
+    return CohortRun(
+        cfg,
+        run_dir,
+        world,
+        placement,
+        examples,
+        sampler,
+        members,
+        specs,
+        slots,
+        shards,
+        sink,
+        reward_spec,
+        start,
+        history,
+        data_report,
+        eval_history,
+        read_best(run_dir),
+    )
 
 
 def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume_from: Path | None) -> list:
@@ -423,12 +508,20 @@ def attach_deepspeed(member: Member, cfg: CohortConfig, world: World, ranks: tup
 
     train = cfg.train
     ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, len(ranks))
-    member.deepspeed = DeepSpeedUpdate(member, ds_config, world.group(ranks), world.singles[world.rank],
-                                       keep_full_copy=cfg.rollout.engine == "hf",
-                                       bucket_bytes=int(train.gather_bucket_mb * (1 << 20)))
+    member.deepspeed = DeepSpeedUpdate(
+        member,
+        ds_config,
+        world.group(ranks),
+        world.singles[world.rank],
+        keep_full_copy=cfg.rollout.engine == "hf",
+        bucket_bytes=int(train.gather_bucket_mb * (1 << 20)),
+    )
     if member.deepspeed.full_copy is not None and world.rank == ranks[0]:
-        log.info("ZeRO-3 member %s keeps a full fp32 copy of its weights for HF rollouts (rollout.engine=vllm "
-                 "streams them instead)", member.id)
+        log.info(
+            "ZeRO-3 member %s keeps a full fp32 copy of its weights for HF rollouts (rollout.engine=vllm "
+            "streams them instead)",
+            member.id,
+        )
 
 
 def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path | None) -> None:
@@ -438,20 +531,32 @@ def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path 
         held = sorted(p.name for p in resume_from.iterdir() if p.is_dir())
         renamed = [m.id for m in cfg.members if m.id not in held]
         if renamed:
-            raise ConfigError([f"the checkpoint to resume, {resume_from}, holds members {held} but the config has "
-                               f"{renamed}: members are matched by id, so use the ids of the run you resume (or "
-                               "start a new run in another output_dir)"], ["members"])
+            raise ConfigError(
+                [
+                    f"the checkpoint to resume, {resume_from}, holds members {held} but the config has "
+                    f"{renamed}: members are matched by id, so use the ids of the run you resume (or "
+                    "start a new run in another output_dir)"
+                ],
+                ["members"],
+            )
     for i, m in enumerate(cfg.members):
-        check_modality(member_family(m, resume_from / m.id if resume_from else m.model), examples,
-                       f"members[{i}] ({m.id!r}, {m.model})")
+        check_modality(
+            member_family(m, resume_from / m.id if resume_from else m.model),
+            examples,
+            f"members[{i}] ({m.id!r}, {m.model})",
+        )
 
 
 def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> None:
     widest = max(len(r) for r in placement.values())
     if cfg.data.batch_size < widest:
-        raise ConfigError([f"data.batch_size={cfg.data.batch_size} is smaller than the {widest} ranks of a member: "
-                           "every rank needs at least one example per step; raise data.batch_size"],
-                          ["data.batch_size"])
+        raise ConfigError(
+            [
+                f"data.batch_size={cfg.data.batch_size} is smaller than the {widest} ranks of a member: "
+                "every rank needs at least one example per step; raise data.batch_size"
+            ],
+            ["data.batch_size"],
+        )
 
 
 def render_phase(run: CohortRun, batch: list[Example]) -> list[list]:
@@ -473,8 +578,9 @@ def rollout_phase(run: CohortRun, prompts: list[list[Prompt]], step: int) -> tup
     return groups, seconds
 
 
-def extract_phase(run: CohortRun, groups: list[list[RolloutGroup]],
-                  batch: list[Example]) -> dict[str, dict[int, tuple]]:
+def extract_phase(
+    run: CohortRun, groups: list[list[RolloutGroup]], batch: list[Example]
+) -> dict[str, dict[int, tuple]]:
     """This process's rows for the exchange: {slot id: {batch position: (answers, format flags, texts,
     lengths, mean entropies, mean self-certainties)}}, K each; answers read in the member's prompt style."""
     style = run.cfg.reward.answer_style
@@ -485,18 +591,26 @@ def extract_phase(run: CohortRun, groups: list[list[RolloutGroup]],
         rows = {}
         for j, (p, g) in enumerate(zip(run.shards[_owner(s)], gs)):
             k = len(g.responses)
-            rows[p] = ([extract_answer(r.text, read, batch[p].choices) for r in g.responses],
-                       [format_ok(r.text, s.member.prompt_style) for r in g.responses],
-                       [r.text for r in g.responses],
-                       [len(r.token_ids) for r in g.responses],
-                       scores[n]["entropy"][j].tolist() if scores else [0.0] * k,
-                       scores[n]["self_certainty"][j].tolist() if scores else [0.0] * k)
+            rows[p] = (
+                [extract_answer(r.text, read, batch[p].choices) for r in g.responses],
+                [format_ok(r.text, s.member.prompt_style) for r in g.responses],
+                [r.text for r in g.responses],
+                [len(r.token_ids) for r in g.responses],
+                scores[n]["entropy"][j].tolist() if scores else [0.0] * k,
+                scores[n]["self_certainty"][j].tolist() if scores else [0.0] * k,
+            )
         local[s.id] = rows
     return local
 
 
-def update_phase(run: CohortRun, groups: list[list[RolloutGroup]], advantages: list[torch.Tensor],
-                 rewards: torch.Tensor, lengths: list[list[list[int]]], step: int) -> dict:
+def update_phase(
+    run: CohortRun,
+    groups: list[list[RolloutGroup]],
+    advantages: list[torch.Tensor],
+    rewards: torch.Tensor,
+    lengths: list[list[list[int]]],
+    step: int,
+) -> dict:
     """Each hosted trainable member takes one optimizer step on its shard of all its slots' sequences
     (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
     Returns {member id: update stats}."""
@@ -505,11 +619,17 @@ def update_phase(run: CohortRun, groups: list[list[RolloutGroup]], advantages: l
         if not m.cfg.trainable:
             continue
         mine = [n for n, s in enumerate(run.slots) if s.member is m]
-        seqs = [seq for n in mine for seq in _sequences(groups[n], run.shards[m.id], advantages[run.slots[n].index],
-                                                        rewards[run.slots[n].index], cfg)]
+        seqs = [
+            seq
+            for n in mine
+            for seq in _sequences(
+                groups[n], run.shards[m.id], advantages[run.slots[n].index], rewards[run.slots[n].index], cfg
+            )
+        ]
         trained = [n for n, spec in enumerate(run.specs) if spec.member_id == m.id and not spec.teacher]
-        totals = batch_totals([lengths[n] for n in trained], [rewards[n] for n in trained],
-                              cfg.algo.filter_zero_variance)
+        totals = batch_totals(
+            [lengths[n] for n in trained], [rewards[n] for n in trained], cfg.algo.filter_zero_variance
+        )
         # Even when every group was filtered out the member takes its (zero-gradient) optimizer step, exactly as
         # when every advantage is zero: the schedule and Adam's moments advance the same way in both cases.
         updates[m.id] = policy_update(m, seqs, cfg.algo, cfg.train, cfg.rollout, totals)
@@ -531,8 +651,9 @@ def sync_phase(run: CohortRun) -> None:
             synced.add(id(s.engine))
 
 
-def batch_totals(lengths: list[list[list[int]]], rewards: list[torch.Tensor],
-                 filter_zero_variance: bool) -> tuple[int, int]:
+def batch_totals(
+    lengths: list[list[list[int]]], rewards: list[torch.Tensor], filter_zero_variance: bool
+) -> tuple[int, int]:
     """(response tokens, responses) a member trains on over the whole batch, all its ranks and slots: the
     loss normaliser, so that the ranks' shares add up to the full-batch loss. lengths, rewards: (B, K) each."""
     tokens = seqs = 0
@@ -546,10 +667,22 @@ def batch_totals(lengths: list[list[list[int]]], rewards: list[torch.Tensor],
 def _sequences(groups, positions: range, advantages: torch.Tensor, rewards: torch.Tensor, cfg) -> list[Sequence]:
     """One slot's sequences at its batch `positions` (those of zero-variance groups marked untrained when
     algo.filter_zero_variance). advantages, rewards: (B, K) over the whole batch."""
-    keep = nonzero_variance_groups(rewards) if cfg.algo.filter_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
-    return [Sequence(g.prompt.inputs, r.token_ids, float(advantages[p, k]), trained=bool(keep[p]),
-                     rollout_logprobs=r.token_logprobs)
-            for p, g in zip(positions, groups) for k, r in enumerate(g.responses)]
+    keep = (
+        nonzero_variance_groups(rewards)
+        if cfg.algo.filter_zero_variance
+        else torch.ones(len(rewards), dtype=torch.bool)
+    )
+    return [
+        Sequence(
+            g.prompt.inputs,
+            r.token_ids,
+            float(advantages[p, k]),
+            trained=bool(keep[p]),
+            rollout_logprobs=r.token_logprobs,
+        )
+        for p, g in zip(positions, groups)
+        for k, r in enumerate(g.responses)
+    ]
 
 
 def intrinsic_scores(run: CohortRun, groups: list[list[RolloutGroup]]) -> list[dict[str, torch.Tensor]]:
@@ -565,9 +698,14 @@ def intrinsic_scores(run: CohortRun, groups: list[list[RolloutGroup]]) -> list[d
             # A partitioned ZeRO-3 member scores through its engine: its ranks run as many passes (fillers).
             passes = m.micro_batch_count(-(-len(responses) // size)) if m.partitioned else None
             with m.autocast(), m.updating():
-                stats = response_token_stats(m.scoring_module, [g.prompt.inputs for g in gs for _ in g.responses],
-                                             [r.token_ids for r in responses], m.policy(run.cfg.rollout.temperature),
-                                             micro_batch_size=size, passes=passes)
+                stats = response_token_stats(
+                    m.scoring_module,
+                    [g.prompt.inputs for g in gs for _ in g.responses],
+                    [r.token_ids for r in responses],
+                    m.policy(run.cfg.rollout.temperature),
+                    micro_batch_size=size,
+                    passes=passes,
+                )
         per_slot.append({k: v.float().cpu().view(len(gs), -1) for k, v in stats.items()})
     return per_slot
 
@@ -595,7 +733,9 @@ def _check_replicas(run: CohortRun, models) -> dict[str, dict[int, float]]:
     """Every rank of a member must hold the same weights (data parallel keeps them so); a divergence is a
     bug that would silently corrupt the saved member, so it stops the run."""
     sums: dict[str, dict[int, float]] = {}
-    for rank, part in enumerate(run.world.all_gather({m.id: weights_checksum(t for _, t in m.full_weights()) for m in models})):
+    for rank, part in enumerate(
+        run.world.all_gather({m.id: weights_checksum(t for _, t in m.full_weights()) for m in models})
+    ):
         for mid, value in part.items():
             sums.setdefault(mid, {})[rank] = value
     diverged = {mid: by_rank for mid, by_rank in sums.items() if len(set(by_rank.values())) > 1}
@@ -629,8 +769,10 @@ def load_training_examples(spec: DatasetConfig) -> tuple[list, object]:
     log.info("data: %s", data.report.summary())
     kept = data.examples[spec.skip :]
     if not kept:
-        raise DataError(f"data.train: no training examples left ({len(data.examples)} loaded, skip={spec.skip}; "
-                        f"{data.report.summary()}): check data.train.path, split, skip and limit")
+        raise DataError(
+            f"data.train: no training examples left ({len(data.examples)} loaded, skip={spec.skip}; "
+            f"{data.report.summary()}): check data.train.path, split, skip and limit"
+        )
     return kept, data.report
 
 
@@ -650,10 +792,18 @@ def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dic
             engine, room = _eval_engine(run, m, bench)
             result = evaluate_member(m, examples, bench, engine=engine, max_prompt_tokens=room)
             counts = Counter(r["type"] for r in result["records"] if r["type"] is not None)
-            rows.append({"step": step, "member": m.id, "benchmark": bench.name, "score": result["score"],
-                         "accuracy": result["accuracy"], "n": result["n"],
-                         **{f"accuracy_{t}": a for t, a in result["by_type"].items()},
-                         **{f"n_{t}": counts[t] for t in result["by_type"]}})
+            rows.append(
+                {
+                    "step": step,
+                    "member": m.id,
+                    "benchmark": bench.name,
+                    "score": result["score"],
+                    "accuracy": result["accuracy"],
+                    "n": result["n"],
+                    **{f"accuracy_{t}": a for t, a in result["by_type"].items()},
+                    **{f"n_{t}": counts[t] for t in result["by_type"]},
+                }
+            )
     return [row for part in run.world.all_gather(rows) for row in part]
 
 
@@ -664,7 +814,9 @@ def _eval_engine(run: CohortRun, member, bench):
     r = run.cfg.rollout
     if r.engine != "vllm":
         return None, 1 << 30
-    return next(s.engine for s in run.slots if s.member is member), r.max_prompt_tokens + r.max_new_tokens - bench.max_new_tokens
+    return next(
+        s.engine for s in run.slots if s.member is member
+    ), r.max_prompt_tokens + r.max_new_tokens - bench.max_new_tokens
 
 
 RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard", BEST_DIR)
@@ -680,8 +832,13 @@ def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
         return
     if not cfg.train.overwrite:
         go_on = "continue it with train.resume=true, " if latest_checkpoint(run_dir) else ""
-        raise ConfigError([f"output_dir={str(run_dir)!r} already holds a run ({', '.join(found)}): {go_on}replace it "
-                           "with train.overwrite=true, or choose another output_dir"], ["output_dir"])
+        raise ConfigError(
+            [
+                f"output_dir={str(run_dir)!r} already holds a run ({', '.join(found)}): {go_on}replace it "
+                "with train.overwrite=true, or choose another output_dir"
+            ],
+            ["output_dir"],
+        )
     if clear:
         log.warning("train.overwrite=true: removing the run in %s (%s)", run_dir, ", ".join(found))
         for name in found:
@@ -694,8 +851,13 @@ def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
         return None
     found = latest_checkpoint(run_dir, warn=True)
     if found is None and cfg.train.resume is True:
-        raise ConfigError([f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: use "
-                           "train.resume=auto to start fresh when there is none"], ["train.resume"])
+        raise ConfigError(
+            [
+                f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: use "
+                "train.resume=auto to start fresh when there is none"
+            ],
+            ["train.resume"],
+        )
     return found
 
 
@@ -726,7 +888,7 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
     unanimous = cohort_unanimity(o.cohort, o.gold, run.cfg.reward.vote_threshold)
     shared = unanimity(unanimous)
     window = run.cfg.logging.category_window
-    recent = run.history[-(window - 1) * len(run.specs):] if window > 1 else []
+    recent = run.history[-(window - 1) * len(run.specs) :] if window > 1 else []
     for n, s in enumerate(run.specs):
         row = {"step": o.step, "member": s.id}
         row.update(member_metrics(n, o.cohort, o.scored, o.lengths[n], o.gold))
@@ -755,12 +917,25 @@ def environment(world: World) -> dict:
         except PackageNotFoundError:
             pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
-                                capture_output=True, timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=Path(__file__).resolve().parent,
+                text=True,
+                capture_output=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"torch_threads": torch.get_num_threads(), "processes": world.size, "device": str(world.device),
-            "versions": versions, "git_commit": commit}
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "processes": world.size,
+        "device": str(world.device),
+        "versions": versions,
+        "git_commit": commit,
+    }
 
 
 def _summary(cfg, history: list[dict], run_dir: Path, view_fallbacks: dict[str, int]) -> dict:
@@ -772,8 +947,10 @@ def _summary(cfg, history: list[dict], run_dir: Path, view_fallbacks: dict[str, 
         "run_dir": str(run_dir),
         "steps": cfg.train.max_steps,
         "reward_mode": cfg.reward.custom or cfg.reward.mode,
-        "members": {mid: {k: row.get(k) for k in ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc")}
-                    for mid, row in last.items()},
+        "members": {
+            mid: {k: row.get(k) for k in ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc")}
+            for mid, row in last.items()
+        },
         "view_fallbacks": view_fallbacks,
         # each slot's first detection of "diversity falls while agreement rises" (vlm_corl.collapse)
         "collapse_warnings": collapse_warnings(history),

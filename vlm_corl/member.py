@@ -131,8 +131,9 @@ class Member:
     def process(self, chat_text: str, images: list) -> dict[str, torch.Tensor]:
         """Processor tensors for one prompt (batch dim 1). The template already holds any BOS token."""
         if self.is_vision:
-            out = self.processor(text=[chat_text], images=[images] if images else None, return_tensors="pt",
-                                 add_special_tokens=False)
+            out = self.processor(
+                text=[chat_text], images=[images] if images else None, return_tensors="pt", add_special_tokens=False
+            )
         else:
             out = self.tokenizer([chat_text], return_tensors="pt", add_special_tokens=False)
         return {k: v.to(self.device) for k, v in out.items() if isinstance(v, torch.Tensor)}
@@ -146,7 +147,9 @@ class Member:
         self.autocast_dtype = torch.bfloat16 if train.mixed_precision == "bf16" else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=self.cfg.lr or train.lr, betas=(train.adam_beta1, train.adam_beta2),
+            params,
+            lr=self.cfg.lr or train.lr,
+            betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.weight_decay,
         )
         # Zero (not None) gradients: a step whose every sequence has zero advantage then updates exactly as
@@ -154,14 +157,17 @@ class Member:
         for p in params:
             p.grad = torch.zeros_like(p)
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            self.optimizer, num_warmup_steps=round(train.warmup_ratio * total_updates),
-            num_training_steps=total_updates, min_lr_rate=train.min_lr_ratio,
+            self.optimizer,
+            num_warmup_steps=round(train.warmup_ratio * total_updates),
+            num_training_steps=total_updates,
+            min_lr_rate=train.min_lr_ratio,
         )
 
     def autocast(self) -> torch.autocast:
         """bf16 autocast for the update's forward pass when train.mixed_precision=bf16 (weights stay fp32)."""
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
-                              enabled=self.autocast_dtype is not None)
+        return torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.deepspeed is not None:
@@ -207,8 +213,10 @@ class Member:
             self.deepspeed.save_state(directory)
         self.save_weights(directory, write)
         if write and self.optimizer is not None and self.deepspeed is None:
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       directory / TRAINER_STATE)
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                directory / TRAINER_STATE,
+            )
 
     def save_weights(self, directory: Path, write: bool = True) -> None:
         """HF-format weights + processor only (a best-so-far model); every rank of the member calls it (a
@@ -263,11 +271,15 @@ def member_family(cfg: MemberConfig, path: str | Path) -> Family:
     try:
         detected = detect_family(path)
     except (OSError, ValueError, KeyError) as err:
-        raise MemberLoadError(f"{where}: cannot read the model type from config.json ({_brief(err)}); it must be a "
-                              "Hugging Face model directory (python -m vlm_corl.zoo builds tiny ones)") from err
+        raise MemberLoadError(
+            f"{where}: cannot read the model type from config.json ({_brief(err)}); it must be a "
+            "Hugging Face model directory (python -m vlm_corl.zoo builds tiny ones)"
+        ) from err
     if cfg.family and FAMILIES.get(cfg.family) is not detected:
-        raise MemberLoadError(f"{where}: family {cfg.family!r} contradicts its config.json, whose model_type is a "
-                              f"{detected.name!r} model; remove members[*].family or fix it")
+        raise MemberLoadError(
+            f"{where}: family {cfg.family!r} contradicts its config.json, whose model_type is a "
+            f"{detected.name!r} model; remove members[*].family or fix it"
+        )
     return detected
 
 
@@ -275,8 +287,10 @@ def check_modality(family: Family, examples: Iterable[Example], who: str) -> Non
     """A text-only family given examples with images is a user mistake: raise before any model is loaded."""
     with_images = next((ex for ex in examples if ex.images), None)
     if with_images is not None and family.modality != "vision":
-        raise MemberLoadError(f"{who} is a text-only {family.name} model but the data has images (e.g. example "
-                              f"{with_images.id!r}): give text models text data, or use a vision-language model")
+        raise MemberLoadError(
+            f"{who} is a text-only {family.name} model but the data has images (e.g. example "
+            f"{with_images.id!r}): give text models text data, or use a vision-language model"
+        )
 
 
 def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:
@@ -288,12 +302,16 @@ def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: 
     family = member_family(cfg, path)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         # transformers would quietly build a tokenizer without the model's special (image) tokens
-        raise MemberLoadError(f"member {cfg.id!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)});"
-                              " save the tokenizer/processor beside the weights (save_pretrained)")
+        raise MemberLoadError(
+            f"member {cfg.id!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)});"
+            " save the tokenizer/processor beside the weights (save_pretrained)"
+        )
     device = device or torch.device("cpu")
     try:
         model = family.model_class.from_pretrained(
-            path, dtype=_DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+            path,
+            dtype=_DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
         ).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -303,17 +321,21 @@ def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: 
         if tokenizer.pad_token_id is None:
             # Batches are padded (and pad positions masked out of every loss): eos is the usual stand-in.
             if tokenizer.eos_token is None:
-                raise MemberLoadError(f"member {cfg.id!r}: the tokenizer in {path} has neither a pad nor an eos token;"
-                                      " set pad_token in its tokenizer_config.json")
+                raise MemberLoadError(
+                    f"member {cfg.id!r}: the tokenizer in {path} has neither a pad nor an eos token;"
+                    " set pad_token in its tokenizer_config.json"
+                )
             tokenizer.pad_token = tokenizer.eos_token
             if processor is not tokenizer and getattr(processor, "tokenizer", None) is not None:
                 processor.tokenizer.pad_token = tokenizer.eos_token
     except Exception as err:  # noqa: BLE001 - third-party loaders raise many types for a bad directory
         if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
             raise
-        raise MemberLoadError(f"member {cfg.id!r}: cannot load {path} ({_brief(err)}); it needs config.json, the "
-                              "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
-                              "writes them") from err
+        raise MemberLoadError(
+            f"member {cfg.id!r}: cannot load {path} ({_brief(err)}); it needs config.json, the "
+            "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
+            "writes them"
+        ) from err
     if cfg.trainable:
         # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
         # every update to rounding. Compute runs in bf16 under train.mixed_precision=bf16 (autocast).

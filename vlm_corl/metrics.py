@@ -76,8 +76,9 @@ def batch_entropy(groups: Sequence[Sequence[str | None]], choices: Sequence) -> 
     return entropy(list(counts.values())) if counts else None
 
 
-def unanimous_questions(votes: Sequence[Sequence[str | None]], choices: Sequence,
-                        gold: Sequence[str | None]) -> list[tuple[bool, bool | None]]:
+def unanimous_questions(
+    votes: Sequence[Sequence[str | None]], choices: Sequence, gold: Sequence[str | None]
+) -> list[tuple[bool, bool | None]]:
     """Per question of (N, B) votes: (unanimous, unanimous on a wrong answer; None without gold). A question is
     unanimous when no slot abstains and all N votes fall in one equivalence class."""
     flags = []
@@ -106,8 +107,9 @@ def cohort_unanimity(batch: CohortBatch, gold: list[str | None], vote_threshold:
     return unanimous_questions(member_votes(batch, vote_threshold), batch.choices, gold)
 
 
-def member_metrics(n: int, batch: CohortBatch, out: RewardOutput, lengths: list[list[int]],
-                   gold: list[str | None]) -> dict:
+def member_metrics(
+    n: int, batch: CohortBatch, out: RewardOutput, lengths: list[list[int]], gold: list[str | None]
+) -> dict:
     """Diagnostics of member n on one step: rewards, labels, answer diversity, lengths, accuracy vs gold."""
     answers, choices, labels = batch.answers[n], batch.choices, out.labels[n]
     rewards = out.rewards[n]  # (B, K)
@@ -130,7 +132,9 @@ def member_metrics(n: int, batch: CohortBatch, out: RewardOutput, lengths: list[
         "unparsed_rate": sum(a is None for _, a in flat) / len(flat),
         "response_len": statistics.fmean(x for row in lengths for x in row),
         "pseudo_label_acc": _mean([float(answers_equivalent(gold[j], labels[j], choices[j])) for j in with_gold]),
-        "answer_acc": _mean([float(answers_equivalent(gold[j], a, choices[j])) for j, a in flat if gold[j] is not None]),
+        "answer_acc": _mean(
+            [float(answers_equivalent(gold[j], a, choices[j])) for j, a in flat if gold[j] is not None]
+        ),
     }
 
 

@@ -92,9 +92,17 @@ class CacheRecord:
 
     def to_json(self) -> str:
         """The record as one JSONL line (no trailing newline)."""
-        return json.dumps({"id": self.id, "source_question": self.source_question,
-                           "paraphrases": list(self.paraphrases), "rewriter": self.rewriter, "prompt": self.prompt,
-                           **self.metadata}, ensure_ascii=False)
+        return json.dumps(
+            {
+                "id": self.id,
+                "source_question": self.source_question,
+                "paraphrases": list(self.paraphrases),
+                "rewriter": self.rewriter,
+                "prompt": self.prompt,
+                **self.metadata,
+            },
+            ensure_ascii=False,
+        )
 
 
 _REQUIRED = {"id": str, "source_question": str, "paraphrases": list, "rewriter": str, "prompt": str}
@@ -110,8 +118,10 @@ def read_cache(path: str | os.PathLike) -> dict[str, CacheRecord]:
     try:
         lines = path.read_bytes().splitlines()
     except OSError as e:
-        raise CacheError(f"cannot read paraphrase cache {path}: {e.strerror or e}; check data.paraphrases "
-                         f"(relative paths are from {Path.cwd()})") from e
+        raise CacheError(
+            f"cannot read paraphrase cache {path}: {e.strerror or e}; check data.paraphrases "
+            f"(relative paths are from {Path.cwd()})"
+        ) from e
     records: dict[str, CacheRecord] = {}
     first_line: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
@@ -121,8 +131,10 @@ def read_cache(path: str | os.PathLike) -> dict[str, CacheRecord]:
         try:
             row = json.loads(line)
         except ValueError as e:
-            raise CacheError(f"{where}: not a JSON object ({e}); a paraphrase cache has one object per line, "
-                             f"as written by python -m data_tools.paraphrase") from e
+            raise CacheError(
+                f"{where}: not a JSON object ({e}); a paraphrase cache has one object per line, "
+                f"as written by python -m data_tools.paraphrase"
+            ) from e
         if not isinstance(row, dict):
             raise CacheError(f"{where}: expected a JSON object, got {type(row).__name__}")
         for name, kind in _REQUIRED.items():
@@ -136,8 +148,11 @@ def read_cache(path: str | os.PathLike) -> dict[str, CacheRecord]:
             raise CacheError(f"{where}: id {row['id']!r} already appears on line {first_line[row['id']]}")
         first_line[row["id"]] = number
         records[row["id"]] = CacheRecord(
-            id=row["id"], source_question=row["source_question"], paraphrases=tuple(row["paraphrases"]),
-            rewriter=row["rewriter"], prompt=row["prompt"],
+            id=row["id"],
+            source_question=row["source_question"],
+            paraphrases=tuple(row["paraphrases"]),
+            rewriter=row["rewriter"],
+            prompt=row["prompt"],
             metadata={k: v for k, v in row.items() if k not in _REQUIRED},
         )
     return records
@@ -167,17 +182,25 @@ class ApplyReport:
 
     def summary(self) -> str:
         """One line of totals, then the first ids of each kind of example that got no cache wordings."""
-        lines = [f"paraphrase cache: {self.applied}/{self.examples} examples applied, {self.missing} missing, "
-                 f"{self.stale} stale, {self.unused} unused cache entries; paraphrases per example: "
-                 + ", ".join(f"{k}: {n}" for k, n in sorted(self.counts.items()))]
+        lines = [
+            f"paraphrase cache: {self.applied}/{self.examples} examples applied, {self.missing} missing, "
+            f"{self.stale} stale, {self.unused} unused cache entries; paraphrases per example: "
+            + ", ".join(f"{k}: {n}" for k, n in sorted(self.counts.items()))
+        ]
         lines += [f"  {reason}: e.g. {', '.join(ids)}" for reason, ids in self.samples.items()]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready form for run logs."""
-        return {"examples": self.examples, "applied": self.applied, "missing": self.missing, "stale": self.stale,
-                "unused": self.unused, "counts": {str(k): n for k, n in sorted(self.counts.items())},
-                "samples": {reason: list(ids) for reason, ids in self.samples.items()}}
+        return {
+            "examples": self.examples,
+            "applied": self.applied,
+            "missing": self.missing,
+            "stale": self.stale,
+            "unused": self.unused,
+            "counts": {str(k): n for k, n in sorted(self.counts.items())},
+            "samples": {reason: list(ids) for reason, ids in self.samples.items()},
+        }
 
     def _note(self, reason: str, example_id: str) -> None:
         setattr(self, reason, getattr(self, reason) + 1)
@@ -231,7 +254,7 @@ def parse_response(text: str, truncated: bool = False) -> str:
     "truncated". Raises ParaphraseRejected with a PARSE_FAILURES reason.
     """
     think = _THINK.match(text)
-    body = text[think.end():] if think else text
+    body = text[think.end() :] if think else text
     opens, closes = body.count(OPEN_TAG), body.count(CLOSE_TAG)
     if opens > 1 or closes > 1:
         raise ParaphraseRejected("multiple_blocks")
@@ -280,7 +303,7 @@ def answer_options(question: str, choices: Sequence[str] | None = None) -> list[
                 run.append(m)
         if len(run) >= 2:
             ends = [m.start() for m in run[1:]] + [len(prose)]
-            return [prose[m.start():end].split("\n")[0].strip() for m, end in zip(run, ends)]
+            return [prose[m.start() : end].split("\n")[0].strip() for m, end in zip(run, ends)]
     if choices and all(c in prose for c in choices):
         return list(choices)
     return []

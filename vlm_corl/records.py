@@ -83,5 +83,6 @@ def with_choices(question: str, choices: Sequence[str] | None) -> str:
     shows a multiple-choice question, since prompts render `Example.question` alone."""
     if not choices:
         return question
-    return question + "\nChoices:\n" + "\n".join(f"({letter}) {c}" for letter, c in zip(string.ascii_uppercase,
-                                                                                       choices))
+    return (
+        question + "\nChoices:\n" + "\n".join(f"({letter}) {c}" for letter, c in zip(string.ascii_uppercase, choices))
+    )

@@ -34,8 +34,15 @@ class Renderer:
 
     CACHE_SIZE = 8192  # rendered prompts kept (least recently used dropped)
 
-    def __init__(self, member, view_fallback: str, max_image_pixels: int, max_prompt_tokens: int,
-                 view: str | None = None, style: str | None = None):
+    def __init__(
+        self,
+        member,
+        view_fallback: str,
+        max_image_pixels: int,
+        max_prompt_tokens: int,
+        view: str | None = None,
+        style: str | None = None,
+    ):
         self.member = member
         self.style = style or member.prompt_style  # the instruction after the question (PROMPT_STYLES)
         self.view = view or member.cfg.view  # a member may be rendered in a second view (co_rewarding_1)

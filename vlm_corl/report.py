@@ -50,23 +50,48 @@ Rows = Sequence[dict]
 RUN_PLOTS = (
     ("reward", "Reward", ("reward_mean", "reward_std"), False),
     ("agreement", "Agreement with the pseudo-label", ("agreement", "abstain_rate"), False),
-    ("pseudo_label_acc", "Pseudo-label and answer accuracy (gold, diagnostic only)",
-     ("pseudo_label_acc", "answer_acc"), False),
+    (
+        "pseudo_label_acc",
+        "Pseudo-label and answer accuracy (gold, diagnostic only)",
+        ("pseudo_label_acc", "answer_acc"),
+        False,
+    ),
     ("diversity", "Answer diversity", ("distinct_answers", "answer_entropy", "answer_entropy_batch"), False),
     ("unanimous", "Cohort unanimity", ("unanimous_rate", "unanimous_wrong_rate"), True),
     ("length", "Responses", ("response_len", "unparsed_rate"), False),
     ("optim", "Optimisation", ("loss", "grad_norm"), False),
 )
-TABLE_KEYS = ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc", "distinct_answers", "answer_entropy",
-              "answer_entropy_batch", "unanimous_rate", "unanimous_wrong_rate", "response_len", "unparsed_rate",
-              "abstain_rate", "loss", "grad_norm")
+TABLE_KEYS = (
+    "reward_mean",
+    "agreement",
+    "pseudo_label_acc",
+    "answer_acc",
+    "distinct_answers",
+    "answer_entropy",
+    "answer_entropy_batch",
+    "unanimous_rate",
+    "unanimous_wrong_rate",
+    "response_len",
+    "unparsed_rate",
+    "abstain_rate",
+    "loss",
+    "grad_norm",
+)
 LABELS = {
-    "reward_mean": "reward (mean)", "reward_std": "reward (std)", "abstain_rate": "abstain rate",
-    "pseudo_label_acc": "pseudo-label accuracy", "answer_acc": "answer accuracy",
-    "distinct_answers": "distinct answers / group", "answer_entropy": "answer entropy / group (nats)",
-    "answer_entropy_batch": "answer entropy, batch (nats)", "unanimous_rate": "unanimous rate",
-    "unanimous_wrong_rate": "unanimous & wrong rate", "response_len": "response length (tokens)",
-    "unparsed_rate": "unparsed rate", "grad_norm": "grad norm", "accuracy": "eval accuracy",
+    "reward_mean": "reward (mean)",
+    "reward_std": "reward (std)",
+    "abstain_rate": "abstain rate",
+    "pseudo_label_acc": "pseudo-label accuracy",
+    "answer_acc": "answer accuracy",
+    "distinct_answers": "distinct answers / group",
+    "answer_entropy": "answer entropy / group (nats)",
+    "answer_entropy_batch": "answer entropy, batch (nats)",
+    "unanimous_rate": "unanimous rate",
+    "unanimous_wrong_rate": "unanimous & wrong rate",
+    "response_len": "response length (tokens)",
+    "unparsed_rate": "unparsed rate",
+    "grad_norm": "grad norm",
+    "accuracy": "eval accuracy",
 }
 
 
@@ -150,7 +175,7 @@ def category_lines(rows: Rows) -> dict[str, list[dict]]:
     for row in rows:
         for key, value in row.items():
             if key.startswith(CATEGORY_PREFIX):
-                category, metric = key[len(CATEGORY_PREFIX):].rsplit("/", 1)
+                category, metric = key[len(CATEGORY_PREFIX) :].rsplit("/", 1)
                 line = out.setdefault((row["member"], category), {})
                 line.setdefault(row["step"], {"step": row["step"]})[metric] = value
     return {f"{slot}: {c}": list(steps.values()) for (slot, c), steps in out.items()}
@@ -173,8 +198,16 @@ def mark_flags(ax: Axes, warnings: Sequence[dict]) -> None:
     for w in warnings:
         if w.get("category") is not None:
             ax.axvline(w["step"], color="red", linestyle="--", linewidth=1.0, alpha=0.7)
-            ax.annotate(f"{w['slot']}: {w['category']}", (w["step"], 1.0), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize="x-small", color="red")
+            ax.annotate(
+                f"{w['slot']}: {w['category']}",
+                (w["step"], 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize="x-small",
+                color="red",
+            )
 
 
 # ---- numbers ------------------------------------------------------------------------------------------
@@ -222,9 +255,17 @@ def first_last(rows: Rows, key: str) -> tuple[float | None, float | None]:
 # ---- plotting -----------------------------------------------------------------------------------------
 
 
-def plot_metric(runs: Mapping[str, Rows], key: str, path: Path | None = None, title: str | None = None, *,
-                smooth: int = 5, ax: Axes | None = None, ylabel: str | None = None,
-                band: bool = True) -> Path | bool | None:
+def plot_metric(
+    runs: Mapping[str, Rows],
+    key: str,
+    path: Path | None = None,
+    title: str | None = None,
+    *,
+    smooth: int = 5,
+    ax: Axes | None = None,
+    ylabel: str | None = None,
+    band: bool = True,
+) -> Path | bool | None:
     """One line per label of `runs` for metric `key` over steps (see the module docstring).
 
     Without `ax`: draws a new figure, writes it to `path` (PNG) and returns the path, or None (nothing written)
@@ -248,8 +289,14 @@ def plot_metric(runs: Mapping[str, Rows], key: str, path: Path | None = None, ti
         else:
             ax.plot(steps, means, color=color, linewidth=1.8, marker=marker, markersize=3, label=label)
         if band and any(stds):
-            ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
-                            color=color, alpha=0.12, linewidth=0)
+            ax.fill_between(
+                steps,
+                [m - s for m, s in zip(means, stds)],
+                [m + s for m, s in zip(means, stds)],
+                color=color,
+                alpha=0.12,
+                linewidth=0,
+            )
     if not drawn:
         return None if own else False
     ax.set_xlabel("step")
@@ -266,8 +313,15 @@ def plot_metric(runs: Mapping[str, Rows], key: str, path: Path | None = None, ti
     return path
 
 
-def plot_panel(runs: Mapping[str, Rows], keys: Sequence[str], path: Path, title: str | None = None, *,
-               smooth: int = 5, titles: Mapping[str, str] | None = None) -> Path | None:
+def plot_panel(
+    runs: Mapping[str, Rows],
+    keys: Sequence[str],
+    path: Path,
+    title: str | None = None,
+    *,
+    smooth: int = 5,
+    titles: Mapping[str, str] | None = None,
+) -> Path | None:
     """Several metrics side by side (one subplot per key with values, same lines as `plot_metric`) in one PNG;
     None (nothing written) when no key has values."""
     present = [k for k in keys if any(per_step(rows, k)[0] for rows in runs.values())]
@@ -317,11 +371,13 @@ def eval_table(eval_rows: Rows) -> list[str]:
     keys = sorted({k for r in eval_rows for k in r if k.startswith("accuracy_")})
     header = ["member", "benchmark", "steps", "accuracy", *(k.removeprefix("accuracy_") for k in keys)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, rows in eval_lines(eval_rows).items():
+    for rows in eval_lines(eval_rows).values():
         rows = sorted(rows, key=lambda r: r["step"])
         first, last = rows[0], rows[-1]
-        cells = [_move(first.get(k), last.get(k)) if _number(first.get(k)) and _number(last.get(k)) else "–"
-                 for k in ("accuracy", *keys)]
+        cells = [
+            _move(first.get(k), last.get(k)) if _number(first.get(k)) and _number(last.get(k)) else "–"
+            for k in ("accuracy", *keys)
+        ]
         member, bench = last["member"], last.get("benchmark", "?")
         lines.append(f"| {member} | {bench} | {first['step']} → {last['step']} | " + " | ".join(cells) + " |")
     return lines
@@ -337,8 +393,14 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
         if path is not None:
             written[stem] = path
     if run.eval_rows:
-        path = plot_metric(eval_lines(run.eval_rows), "accuracy", Path(out) / "eval_accuracy.png",
-                           "Eval accuracy", smooth=1, band=False)
+        path = plot_metric(
+            eval_lines(run.eval_rows),
+            "accuracy",
+            Path(out) / "eval_accuracy.png",
+            "Eval accuracy",
+            smooth=1,
+            band=False,
+        )
         if path is not None:
             written["eval_accuracy"] = path
     warnings = run.summary.get("collapse_warnings") or collapse_warnings(run.rows)
@@ -348,16 +410,21 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
         fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
         for j, key in enumerate(present):
             ax = fig.add_subplot(1, len(present), j + 1)
-            plot_metric(per_category, key, smooth=1, ax=ax, band=False,
-                        ylabel=f"{LABELS.get(key, key)} (window)")
+            plot_metric(per_category, key, smooth=1, ax=ax, band=False, ylabel=f"{LABELS.get(key, key)} (window)")
             mark_flags(ax, [w for w in warnings if w.get("rule") != "eval_drop"])
         fig.suptitle("Per category (running windows; dashed: collapse flags)")
         written["categories"] = _save(fig, Path(out) / "categories.png")
     if any(k.startswith("accuracy_") for r in run.eval_rows for k in r):
         fig = Figure(figsize=(6.4, 4.0), layout="constrained")
         ax = fig.add_subplot()
-        plot_metric(eval_category_lines(run.eval_rows), "accuracy", smooth=1, ax=ax, band=False,
-                    title="Eval accuracy per category (dashed: drops flagged)")
+        plot_metric(
+            eval_category_lines(run.eval_rows),
+            "accuracy",
+            smooth=1,
+            ax=ax,
+            band=False,
+            title="Eval accuracy per category (dashed: drops flagged)",
+        )
         mark_flags(ax, [w for w in warnings if w.get("rule") == "eval_drop"])
         written["eval_categories"] = _save(fig, Path(out) / "eval_categories.png")
     return written
@@ -380,8 +447,11 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
     md.append(f"- run directory: `{Path(run_dir).resolve()}`")
     if s.get("reward_mode"):
         md.append(f"- reward: `{s['reward_mode']}`")
-    md.append(f"- logged steps: {len(steps)}" + (f" ({steps[0]}–{steps[-1]})" if steps else "")
-              + (f" of {s['steps']}" if s.get("steps") else ""))
+    md.append(
+        f"- logged steps: {len(steps)}"
+        + (f" ({steps[0]}–{steps[-1]})" if steps else "")
+        + (f" of {s['steps']}" if s.get("steps") else "")
+    )
     md.append(f"- slots: {', '.join(by_member(run.rows)) or '–'}")
     md += ["", "## Collapse warnings", ""]
     if "collapse_warnings" in s:
@@ -389,25 +459,40 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
     else:
         warnings, source = collapse_warnings(run.rows), "recomputed from metrics.jsonl"
     if warnings:
-        md += [f"- **{w['slot']}**" + (f" in category {w['category']!r}" if w.get("category") is not None else "")
-               + f" at step {w['step']}: {describe(w)}" for w in warnings]
+        md += [
+            f"- **{w['slot']}**"
+            + (f" in category {w['category']!r}" if w.get("category") is not None else "")
+            + f" at step {w['step']}: {describe(w)}"
+            for w in warnings
+        ]
     else:
-        md.append("None: no slot's answer diversity fell while its agreement rose (and, with gold diagnostics, "
-                  "its pseudo-label accuracy fell), in the batch or inside a category.")
+        md.append(
+            "None: no slot's answer diversity fell while its agreement rose (and, with gold diagnostics, "
+            "its pseudo-label accuracy fell), in the batch or inside a category."
+        )
     if s.get("stopped_by_guard"):
         stop = s["stopped_by_guard"]
-        md += ["", f"**The run was stopped by the collapse guard** (train.on_collapse={stop['action']}) at step "
-                   f"{stop['warning']['step']}."]
+        md += [
+            "",
+            f"**The run was stopped by the collapse guard** (train.on_collapse={stop['action']}) at step "
+            f"{stop['warning']['step']}.",
+        ]
     md += ["", f"_Source: {source}; rule in `vlm_corl.collapse`._", ""]
     n = len(steps)
-    md += ["## First vs last", "",
-           f"Mean over the first and the last {edge_window(n)} logged step(s) of each slot.", ""]
+    md += [
+        "## First vs last",
+        "",
+        f"Mean over the first and the last {edge_window(n)} logged step(s) of each slot.",
+        "",
+    ]
     md += first_last_table(run.rows)
     if run.eval_rows:
         md += ["", "## Evaluation", ""] + eval_table(run.eval_rows)
     md += ["", "## Plots", ""]
-    md.append(f"One line per slot (cohort-level metrics: one line); faint: per step, bold: moving average over "
-              f"{smooth} logged steps.")
+    md.append(
+        f"One line per slot (cohort-level metrics: one line); faint: per step, bold: moving average over "
+        f"{smooth} logged steps."
+    )
     for stem, path in plots.items():
         md += ["", f"![{stem}]({path.relative_to(out).as_posix()})"]
     report = out / "report.md"
@@ -419,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.parser("python -m vlm_corl.report", __doc__.splitlines()[0], description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="training run directory (holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="where report.md and the PNGs go (default: RUN_DIR)")
-    parser.add_argument("--smooth", type=cli.positive_int, default=5,
-                        help="moving-average window in logged steps (1 = none)")
+    parser.add_argument(
+        "--smooth", type=cli.positive_int, default=5, help="moving-average window in logged steps (1 = none)"
+    )
     args = parser.parse_args(argv)
     print(render_report(args.run_dir, args.out, args.smooth))
     return 0

@@ -73,8 +73,9 @@ def resolve_reward(cfg: RewardConfig) -> RewardSpec:
     return REWARDS.get(cfg.mode)
 
 
-def reward_mode(name: str, uses_gold: bool = False,
-                needs_scores: bool = False) -> Callable[[Callable[..., RewardOutput]], Callable[..., RewardOutput]]:
+def reward_mode(
+    name: str, uses_gold: bool = False, needs_scores: bool = False
+) -> Callable[[Callable[..., RewardOutput]], Callable[..., RewardOutput]]:
     """Register a cohort reward function `fn(batch, cfg) -> RewardOutput` under `name`."""
 
     def add(fn: Callable[..., RewardOutput]) -> Callable[..., RewardOutput]:
@@ -87,8 +88,9 @@ def reward_mode(name: str, uses_gold: bool = False,
 # ---- votes ---------------------------------------------------------------------------------------------
 
 
-def plurality_vote(answers: Sequence[str | None], threshold: float = 0.0,
-                   choices: Sequence[str] | None = None) -> str | None:
+def plurality_vote(
+    answers: Sequence[str | None], threshold: float = 0.0, choices: Sequence[str] | None = None
+) -> str | None:
     """The most frequent answer under equivalence, or None (abstain).
 
     Ties go to the answer seen first (as in TTRL's majority vote). `threshold` is the self-consistency τ:
@@ -126,8 +128,7 @@ def peer_consensus(votes: list[list[str | None]], batch: CohortBatch) -> list[li
     """(N, B) for each member, the consensus of the OTHER members' votes (its own never counts)."""
     n, b = len(votes), len(votes[0])
     return [
-        [consensus([votes[m][j] for m in range(n) if m != i], batch.choices[j]) for j in range(b)]
-        for i in range(n)
+        [consensus([votes[m][j] for m in range(n) if m != i], batch.choices[j]) for j in range(b)] for i in range(n)
     ]
 
 
@@ -147,8 +148,9 @@ def _match(labels: list[list[str | None]], batch: CohortBatch) -> Tensor:
     return out
 
 
-def combine(agreement: Tensor, batch: CohortBatch, cfg: RewardConfig,
-            labelled: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def combine(
+    agreement: Tensor, batch: CohortBatch, cfg: RewardConfig, labelled: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Overall score = agreement + format_weight * format; groups without a label (labelled False) get 0."""
     fmt = torch.tensor(batch.format_ok, dtype=torch.float32)
     total = (agreement + cfg.format_weight * fmt) * labelled.unsqueeze(-1)

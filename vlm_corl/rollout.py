@@ -97,8 +97,9 @@ class RolloutEngine(Protocol):
         ...
 
 
-def make_engine(name: str, member: Member, rollout: RolloutConfig | None = None, max_images_per_prompt: int = 1,
-                share: float = 1.0) -> RolloutEngine:
+def make_engine(
+    name: str, member: Member, rollout: RolloutConfig | None = None, max_images_per_prompt: int = 1, share: float = 1.0
+) -> RolloutEngine:
     """Build the rollout engine `name` ("hf" or "vllm") for a loaded member; vLLM is imported only here.
 
     `rollout` (a RolloutConfig) carries the vLLM settings; `max_images_per_prompt` sizes its image budget;

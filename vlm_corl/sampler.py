@@ -21,10 +21,13 @@ class LockstepSampler:
         if num_examples < 1:
             raise ValueError("no training examples to sample from")
         if batch_size > num_examples:
-            raise ConfigError([
-                f"data.batch_size={batch_size} is larger than the {num_examples} training examples: a batch would "
-                "hold an example twice; lower data.batch_size or give more data (data.train.limit)"
-            ], ["data.batch_size"])
+            raise ConfigError(
+                [
+                    f"data.batch_size={batch_size} is larger than the {num_examples} training examples: a batch would "
+                    "hold an example twice; lower data.batch_size or give more data (data.train.limit)"
+                ],
+                ["data.batch_size"],
+            )
         self.num_examples, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
 

@@ -45,8 +45,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     except UserError as err:  # found once the data, the models or the launch are known
         if debug_requested(args.debug):
             raise
-        print(_named(args.config, err) if isinstance(err, (ConfigError, PlacementError)) else f"error: {err}",
-              file=sys.stderr)
+        print(
+            _named(args.config, err) if isinstance(err, (ConfigError, PlacementError)) else f"error: {err}",
+            file=sys.stderr,
+        )
         return 2
     except Interrupted as err:  # Ctrl-C
         print(err, file=sys.stderr)

@@ -11,9 +11,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlm_corl.batching import aligned_keys, collate, continuation, model_positions, prefill, response_mask
+from vlm_corl.grpo import (
+    aggregate_loss,
+    clipped_surrogate,
+    kl_penalty,
+    selective_logprobs,
+    token_stats,
+    truncated_is_weights,
+)
 from vlm_corl.rollout import Policy
-from vlm_corl.grpo import (aggregate_loss, clipped_surrogate, kl_penalty, selective_logprobs, token_stats,
-                           truncated_is_weights)
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig
@@ -31,8 +37,9 @@ class Sequence:
     rollout_logprobs: list[float] | None = None  # the engine's per-token log-probs (algo.rollout_is)
 
 
-def response_logprobs(model: torch.nn.Module, prompt_inputs: list[dict], responses: list[list[int]],
-                      policy: Policy) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logprobs(
+    model: torch.nn.Module, prompt_inputs: list[dict], responses: list[list[int]], policy: Policy
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, T) of each response's tokens under `model` and `policy` (tempered like the rollout), and
     the mask (B, T).
 
@@ -45,6 +52,7 @@ def response_logprobs(model: torch.nn.Module, prompt_inputs: list[dict], respons
     Memory: besides the model's logits, only row chunks are upcast (`grpo.selective_logprobs`), and the
     backward writes the logits' gradient over them.
     """
+
     # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
     def policy_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return selective_logprobs(logits, targets, policy.temperature, policy.suppressed, inplace_backward=True)
@@ -55,8 +63,14 @@ def response_logprobs(model: torch.nn.Module, prompt_inputs: list[dict], respons
 
 
 @torch.no_grad()
-def response_token_stats(model: torch.nn.Module, prompt_inputs: list[dict], responses: list[list[int]], policy: Policy,
-                         micro_batch_size: int | None = None, passes: int | None = None) -> dict[str, torch.Tensor]:
+def response_token_stats(
+    model: torch.nn.Module,
+    prompt_inputs: list[dict],
+    responses: list[list[int]],
+    policy: Policy,
+    micro_batch_size: int | None = None,
+    passes: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Per-response means of the policy's token entropy and self-certainty: (B,) each.
 
     The scoring pass for intrinsic rewards when the rollout engine did not record them (vLLM returns only
@@ -65,6 +79,7 @@ def response_token_stats(model: torch.nn.Module, prompt_inputs: list[dict], resp
     micro-batches) repeats the first micro-batch, discarded, until that many forwards ran: the ranks of a
     partitioned ZeRO-3 member must run the same number.
     """
+
     def stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # (B, t, V) -> (B, t, 2)
         return torch.stack(token_stats(logits, policy.temperature, policy.suppressed), dim=-1)
 
@@ -119,15 +134,20 @@ def _shared_prompt_logprobs(model, prompt_inputs, responses, policy: Policy, pol
     return logp, mask
 
 
-def policy_update(member: Member, seqs: list[Sequence], algo: AlgoConfig, train: TrainConfig, rollout: RolloutConfig,
-                  totals: tuple[int, int] | None = None) -> dict:
+def policy_update(
+    member: Member,
+    seqs: list[Sequence],
+    algo: AlgoConfig,
+    train: TrainConfig,
+    rollout: RolloutConfig,
+    totals: tuple[int, int] | None = None,
+) -> dict:
     """One optimizer step of `member` on `seqs` (see `_policy_update`), inside the member's update context."""
     with member.updating():
         return _policy_update(member, seqs, algo, train, rollout, totals)
 
 
-def _policy_update(member, seqs: list[Sequence], algo, train, rollout,
-                   totals: tuple[int, int] | None = None) -> dict:
+def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: tuple[int, int] | None = None) -> dict:
     """One optimizer step of `member` on `seqs` (this rank's share of one rollout batch), in micro-batches,
     under `algo` and `train` (AlgoConfig, TrainConfig); `rollout` (RolloutConfig) gives the policy's
     temperature and Dr.GRPO's default constant normaliser (rollout.max_new_tokens).
@@ -160,8 +180,9 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout,
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
         for i, mb in enumerate(micro):
-            loss, clipped, mask, sums = _micro_batch_loss(member, mb, old[i] if old is not None else None, algo,
-                                                          policy, norm)
+            loss, clipped, mask, sums = _micro_batch_loss(
+                member, mb, old[i] if old is not None else None, algo, policy, norm
+            )
             if n_pass == 0 and i < real:
                 mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
@@ -170,8 +191,14 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout,
             loss_sum += loss.item()
             clipped_tokens += float((clipped * mask).sum())
         grad_norm = member.step(train.grad_clip)
-    totals_over_ranks = member.sum_over_ranks({"loss": loss_sum, "clipped": clipped_tokens, "trained": len(work),
-                                               **{f"is_{k}": v for k, v in mismatch.items()}})
+    totals_over_ranks = member.sum_over_ranks(
+        {
+            "loss": loss_sum,
+            "clipped": clipped_tokens,
+            "trained": len(work),
+            **{f"is_{k}": v for k, v in mismatch.items()},
+        }
+    )
     stats = {
         "loss": totals_over_ranks["loss"] / algo.updates_per_batch,
         "grad_norm": grad_norm,
@@ -202,8 +229,7 @@ def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy
         with torch.no_grad():
             ref_logp, _ = _logprobs(member, mb, policy, model=member.reference)
         token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
-    loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1],
-                          const_norm=norm[2])
+    loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1], const_norm=norm[2])
     return loss, clipped, mask, sums
 
 
@@ -219,8 +245,12 @@ def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
     logged in metrics.jsonl: mean |delta log p|, KL(pi_rollout || pi_train) estimate, share of capped tokens,
     and the count of tokens whose engine log-prob was not finite (excluded from the loss)."""
     n = max(sums["tokens"], 1.0)
-    return {"is_abs_dlogp": sums["abs_dlogp"] / n, "is_kl": sums["kl"] / n, "is_capped_frac": sums["capped"] / n,
-            "is_nonfinite_tokens": int(sums["nonfinite"])}
+    return {
+        "is_abs_dlogp": sums["abs_dlogp"] / n,
+        "is_kl": sums["kl"] / n,
+        "is_capped_frac": sums["capped"] / n,
+        "is_nonfinite_tokens": int(sums["nonfinite"]),
+    }
 
 
 def _logprobs(member, mb: list[Sequence], policy: Policy, model=None):

@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers.utils import logging as hf_logging
-
 from tqdm import tqdm
+from transformers.utils import logging as hf_logging
 
 from vlm_corl import cli
 from vlm_corl.families import SIZES, Family  # importing the package registers the vision families
@@ -43,9 +42,7 @@ def build_member(family: Family, path: str | Path, size: str = "tiny", seed: int
     return sum(p.numel() for p in model.parameters())
 
 
-def build_zoo(
-    out: str | Path, families: list[str] | None = None, size: str = "tiny", seed: int = 0
-) -> dict[str, Path]:
+def build_zoo(out: str | Path, families: list[str] | None = None, size: str = "tiny", seed: int = 0) -> dict[str, Path]:
     """Build the named families (default: every registered one) under `out`; returns {family: member path}."""
     return {name: path for name, path, _ in _build(out, families, size, seed)}
 
@@ -67,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (members go to OUT/<family>[-small])")
     parser.add_argument("--families", help="comma-separated family names (default: all registered families)")
     parser.add_argument(
-        "--size", choices=SIZES, default="tiny", help="tiny: ~0.2M parameters, for unit tests; small: ~1M, head_dim 32,"
-        " servable by vLLM (members go to OUT/<family>-small)"
+        "--size",
+        choices=SIZES,
+        default="tiny",
+        help="tiny: ~0.2M parameters, for unit tests; small: ~1M, head_dim 32,"
+        " servable by vLLM (members go to OUT/<family>-small)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     args = parser.parse_args(argv)

@@ -17,10 +17,17 @@ from vlm_corl.records import Example
 JSON_SUFFIXES = (".json", ".jsonl")
 
 
-def release_examples(path: str | os.PathLike | None, split: str, *, loader: str, hub: str,
-                     fields: Mapping[str, str], dataset_fields: Mapping[str, str] | None = None,
-                     hub_config: str | None = None,
-                     image_root: str | os.PathLike | None = None) -> Iterator[Example | Skip]:
+def release_examples(
+    path: str | os.PathLike | None,
+    split: str,
+    *,
+    loader: str,
+    hub: str,
+    fields: Mapping[str, str],
+    dataset_fields: Mapping[str, str] | None = None,
+    hub_config: str | None = None,
+    image_root: str | os.PathLike | None = None,
+) -> Iterator[Example | Skip]:
     """A benchmark's records as Examples (or Skips for records that cannot be read), from:
 
     - `path`, a .json/.jsonl file or a directory holding `<split>.json`/`<split>.jsonl` (a GitHub release: a
@@ -39,16 +46,22 @@ def release_examples(path: str | os.PathLike | None, split: str, *, loader: str,
         raise missing_path(path)
     file = _json_file(path, split)
     if file is None and path.is_dir() and not any(p.suffix in (".parquet", ".arrow") for p in path.rglob("*")):
-        raise DataError(f"{path} holds neither {split}.json / {split}.jsonl (the GitHub release) nor parquet files "
-                        f"(the Hugging Face release) of the {loader} benchmark: give the data file itself or its "
-                        f"folder")
+        raise DataError(
+            f"{path} holds neither {split}.json / {split}.jsonl (the GitHub release) nor parquet files "
+            f"(the Hugging Face release) of the {loader} benchmark: give the data file itself or its "
+            f"folder"
+        )
     if file is None:
         return load_hf(path, split, fields=dataset_fields or fields, image_root=image_root, source=loader)
     root = Path(image_root) if image_root is not None else file.parent
-    return (row if isinstance(row, Skip) else
-            example_from_row(row, fallback_id=f"{loader}-{split}-{index:06d}", source=loader,
-                             image_root=root.resolve(), fields=fields)
-            for index, row in enumerate(_json_rows(file)))
+    return (
+        row
+        if isinstance(row, Skip)
+        else example_from_row(
+            row, fallback_id=f"{loader}-{split}-{index:06d}", source=loader, image_root=root.resolve(), fields=fields
+        )
+        for index, row in enumerate(_json_rows(file))
+    )
 
 
 def _json_file(path: Path, split: str) -> Path | None:
@@ -103,6 +116,7 @@ def accuracy_by(records: list[dict], examples: list[Example], key: str) -> dict[
     regrouped = []
     for record in records:
         value = metadata[record["id"]].get(key)
-        regrouped += [{**record, "type": str(v)} for v in (value if isinstance(value, list) else [value])
-                      if v is not None]
+        regrouped += [
+            {**record, "type": str(v)} for v in (value if isinstance(value, list) else [value]) if v is not None
+        ]
     return _by_type(regrouped)

@@ -41,20 +41,30 @@ _CHOICES = re.compile(r"\bChoices\s*:\s*\n(.*)\Z", re.DOTALL | re.IGNORECASE)
 _CHOICE_LINE = re.compile(r"\s*([A-Z])\s*[:.)：]\s*(.*?)\s*")
 
 
-def load_mathverse(path: str | os.PathLike | None, split: str = "testmini", *,
-                   image_root: str | os.PathLike | None = None) -> Iterator[Example | Skip]:
+def load_mathverse(
+    path: str | os.PathLike | None, split: str = "testmini", *, image_root: str | os.PathLike | None = None
+) -> Iterator[Example | Skip]:
     """MathVerse records (module doc): ids are the sample indices; metadata holds problem_version,
     question_type, problem_index and the record's metadata (subject, subfield, source) at the top level."""
-    items = release_examples(path, split, loader="mathverse", hub="AI4Math/MathVerse", hub_config="testmini",
-                             fields={"id": "sample_index"}, image_root=image_root)
+    items = release_examples(
+        path,
+        split,
+        loader="mathverse",
+        hub="AI4Math/MathVerse",
+        hub_config="testmini",
+        fields={"id": "sample_index"},
+        image_root=image_root,
+    )
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 
 def _problem(ex: Example) -> Example | Skip:
     meta = lift_metadata(ex.metadata)
     if meta.get("question_type") not in QUESTION_TYPES or not ex.answer:
-        return Skip("bad_record", f"{ex.id}: needs an answer and question_type multi-choice or free-form "
-                                  f"(got {meta.get('question_type')!r})")
+        return Skip(
+            "bad_record",
+            f"{ex.id}: needs an answer and question_type multi-choice or free-form (got {meta.get('question_type')!r})",
+        )
     question = ex.question.strip() or VISION_ONLY_QUESTION
     choices = _choices(question, ex.answer) if meta["question_type"] == "multi-choice" else None
     return replace(ex, question=question, choices=choices, metadata=meta)
@@ -64,7 +74,7 @@ def _choices(question: str, answer: str) -> tuple[str, ...]:
     """The options listed after "Choices:" (A, B, … in order), else the letters A-D (to the gold letter)."""
     block = _CHOICES.search(question)
     lines = [_CHOICE_LINE.fullmatch(line) for line in block.group(1).splitlines() if line.strip()] if block else []
-    if lines and all(lines) and [m.group(1) for m in lines] == list(string.ascii_uppercase[:len(lines)]):
+    if lines and all(lines) and [m.group(1) for m in lines] == list(string.ascii_uppercase[: len(lines)]):
         return tuple(m.group(2) for m in lines)
     last = max(3, string.ascii_uppercase.find(answer.strip().upper()[:1]))
     return tuple(string.ascii_uppercase[: last + 1])
@@ -75,5 +85,12 @@ def by_subject(records: list[dict], examples: list[Example]) -> dict:
     return {"by_subject": accuracy_by(records, examples, "subject")}
 
 
-MATHVERSE = Benchmark("mathverse", "mathverse", "testmini", category="problem_version", max_new_tokens=1024,
-                      grade=grade_response, aggregate=by_subject)
+MATHVERSE = Benchmark(
+    "mathverse",
+    "mathverse",
+    "testmini",
+    category="problem_version",
+    max_new_tokens=1024,
+    grade=grade_response,
+    aggregate=by_subject,
+)

@@ -31,19 +31,28 @@ from vlm_corl.eval import Benchmark
 from vlm_corl.records import Example, with_choices
 
 
-def load_mathvision(path: str | os.PathLike | None, split: str = "test", *,
-                    image_root: str | os.PathLike | None = None) -> Iterator[Example | Skip]:
+def load_mathvision(
+    path: str | os.PathLike | None, split: str = "test", *, image_root: str | os.PathLike | None = None
+) -> Iterator[Example | Skip]:
     """MATH-Vision records (module doc): ids are the release's; metadata holds level, subject and solution."""
-    items = release_examples(path, split, loader="mathvision", hub="MathLLMs/MathVision", fields={},
-                             dataset_fields={"images": "decoded_image"}, image_root=image_root)
+    items = release_examples(
+        path,
+        split,
+        loader="mathvision",
+        hub="MathLLMs/MathVision",
+        fields={},
+        dataset_fields={"images": "decoded_image"},
+        image_root=image_root,
+    )
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 
 def _problem(ex: Example) -> Example | Skip:
     choices = ex.choices or None
     if choices and ex.answer not in tuple(string.ascii_uppercase[: len(choices)]):
-        return Skip("bad_record", f"{ex.id}: answer {ex.answer!r} is not the letter of one of its "
-                                  f"{len(choices)} options")
+        return Skip(
+            "bad_record", f"{ex.id}: answer {ex.answer!r} is not the letter of one of its {len(choices)} options"
+        )
     return replace(ex, question=with_choices(ex.question, choices), choices=choices)
 
 
@@ -52,5 +61,12 @@ def by_level(records: list[dict], examples: list[Example]) -> dict:
     return {"by_level": accuracy_by(records, examples, "level")}
 
 
-MATHVISION = Benchmark("mathvision", "mathvision", "test", category="subject", max_new_tokens=1024,
-                       grade=grade_response, aggregate=by_level)
+MATHVISION = Benchmark(
+    "mathvision",
+    "mathvision",
+    "test",
+    category="subject",
+    max_new_tokens=1024,
+    grade=grade_response,
+    aggregate=by_level,
+)

@@ -48,12 +48,20 @@ from vlm_corl.records import Example, with_choices
 ANSWER_TYPES = ("integer", "float", "text", "list")
 
 
-def load_mathvista(path: str | os.PathLike | None, split: str = "testmini", *,
-                   image_root: str | os.PathLike | None = None) -> Iterator[Example | Skip]:
+def load_mathvista(
+    path: str | os.PathLike | None, split: str = "testmini", *, image_root: str | os.PathLike | None = None
+) -> Iterator[Example | Skip]:
     """MathVista records (module doc): ids are the pids; metadata holds question_type, answer_type, unit,
     precision and the record's own metadata (task, category, skills, ...) at the top level."""
-    items = release_examples(path, split, loader="mathvista", hub="AI4Math/MathVista", fields={"id": "pid"},
-                             dataset_fields={"id": "pid", "images": "decoded_image"}, image_root=image_root)
+    items = release_examples(
+        path,
+        split,
+        loader="mathvista",
+        hub="AI4Math/MathVista",
+        fields={"id": "pid"},
+        dataset_fields={"id": "pid", "images": "decoded_image"},
+        image_root=image_root,
+    )
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 
@@ -61,19 +69,27 @@ def _problem(ex: Example) -> Example | Skip:
     meta = lift_metadata(ex.metadata)
     kind, multi = meta.get("answer_type"), meta.get("question_type") == "multi_choice"
     if kind not in ANSWER_TYPES or meta.get("question_type") not in ("multi_choice", "free_form"):
-        return Skip("bad_record", f"{ex.id}: question_type {meta.get('question_type')!r} / answer_type {kind!r} "
-                                  f"(expected multi_choice|free_form / {'|'.join(ANSWER_TYPES)})")
+        return Skip(
+            "bad_record",
+            f"{ex.id}: question_type {meta.get('question_type')!r} / answer_type {kind!r} "
+            f"(expected multi_choice|free_form / {'|'.join(ANSWER_TYPES)})",
+        )
     if multi and (not ex.choices or ex.answer not in ex.choices):
-        return Skip("bad_record", f"{ex.id}: a multi_choice answer is one of its choices (got {ex.answer!r}, "
-                                  f"{ex.choices!r})")
+        return Skip(
+            "bad_record", f"{ex.id}: a multi_choice answer is one of its choices (got {ex.answer!r}, {ex.choices!r})"
+        )
     precision = meta.get("precision")
     if precision is not None and not isinstance(precision, (int, float)):
         return Skip("bad_record", f"{ex.id}: precision {precision!r} is not a number of decimals")
     meta["precision"] = None if precision is None else int(precision)  # parquet stores it as a float
     question = ex.question + (f" (Unit: {meta['unit']})" if meta.get("unit") else "")
     hint = "" if multi else _hint(kind, meta["precision"])
-    return replace(ex, question=with_choices(question, ex.choices if multi else None) + hint,
-                   choices=ex.choices if multi else None, metadata=meta)
+    return replace(
+        ex,
+        question=with_choices(question, ex.choices if multi else None) + hint,
+        choices=ex.choices if multi else None,
+        metadata=meta,
+    )
 
 
 def _hint(kind: str, precision: int | None) -> str:
@@ -136,7 +152,8 @@ def _same_list(gold: str, pred: str) -> bool:
 
     golds, preds = items(gold), items(pred)
     return len(golds) == len(preds) and all(
-        _number(g) == _number(p) if _number(g) is not None else answers_equivalent(g, p) for g, p in zip(golds, preds))
+        _number(g) == _number(p) if _number(g) is not None else answers_equivalent(g, p) for g, p in zip(golds, preds)
+    )
 
 
 def by_skill(records: list[dict], examples: list[Example]) -> dict:
@@ -144,5 +161,12 @@ def by_skill(records: list[dict], examples: list[Example]) -> dict:
     return {"by_skill": accuracy_by(records, examples, "skills")}
 
 
-MATHVISTA = Benchmark("mathvista", "mathvista", "testmini", category="task", max_new_tokens=1024,
-                      grade=grade_mathvista, aggregate=by_skill)
+MATHVISTA = Benchmark(
+    "mathvista",
+    "mathvista",
+    "testmini",
+    category="task",
+    max_new_tokens=1024,
+    grade=grade_mathvista,
+    aggregate=by_skill,
+)

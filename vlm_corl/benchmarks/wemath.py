@@ -45,11 +45,13 @@ _KEY = re.compile(r"(\d)steps_(\d|multi)")
 _OPTION = re.compile(r"(?:^|;)\s*([A-H])\.\s*")
 
 
-def load_wemath(path: str | os.PathLike | None, split: str = "testmini", *,
-                image_root: str | os.PathLike | None = None) -> Iterator[Example | Skip]:
+def load_wemath(
+    path: str | os.PathLike | None, split: str = "testmini", *, image_root: str | os.PathLike | None = None
+) -> Iterator[Example | Skip]:
     """We-Math records (module doc); metadata keeps every other field of the record (ID, key, option, …)."""
-    items = release_examples(path, split, loader="wemath", hub="We-Math/We-Math", fields={"images": "image_path"},
-                             image_root=image_root)
+    items = release_examples(
+        path, split, loader="wemath", hub="We-Math/We-Math", fields={"images": "image_path"}, image_root=image_root
+    )
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 
@@ -57,8 +59,11 @@ def _problem(ex: Example) -> Example | Skip:
     meta, where = ex.metadata, ex.id
     key, option = str(meta.get("key")), str(meta.get("option"))
     if not meta.get("ID") or not _KEY.fullmatch(key):
-        return Skip("bad_record", f"{where}: needs an ID and a key like 2steps_1 or 2steps_multi (got "
-                                  f"{meta.get('ID')!r}, {meta.get('key')!r})")
+        return Skip(
+            "bad_record",
+            f"{where}: needs an ID and a key like 2steps_1 or 2steps_multi (got "
+            f"{meta.get('ID')!r}, {meta.get('key')!r})",
+        )
     parts = _OPTION.split(option)  # ["", "A", "1 cm", "B", "1.5 cm", ...]
     letters, choices = parts[1::2], tuple(text.strip(" ;") for text in parts[2::2])
     if parts[0].strip() or not letters or letters != list(string.ascii_uppercase[: len(letters)]):
@@ -96,8 +101,10 @@ def four_dimensional(records: list[dict], examples: list[Example]) -> dict:
         dims[f"CM_{mode}"] = c["CM"] / total
         dims[f"RM_{mode}"] = c["RM"] / (c["CM"] + c["RM"]) if c["CM"] + c["RM"] else None
         dims[f"score_{mode}"] = (total - 0.5 * c["IG"] - c["RM"] - c["IK"]) / total
-    accuracy = {"S1": sum(steps_right) / len(steps_right),
-                **{k: sum(v) / len(v) for k, v in sorted(multi_right.items())}}
+    accuracy = {
+        "S1": sum(steps_right) / len(steps_right),
+        **{k: sum(v) / len(v) for k, v in sorted(multi_right.items())},
+    }
     return {"four_dimensional": dims, "counts": counts, "steps": accuracy}
 
 
@@ -110,5 +117,6 @@ def _dimensions(steps: list[bool], multi: bool) -> tuple[str, str]:
     return "RM", "CM" if any(steps) else "RM"
 
 
-WEMATH = Benchmark("wemath", "wemath", "testmini", max_new_tokens=1024, grade=grade_response,
-                   aggregate=four_dimensional)
+WEMATH = Benchmark(
+    "wemath", "wemath", "testmini", max_new_tokens=1024, grade=grade_response, aggregate=four_dimensional
+)

@@ -17,7 +17,6 @@ from vlm_corl.config.loading import (
     config_to_dict,
     dump_config,
     load_config,
-    read_raw_config,
     save_config,
     validate,
 )

@@ -10,8 +10,6 @@ from typing import Any
 
 import yaml
 
-from vlm_corl.errors import UserError
-
 from vlm_corl.config.parse import (
     ConfigError,
     Problems,
@@ -22,6 +20,7 @@ from vlm_corl.config.parse import (
     yaml_problem,
 )
 from vlm_corl.config.schema import PEER_MODES, CohortConfig
+from vlm_corl.errors import UserError
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 
 
@@ -87,7 +86,6 @@ def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
             )
 
 
-
 def _run_problems(cfg: CohortConfig, problems: Problems) -> None:
     """The rest of the run: DeepSpeed, evaluation, engines, the off-policy correction, referenced files."""
     if cfg.train.deepspeed is not None:
@@ -128,8 +126,10 @@ def deepspeed_problems(path: str) -> list[str]:
     from vlm_corl.deepspeed_update import DeepSpeedConfigError, load_deepspeed_config
 
     if not Path(path).is_file():
-        return [f"file {path!r} does not exist; name a DeepSpeed JSON config (e.g. configs/deepspeed/zero2.json)"
-                " or set it to null"]
+        return [
+            f"file {path!r} does not exist; name a DeepSpeed JSON config (e.g. configs/deepspeed/zero2.json)"
+            " or set it to null"
+        ]
     try:
         load_deepspeed_config(path, grad_clip=1.0, group_size=1)
     except DeepSpeedConfigError as err:
@@ -151,7 +151,9 @@ def check_registered(cfg: CohortConfig) -> None:
 
     problems = Problems()
     lookups = [("data.train.loader", LOADERS, cfg.data.train.loader)]
-    lookups += [("reward.custom" if cfg.reward.custom else "reward.mode", REWARDS, cfg.reward.custom or cfg.reward.mode)]
+    lookups += [
+        ("reward.custom" if cfg.reward.custom else "reward.mode", REWARDS, cfg.reward.custom or cfg.reward.mode)
+    ]
     lookups += [("eval.benchmarks", BENCHMARKS, name) for name in cfg.eval.benchmarks]
     lookups += [(f"members[{i}].family", FAMILIES, m.family) for i, m in enumerate(cfg.members) if m.family]
     for path, registry, name in lookups:

@@ -265,8 +265,11 @@ def _meets_constraints(f: dataclasses.Field, value: Any, path: str, problems: Pr
     why = f" ({meta['why']})" if "why" in meta else ""
     failed = []
     if value is not None:
-        failed += [f"must be {op} {meta[key]}, got {value!r}{why}" for key, op in _BOUNDS
-                   if key in meta and not _BOUND_TESTS[key](value, meta[key])]
+        failed += [
+            f"must be {op} {meta[key]}, got {value!r}{why}"
+            for key, op in _BOUNDS
+            if key in meta and not _BOUND_TESTS[key](value, meta[key])
+        ]
         if "pattern" in meta and not re.fullmatch(meta["pattern"][0], value):
             failed.append(f"{value!r} is not valid; expected {meta['pattern'][1]}")
         if "min_items" in meta and len(value) < meta["min_items"]:

@@ -48,7 +48,10 @@ class MemberConfig:
     trust_remote_code: bool = _f("allow custom modelling code shipped with the checkpoint", False)
     ranks: list[int] | None = _f(
         "process ranks this member runs on (data-parallel over them); null = an even automatic split of the "
-        "launched processes", None, min_items=1, why="a member needs at least one rank",
+        "launched processes",
+        None,
+        min_items=1,
+        why="a member needs at least one rank",
     )
 
 
@@ -86,11 +89,14 @@ class VllmConfig:
     """vLLM engine settings (used when rollout.engine=vllm)."""
 
     gpu_memory_utilization: float = _f(
-        "share of GPU memory the vLLM engines of one process may take in all (split evenly among them)", 0.5, gt=0, le=1)
+        "share of GPU memory the vLLM engines of one process may take in all (split evenly among them)", 0.5, gt=0, le=1
+    )
     tensor_parallel_size: int = _f("GPUs one vLLM engine spans; only 1 is supported (one engine per rank)", 1, ge=1)
     enforce_eager: bool = _f("disable CUDA graphs (faster start, slower decode)", False)
     enable_sleep_mode: bool = _f("free vLLM's GPU memory during updates (GPU only)", False)
-    kv_cache_memory_bytes: int | None = _f("KV cache size in bytes (needed on CPU, where the share above is of RAM); null = use the share", None, ge=1)
+    kv_cache_memory_bytes: int | None = _f(
+        "KV cache size in bytes (needed on CPU, where the share above is of RAM); null = use the share", None, ge=1
+    )
 
 
 @dataclass(kw_only=True)
@@ -152,7 +158,8 @@ class AlgoConfig:
     updates_per_batch: int = _f("optimizer passes over each rollout batch", 1, ge=1)
     rollout_is: Literal["none", "token_truncated"] = _f(
         "off-policy correction for the engine/trainer probability gap: none | token_truncated (policy-gradient "
-        "term times min(pi_train / pi_rollout, rollout_is_cap) per token)", "none",
+        "term times min(pi_train / pi_rollout, rollout_is_cap) per token)",
+        "none",
     )
     rollout_is_cap: float = _f("truncation C of the importance weight (algo.rollout_is)", 2.0, ge=1)
 
@@ -174,37 +181,54 @@ class TrainConfig:
     save_every: int = _f("checkpoint every N steps; 0 = only at the end", 50, ge=0)
     keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
     resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
-    overwrite: bool = _f("clear a run already in output_dir when not resuming (otherwise such a run is an error)", False)
-    mixed_precision: Literal["no", "bf16"] = _f("update forward under bf16 autocast (weights and optimizer stay fp32): no | bf16", "no")
+    overwrite: bool = _f(
+        "clear a run already in output_dir when not resuming (otherwise such a run is an error)", False
+    )
+    mixed_precision: Literal["no", "bf16"] = _f(
+        "update forward under bf16 autocast (weights and optimizer stay fp32): no | bf16", "no"
+    )
     deepspeed: str | None = _f(
         "DeepSpeed JSON config for every trainable member's update (ZeRO 2/3, e.g. configs/deepspeed/zero2.json); "
-        "null = plain data parallel (gradients summed over the member's ranks)", None,
+        "null = plain data parallel (gradients summed over the member's ranks)",
+        None,
     )
     gather_bucket_mb: float = _f(
         "ZeRO-3: megabytes of parameters gathered at a time when the full weights are streamed (vLLM weight sync, "
-        "EMA teacher, checkpoint); the rest stays partitioned", 512.0, gt=0)
+        "EMA teacher, checkpoint); the rest stays partitioned",
+        512.0,
+        gt=0,
+    )
     dist_timeout_s: float = _f("seconds a collective may wait for the other ranks before the job stops", 1800.0, gt=0)
     on_collapse: Literal["warn", "stop", "rollback"] = _f(
         "when a collapse detector flags a member (batch, category or in-loop eval): warn | stop (exit 3, naming "
         "the member, category and evidence) | rollback (stop and set aside the checkpoints taken since the flag)",
-        "warn")
+        "warn",
+    )
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
     """Periodic benchmark evaluation during training."""
 
-    benchmarks: list[str] = _f("benchmark registry names or benchmark YAML files (vlm_corl.benchmark_file)", factory=list)
+    benchmarks: list[str] = _f(
+        "benchmark registry names or benchmark YAML files (vlm_corl.benchmark_file)", factory=list
+    )
     every: int = _f("evaluate every N steps; 0 = off", 0, ge=0)
     limit: int | None = _f("examples per benchmark; null = all", None, ge=1)
     temperature: float = _f("evaluation sampling temperature; 0 = greedy", 0.0, ge=0)
     max_new_tokens: int | None = _f("longest evaluation response; null = the benchmark's own", None, ge=1)
     max_category_drop: float | None = _f(
         "flag a member whose accuracy on a category falls more than this below its step-0 evaluation (eval.every "
-        "also evaluates before the first update); null = no such flag", 0.2, gt=0, le=1)
+        "also evaluates before the first update); null = no such flag",
+        0.2,
+        gt=0,
+        le=1,
+    )
     keep_best: str | None = _f(
         "keep every trained member's weights at its best in-loop score on this benchmark (one of eval.benchmarks) "
-        "in RUN/best/<member>/; null = don't", None)
+        "in RUN/best/<member>/; null = don't",
+        None,
+    )
 
 
 @dataclass(kw_only=True)
@@ -216,8 +240,12 @@ class LoggingConfig:
     log_every: int = _f("write metrics every N steps", 1, ge=1)
     category_key: str | None = _f(
         "examples' metadata key naming their category (question_type for easy-vqa, subject for MATH): metrics "
-        "and the collapse detector per category; null = none", None)
-    category_window: int = _f("steps the per-category metrics are averaged over (one batch holds few of each)", 10, ge=1)
+        "and the collapse detector per category; null = none",
+        None,
+    )
+    category_window: int = _f(
+        "steps the per-category metrics are averaged over (one batch holds few of each)", 10, ge=1
+    )
 
 
 @dataclass(kw_only=True)

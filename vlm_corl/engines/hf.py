@@ -47,8 +47,9 @@ class HFEngine:
         was_training = model.training
         model.eval()
         with torch.inference_mode():
-            tokens, stopped, sums, token_logp = sample(model, [p.inputs for p in prompts], params,
-                                                       member.policy(params.temperature), member.eos_token_ids, tok)
+            tokens, stopped, sums, token_logp = sample(
+                model, [p.inputs for p in prompts], params, member.policy(params.temperature), member.eos_token_ids, tok
+            )
         model.train(was_training)
         groups = []
         for i, prompt in enumerate(prompts):
@@ -69,8 +70,14 @@ class HFEngine:
         return groups
 
 
-def sample(model: torch.nn.Module, prompt_inputs: list[dict], params: SamplingParams, policy: Policy,
-           eos_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> tuple[list[list[int]], list[bool], dict, list]:
+def sample(
+    model: torch.nn.Module,
+    prompt_inputs: list[dict],
+    params: SamplingParams,
+    policy: Policy,
+    eos_ids: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+) -> tuple[list[list[int]], list[bool], dict, list]:
     """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i, from `policy` (its pad id,
     suppressed tokens, M-RoPE flag; the temperature and the rest of the draw come from `params`).
 
@@ -109,8 +116,11 @@ def sample(model: torch.nn.Module, prompt_inputs: list[dict], params: SamplingPa
         # token_entropy / token_self_certainty of vlm_corl.grpo, from this one log-softmax over the V' tokens
         chosen = logp.gather(-1, choice[:, None]).squeeze(-1)
         token_logp[active, t] = chosen
-        for name, value in (("logprob", chosen), ("entropy", -(probs * logp).sum(dim=-1)),
-                            ("self_certainty", -logp.mean(dim=-1) - math.log(len(samplable)))):
+        for name, value in (
+            ("logprob", chosen),
+            ("entropy", -(probs * logp).sum(dim=-1)),
+            ("self_certainty", -logp.mean(dim=-1) - math.log(len(samplable))),
+        ):
             sums[name][active] += value
         tokens[active, t] = next_tokens
         lengths[active] += 1
@@ -137,9 +147,13 @@ class Chooser:
 
     def __init__(self, params: SamplingParams):
         self.greedy = params.temperature == 0
-        self.warpers = [] if self.greedy else (
-            ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else [])
-            + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])
+        self.warpers = (
+            []
+            if self.greedy
+            else (
+                ([TopKLogitsWarper(params.top_k)] if params.top_k > 0 else [])
+                + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])
+            )
         )
 
     def __call__(self, scores: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -176,8 +190,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)
 
 
-def _stop_strings(tokenizer, tokens: torch.Tensor, rows: list[int], texts: list[str],
-                  stop: tuple[str, ...]) -> torch.Tensor:
+def _stop_strings(
+    tokenizer, tokens: torch.Tensor, rows: list[int], texts: list[str], stop: tuple[str, ...]
+) -> torch.Tensor:
     """(A,) whether each of `rows` (tokens: (A, t) so far) now holds a stop string overlapping its last token.
 
     texts[row] keeps each row's decoded response, so only the new end is searched."""

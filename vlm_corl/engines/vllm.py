@@ -48,8 +48,14 @@ class VLLMEngine:
     vLLM's process-wide parallel state, and the others then fail on their next step.
     """
 
-    def __init__(self, member, rollout: RolloutConfig | None = None, max_images_per_prompt: int = 1,
-                 share: float = 1.0, **llm_kwargs):
+    def __init__(
+        self,
+        member,
+        rollout: RolloutConfig | None = None,
+        max_images_per_prompt: int = 1,
+        share: float = 1.0,
+        **llm_kwargs,
+    ):
         rollout = rollout or RolloutConfig()
         settings = rollout.vllm
         if member.is_vision:
@@ -62,8 +68,11 @@ class VLLMEngine:
         self.member = member
         self._sleep = settings.enable_sleep_mode and torch.cuda.is_available()
         if settings.enable_sleep_mode and not self._sleep:
-            log.info("rollout.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA device; member %s's engine "
-                     "stays awake here", member.id)
+            log.info(
+                "rollout.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA device; member %s's engine "
+                "stays awake here",
+                member.id,
+            )
         self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
         budget = {"gpu_memory_utilization": settings.gpu_memory_utilization * share}
         if not torch.cuda.is_available():
@@ -95,11 +104,12 @@ class VLLMEngine:
             raise UserError(
                 f"member {member.id!r}: vLLM cannot fit its KV cache for sequences of "
                 f"{rollout.max_prompt_tokens + rollout.max_new_tokens} tokens in its memory budget "
-                f"({', '.join(f'{k}={v:.3g}' if isinstance(v, float) else f'{k}={v}' for k, v in budget.items() if 'memory' in k)}, "
+                f"({_budget_text(budget)}, "
                 f"{share:.2g} of the process's, shared by the engines on this device): raise "
                 "rollout.vllm.gpu_memory_utilization (or kv_cache_memory_bytes on a CPU), lower "
                 f"rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. vLLM said: "
-                f"{str(err).splitlines()[0][:300]}") from err
+                f"{str(err).splitlines()[0][:300]}"
+            ) from err
         self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
         # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them.
         self.sync_weights()
@@ -178,7 +188,9 @@ class VLLMEngine:
 def _token_logprobs(positions, token_ids: list[int]) -> list[float]:
     """The sampled token's log-prob at each position (vLLM's per-position {token id: Logprob}); NaN where
     vLLM left it out, which the off-policy correction counts and excludes."""
-    return [pos[tok].logprob if pos is not None and tok in pos else float("nan") for pos, tok in zip(positions, token_ids)]
+    return [
+        pos[tok].logprob if pos is not None and tok in pos else float("nan") for pos, tok in zip(positions, token_ids)
+    ]
 
 
 def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -200,6 +212,11 @@ def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         llm.apply_model(lambda model: model.load_weights(weights))
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
+
+
+def _budget_text(budget: dict) -> str:
+    """The memory settings of an engine's budget, for messages: "gpu_memory_utilization=0.25, ..."."""
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in budget.items() if "memory" in k)
 
 
 def _is_memory_error(err: BaseException) -> bool:

@@ -82,7 +82,11 @@ class Family:
         """The zoo tokenizer: the shared offline BPE plus this family's control tokens and chat template."""
         t = self.tokens
         return build_tokenizer(
-            list(t.tokens), bos=t.bos, eos=t.eos[0], pad=t.pad, named_tokens=dict(t.named),
+            list(t.tokens),
+            bos=t.bos,
+            eos=t.eos[0],
+            pad=t.pad,
+            named_tokens=dict(t.named),
             chat_template=self.chat_template,
         )
 
@@ -153,6 +157,7 @@ def chat_template(
     pass None, and an image part is an error). default_system is inserted when the conversation has no system
     message. With system_turn=False (Gemma) the system text is prefixed to the first user turn instead.
     """
+
     def open_(role_expr: str) -> str:
         before, _, after = turn_open.partition("ROLE")
         return "{{- " + " + ".join(x for x in (repr(before), role_expr, repr(after)) if x != "''") + " }}"
@@ -165,8 +170,13 @@ def chat_template(
     parts = ["{{- bos_token }}"] if bos else []
     if default_system is not None:
         parts.append(
-            "{%- if messages[0]['role'] != 'system' %}" + open_("'system'") + "{{- " + repr(default_system) + " }}"
-            + close + "{%- endif %}"
+            "{%- if messages[0]['role'] != 'system' %}"
+            + open_("'system'")
+            + "{{- "
+            + repr(default_system)
+            + " }}"
+            + close
+            + "{%- endif %}"
         )
     if system_turn:
         parts += ["{%- for message in messages %}", open_(role)]
@@ -191,13 +201,19 @@ def chat_template(
 def _content_template(image: str | None) -> str:
     """The Jinja for one message's content: a string, or parts whose images render as `image` (None: an image
     part is an error, the family reads no images)."""
-    image_part = ("{{- " + repr(image) + " }}" if image is not None
-                  else "{{- raise_exception('this model family reads no images') }}")
-    return ("{%- if message['content'] is string %}{{- message['content'] }}"
-            "{%- else %}{%- for part in message['content'] %}"
-            "{%- if part['type'] == 'image' %}" + image_part
-            + "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-            "{%- endfor %}{%- endif %}")
+    image_part = (
+        "{{- " + repr(image) + " }}"
+        if image is not None
+        else "{{- raise_exception('this model family reads no images') }}"
+    )
+    return (
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- else %}{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'image' %}"
+        + image_part
+        + "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+        "{%- endfor %}{%- endif %}"
+    )
 
 
 def text_config_kwargs(size: str, tokenizer: PreTrainedTokenizerBase) -> dict:

@@ -8,8 +8,14 @@ from vlm_corl.families.base import VISION_DIMS, Family, SpecialTokens, chat_temp
 
 GEMMA3_TOKENS = SpecialTokens(
     tokens=(
-        "<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
-        "<start_of_image>", "<end_of_image>", "<image_soft_token>",
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
     ),
     eos=("<end_of_turn>", "<eos>"),
     pad="<pad>",
@@ -26,19 +32,29 @@ def _gemma3_config(size: str, tokenizer) -> tf.Gemma3Config:
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     layers = text["num_hidden_layers"]
     text.update(
-        head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=512,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=512,
         # Gemma 3 interleaves local (sliding-window) and global layers; keep one global layer, last.
         layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
     )
     image_size, patch = _IMAGE[size]
     vision = dict(
-        hidden_size=v.hidden, intermediate_size=v.intermediate, num_hidden_layers=v.layers,
-        num_attention_heads=v.heads, image_size=image_size, patch_size=patch,
+        hidden_size=v.hidden,
+        intermediate_size=v.intermediate,
+        num_hidden_layers=v.layers,
+        num_attention_heads=v.heads,
+        image_size=image_size,
+        patch_size=patch,
     )
     boi, eoi, image = tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
     return tf.Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=_IMAGE_TOKENS,
-        boi_token_index=boi, eoi_token_index=eoi, image_token_index=image,
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=_IMAGE_TOKENS,
+        boi_token_index=boi,
+        eoi_token_index=eoi,
+        image_token_index=image,
     )
 
 
@@ -53,18 +69,24 @@ def _gemma3_processor(tokenizer, size: str) -> tf.Gemma3Processor:
     )
 
 
-GEMMA3 = register(Family(
-    name="gemma3",
-    modality="vision",
-    model_types=("gemma3",),
-    auto_model="AutoModelForImageTextToText",
-    prompt_style="answer_tags",
-    # Gemma has no system turn: the system text opens the first user turn; the assistant role is "model".
-    chat_template=chat_template(
-        turn_open="<start_of_turn>ROLE\n", turn_close="<end_of_turn>\n", image="<start_of_image>", bos=True,
-        assistant_role="model", system_turn=False,
-    ),
-    tokens=GEMMA3_TOKENS,
-    build_config=_gemma3_config,
-    build_processor=_gemma3_processor,
-))
+GEMMA3 = register(
+    Family(
+        name="gemma3",
+        modality="vision",
+        model_types=("gemma3",),
+        auto_model="AutoModelForImageTextToText",
+        prompt_style="answer_tags",
+        # Gemma has no system turn: the system text opens the first user turn; the assistant role is "model".
+        chat_template=chat_template(
+            turn_open="<start_of_turn>ROLE\n",
+            turn_close="<end_of_turn>\n",
+            image="<start_of_image>",
+            bos=True,
+            assistant_role="model",
+            system_turn=False,
+        ),
+        tokens=GEMMA3_TOKENS,
+        build_config=_gemma3_config,
+        build_processor=_gemma3_processor,
+    )
+)

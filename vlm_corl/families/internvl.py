@@ -27,8 +27,12 @@ def _internvl_config(size: str, tokenizer) -> tf.InternVLConfig:
     v = VISION_DIMS[size]
     image_size, patch = _IMAGE[size]
     vision = dict(
-        hidden_size=v.hidden, num_hidden_layers=v.layers, num_attention_heads=v.heads,
-        intermediate_size=v.intermediate, image_size=image_size, patch_size=patch,
+        hidden_size=v.hidden,
+        num_hidden_layers=v.layers,
+        num_attention_heads=v.heads,
+        intermediate_size=v.intermediate,
+        image_size=image_size,
+        patch_size=patch,
     )
     return tf.InternVLConfig(
         text_config=dict(text_config_kwargs(size, tokenizer), model_type="qwen2"),
@@ -52,14 +56,16 @@ def _internvl_processor(tokenizer, size: str) -> tf.InternVLProcessor:
     )
 
 
-INTERNVL = register(Family(
-    name="internvl",
-    modality="vision",
-    model_types=("internvl",),
-    auto_model="AutoModelForImageTextToText",
-    prompt_style="answer_tags",
-    chat_template=chatml_template("<IMG_CONTEXT>\n"),
-    tokens=INTERNVL_TOKENS,
-    build_config=_internvl_config,
-    build_processor=_internvl_processor,
-))
+INTERNVL = register(
+    Family(
+        name="internvl",
+        modality="vision",
+        model_types=("internvl",),
+        auto_model="AutoModelForImageTextToText",
+        prompt_style="answer_tags",
+        chat_template=chatml_template("<IMG_CONTEXT>\n"),
+        tokens=INTERNVL_TOKENS,
+        build_config=_internvl_config,
+        build_processor=_internvl_processor,
+    )
+)

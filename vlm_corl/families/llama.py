@@ -8,8 +8,14 @@ from vlm_corl.families.base import VISION_DIMS, Family, SpecialTokens, chat_temp
 
 LLAMA3_TOKENS = SpecialTokens(
     tokens=(
-        "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
-        "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|finetune_right_pad_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
     ),
     eos=("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"),  # as Llama-3.1/3.2 instruct generation configs
     pad="<|finetune_right_pad_id|>",
@@ -44,10 +50,17 @@ def _mllama_config(size: str, tokenizer) -> tf.MllamaConfig:
     text.update(cross_attention_layers=[text["num_hidden_layers"] // 2], rope_parameters=dict(LLAMA3_ROPE))
     image_size, patch = _IMAGE[size]
     vision = dict(
-        hidden_size=v.hidden, num_hidden_layers=v.layers, num_global_layers=1, attention_heads=v.heads,
-        intermediate_size=v.intermediate, intermediate_layers_indices=[0],
+        hidden_size=v.hidden,
+        num_hidden_layers=v.layers,
+        num_global_layers=1,
+        attention_heads=v.heads,
+        intermediate_size=v.intermediate,
+        intermediate_layers_indices=[0],
         vision_output_dim=2 * v.hidden,  # final state + one intermediate layer, concatenated
-        image_size=image_size, patch_size=patch, max_num_tiles=1, supported_aspect_ratios=[[1, 1]],
+        image_size=image_size,
+        patch_size=patch,
+        max_num_tiles=1,
+        supported_aspect_ratios=[[1, 1]],
     )
     return tf.MllamaConfig(text_config=text, vision_config=vision, image_token_index=tokenizer.image_token_id)
 
@@ -61,15 +74,17 @@ def _mllama_processor(tokenizer, size: str) -> tf.MllamaProcessor:
     )
 
 
-MLLAMA = register(Family(
-    name="mllama",
-    modality="vision",
-    model_types=("mllama",),
-    auto_model="AutoModelForImageTextToText",
-    prompt_style="answer_tags",
-    chat_template=llama3_template("<|image|>"),
-    tokens=MLLAMA_TOKENS,
-    build_config=_mllama_config,
-    build_processor=_mllama_processor,
-    batch_aligned_keys=("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"),
-))
+MLLAMA = register(
+    Family(
+        name="mllama",
+        modality="vision",
+        model_types=("mllama",),
+        auto_model="AutoModelForImageTextToText",
+        prompt_style="answer_tags",
+        chat_template=llama3_template("<|image|>"),
+        tokens=MLLAMA_TOKENS,
+        build_config=_mllama_config,
+        build_processor=_mllama_processor,
+        batch_aligned_keys=("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"),
+    )
+)

@@ -86,8 +86,14 @@ def _vision_token_ids(tokenizer) -> dict:
 def _qwen2_vl_config(size: str, tokenizer) -> tf.Qwen2VLConfig:
     v, text = VISION_DIMS[size], _text(size, tokenizer)
     vision = dict(
-        depth=v.layers, embed_dim=v.hidden, hidden_size=text["hidden_size"], mlp_ratio=v.intermediate // v.hidden,
-        num_heads=v.heads, patch_size=_patch(size, 14), spatial_merge_size=_MERGE, temporal_patch_size=_TEMPORAL,
+        depth=v.layers,
+        embed_dim=v.hidden,
+        hidden_size=text["hidden_size"],
+        mlp_ratio=v.intermediate // v.hidden,
+        num_heads=v.heads,
+        patch_size=_patch(size, 14),
+        spatial_merge_size=_MERGE,
+        temporal_patch_size=_TEMPORAL,
     )
     return tf.Qwen2VLConfig(text_config=text, vision_config=vision, **_vision_token_ids(tokenizer))
 
@@ -96,8 +102,14 @@ def _qwen2_5_vl_config(size: str, tokenizer) -> tf.Qwen2_5_VLConfig:
     v, text = VISION_DIMS[size], _text(size, tokenizer)
     patch = _patch(size, 14)
     vision = dict(
-        depth=v.layers, hidden_size=v.hidden, intermediate_size=v.intermediate, num_heads=v.heads,
-        out_hidden_size=text["hidden_size"], patch_size=patch, spatial_merge_size=_MERGE, temporal_patch_size=_TEMPORAL,
+        depth=v.layers,
+        hidden_size=v.hidden,
+        intermediate_size=v.intermediate,
+        num_heads=v.heads,
+        out_hidden_size=text["hidden_size"],
+        patch_size=patch,
+        spatial_merge_size=_MERGE,
+        temporal_patch_size=_TEMPORAL,
         window_size=4 * patch * _MERGE,  # windows of 4x4 merged tokens, as the released 112 px at patch 14
         fullatt_block_indexes=[v.layers - 1],
     )
@@ -112,46 +124,58 @@ def _qwen3_vl_config(size: str, tokenizer) -> tf.Qwen3VLConfig:
     text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
     patch, max_side = _patch(size, 16), _TOKENS_PER_SIDE[size][1] * _MERGE
     vision = dict(
-        depth=v.layers, hidden_size=v.hidden, intermediate_size=v.intermediate, num_heads=v.heads,
-        out_hidden_size=text["hidden_size"], patch_size=patch, spatial_merge_size=_MERGE, temporal_patch_size=_TEMPORAL,
+        depth=v.layers,
+        hidden_size=v.hidden,
+        intermediate_size=v.intermediate,
+        num_heads=v.heads,
+        out_hidden_size=text["hidden_size"],
+        patch_size=patch,
+        spatial_merge_size=_MERGE,
+        temporal_patch_size=_TEMPORAL,
         num_position_embeddings=max_side**2,  # a learned grid of the largest image's patches, interpolated below it
         deepstack_visual_indexes=[0],
     )
     return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **_vision_token_ids(tokenizer))
 
 
-QWEN2_VL = register(Family(
-    name="qwen2_vl",
-    modality="vision",
-    model_types=("qwen2_vl",),
-    auto_model="AutoModelForImageTextToText",
-    prompt_style="answer_tags",
-    chat_template=chatml_template("<|vision_start|><|image_pad|><|vision_end|>", QWEN_DEFAULT_SYSTEM),
-    tokens=QWEN_VL_TOKENS,
-    build_config=_qwen2_vl_config,
-    build_processor=_qwen_processor(tf.Qwen2VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
-))
+QWEN2_VL = register(
+    Family(
+        name="qwen2_vl",
+        modality="vision",
+        model_types=("qwen2_vl",),
+        auto_model="AutoModelForImageTextToText",
+        prompt_style="answer_tags",
+        chat_template=chatml_template("<|vision_start|><|image_pad|><|vision_end|>", QWEN_DEFAULT_SYSTEM),
+        tokens=QWEN_VL_TOKENS,
+        build_config=_qwen2_vl_config,
+        build_processor=_qwen_processor(tf.Qwen2VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
+    )
+)
 
-QWEN2_5_VL = register(Family(
-    name="qwen2_5_vl",
-    modality="vision",
-    model_types=("qwen2_5_vl",),
-    auto_model="AutoModelForImageTextToText",
-    prompt_style="answer_tags",
-    chat_template=QWEN2_VL.chat_template,
-    tokens=QWEN_VL_TOKENS,
-    build_config=_qwen2_5_vl_config,
-    build_processor=_qwen_processor(tf.Qwen2_5_VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
-))
+QWEN2_5_VL = register(
+    Family(
+        name="qwen2_5_vl",
+        modality="vision",
+        model_types=("qwen2_5_vl",),
+        auto_model="AutoModelForImageTextToText",
+        prompt_style="answer_tags",
+        chat_template=QWEN2_VL.chat_template,
+        tokens=QWEN_VL_TOKENS,
+        build_config=_qwen2_5_vl_config,
+        build_processor=_qwen_processor(tf.Qwen2_5_VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
+    )
+)
 
-QWEN3_VL = register(Family(
-    name="qwen3_vl",
-    modality="vision",
-    model_types=("qwen3_vl", "qwen3_vl_moe"),
-    auto_model="AutoModelForImageTextToText",
-    prompt_style="answer_tags",
-    chat_template=chatml_template("<|vision_start|><|image_pad|><|vision_end|>"),  # Qwen3 adds no default system
-    tokens=QWEN_VL_TOKENS,
-    build_config=_qwen3_vl_config,
-    build_processor=_qwen_processor(tf.Qwen3VLProcessor, tf.Qwen3VLVideoProcessor, small_patch=16),
-))
+QWEN3_VL = register(
+    Family(
+        name="qwen3_vl",
+        modality="vision",
+        model_types=("qwen3_vl", "qwen3_vl_moe"),
+        auto_model="AutoModelForImageTextToText",
+        prompt_style="answer_tags",
+        chat_template=chatml_template("<|vision_start|><|image_pad|><|vision_end|>"),  # Qwen3 adds no default system
+        tokens=QWEN_VL_TOKENS,
+        build_config=_qwen3_vl_config,
+        build_processor=_qwen_processor(tf.Qwen3VLProcessor, tf.Qwen3VLVideoProcessor, small_patch=16),
+    )
+)
