@@ -17,6 +17,7 @@ from vlm_corl.config.loading import (
     config_to_dict,
     dump_config,
     load_config,
+    read_raw_config,
     save_config,
     validate,
 )
@@ -37,6 +38,7 @@ from vlm_corl.config.schema import (
 )
 
 __all__ = [
+    "read_raw_config",
     "AlgoConfig",
     "CohortConfig",
     "ConfigError",
