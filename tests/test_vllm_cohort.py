@@ -35,10 +35,12 @@ def zoo(tmp_path_factory) -> dict:
     return build_zoo(tmp_path_factory.mktemp("zoo"), families=["qwen2", "qwen3"], size="small")
 
 
-def test_two_processes_one_engine_per_rank_with_the_correction(zoo, tmp_path):
+def _vllm_run(run_dir: Path, members: list[dict], **train) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """A 2-process torchrun cohort on MATH-500 with vLLM rollouts, entropy rewards (they differ on every response
+    of a random model, so every sequence trains) and the off-policy correction, for 2 steps; its metrics rows."""
     cfg = {
-        "output_dir": str(tmp_path / "run"),
-        "members": [{"id": "a", "model": str(zoo["qwen2"])}, {"id": "b", "model": str(zoo["qwen3"])}],
+        "output_dir": str(run_dir),
+        "members": members,
         "data": {"train": {"loader": "math500", "split": "test", "limit": 8}, "batch_size": 2},
         "rollout": {
             "engine": "vllm",
@@ -47,35 +49,31 @@ def test_two_processes_one_engine_per_rank_with_the_correction(zoo, tmp_path):
             "max_prompt_tokens": 1024,
             "vllm": {"kv_cache_memory_bytes": KV_BYTES},
         },
-        # entropy rewards differ on every response of a random model, so every sequence trains
         "reward": {"mode": "entropy"},
         "algo": {"rollout_is": "token_truncated"},
-        # bf16 autocast in the update, fp32 in the engine: a real gap between the two probabilities
-        "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0, "mixed_precision": "bf16"},
+        "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0, **train},
         "logging": {"tensorboard": False, "progress": False},
     }
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    config = run_dir.with_suffix(".yaml")
+    config.write_text(yaml.safe_dump(cfg))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vlm_corl.train"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "vlm_corl.train",
-            "--config",
-            str(tmp_path / "c.yaml"),
-        ],
+        [*command, "--config", str(config)],
         cwd=ROOT,
-        env=ENV,
+        env={**ENV, "DS_ACCELERATOR": "cpu"},
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_one_engine_per_rank_with_the_correction(zoo, tmp_path):
+    members = [{"id": "a", "model": str(zoo["qwen2"])}, {"id": "b", "model": str(zoo["qwen3"])}]
+    # bf16 autocast in the update, fp32 in the engine: a real gap between the two probabilities
+    proc, rows = _vllm_run(tmp_path / "run", members, mixed_precision="bf16")
     assert "Traceback" not in proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["member"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
     for r in rows:
         assert r["is_nonfinite_tokens"] == 0 and 0 <= r["is_capped_frac"] <= 1
@@ -95,51 +93,11 @@ def test_a_zero3_member_on_two_ranks_trains_with_vllm_and_no_full_copy_like_zero
 
     final, rows = {}, {}
     for stage in ("zero2", "zero3"):
-        cfg = {
-            "output_dir": str(tmp_path / stage),
-            "members": [{"id": "a", "model": str(zoo["qwen2"])}],
-            "data": {"train": {"loader": "math500", "split": "test", "limit": 8}, "batch_size": 2},
-            "rollout": {
-                "engine": "vllm",
-                "n": 2,
-                "max_new_tokens": 8,
-                "max_prompt_tokens": 1024,
-                "vllm": {"kv_cache_memory_bytes": KV_BYTES},
-            },
-            "reward": {"mode": "entropy"},
-            "algo": {"rollout_is": "token_truncated"},
-            "train": {
-                "max_steps": 2,
-                "lr": 1e-3,
-                "save_every": 0,
-                "warmup_ratio": 0.0,
-                "gather_bucket_mb": 0.25,
-                "deepspeed": str(ROOT / "configs" / "deepspeed" / f"{stage}.json"),
-            },
-            "logging": {"tensorboard": False, "progress": False},
-        }
-        (tmp_path / f"{stage}.yaml").write_text(yaml.safe_dump(cfg))
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "-m",
-                "vlm_corl.train",
-                "--config",
-                str(tmp_path / f"{stage}.yaml"),
-            ],
-            cwd=ROOT,
-            env={**ENV, "DS_ACCELERATOR": "cpu"},
-            capture_output=True,
-            text=True,
-            timeout=900,
+        deepspeed = str(ROOT / "configs" / "deepspeed" / f"{stage}.json")
+        proc, rows[stage] = _vllm_run(
+            tmp_path / stage, [{"id": "a", "model": str(zoo["qwen2"])}], gather_bucket_mb=0.25, deepspeed=deepspeed
         )
-        assert proc.returncode == 0, proc.stderr[-4000:]
         assert "keeps a full fp32 copy" not in proc.stderr
-        rows[stage] = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows[stage]] == [1, 2]
         assert all(r["time_sync"] > 0 and r["is_abs_dlogp"] < 1e-5 for r in rows[stage]), rows[stage]
         final[stage] = load_file(str(tmp_path / stage / "checkpoints" / "step-2" / "a" / "model.safetensors"))
