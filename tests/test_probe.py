@@ -60,8 +60,9 @@ def _records(correct: str, types: str, wrong: dict[int, str] | None = None) -> l
     out = []
     for i, (c, t) in enumerate(zip(correct, types)):
         pred = f"g{i}" if c == "1" else (wrong or {}).get(i, f"w{i}")
-        out.append({"id": f"q{i}", "type": {"c": "color", "s": "shape"}[t], "pred": pred, "gold": f"g{i}",
-                    "correct": c == "1"})
+        out.append(
+            {"id": f"q{i}", "type": {"c": "color", "s": "shape"}[t], "pred": pred, "gold": f"g{i}", "correct": c == "1"}
+        )
     return out
 
 
@@ -119,14 +120,30 @@ def test_recommendation_when_no_pair_clears_one():
 
 def test_model_names(tmp_path):
     assert list(model_names([str(tmp_path / "a" / "qwen"), str(tmp_path / "b" / "qwen")])) == ["a/qwen", "b/qwen"]
-    assert model_names(["q=" + str(tmp_path / "x"), str(tmp_path / "y")]) == {"q": str(tmp_path / "x"),
-                                                                            "y": str(tmp_path / "y")}
+    assert model_names(["q=" + str(tmp_path / "x"), str(tmp_path / "y")]) == {
+        "q": str(tmp_path / "x"),
+        "y": str(tmp_path / "y"),
+    }
 
 
 def test_cli_on_two_tiny_zoo_models(tiny_zoo, tmp_path, capsys):
     out = tmp_path / "probe"
-    assert main(["--models", str(tiny_zoo["qwen2_vl"]), str(tiny_zoo["mllama"]), "--benchmark", "easyvqa",
-                 "--limit", "12", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--models",
+                str(tiny_zoo["qwen2_vl"]),
+                str(tiny_zoo["mllama"]),
+                "--benchmark",
+                "easyvqa",
+                "--limit",
+                "12",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "## Models" in table and "| rank | pair |" in table and "## Recommendation" in table
     report = json.loads((out / "probe.json").read_text())

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from vlm_corl import cli
 from vlm_corl.config import ConfigError, MemberConfig, load_config, read_raw_config
-from vlm_corl.eval import benchmark_examples, evaluate_dir
 from vlm_corl.errors import UserError
+from vlm_corl.eval import benchmark_examples, evaluate_dir
 from vlm_corl.member import load_member
 from vlm_corl.registry import BENCHMARKS, FAMILIES
 from vlm_corl.warmstart import labelled_slice, warm_start
@@ -37,7 +37,8 @@ from vlm_corl.zoo import build_member
 @dataclass(frozen=True)
 class BaseRecipe:
     """How the demo makes a member's base model: zoo family/size, a labelled slice of easy-vqa train
-    (balanced over question types, starting at `slice_start`), and the supervised warm start."""
+    (balanced over question types, or over metadata[balance] in the shares of `mix`, starting at `slice_start`),
+    and the supervised warm start."""
 
     family: str
     size: str
@@ -47,6 +48,10 @@ class BaseRecipe:
     lr: float = 2e-3
     batch_size: int = 32
     init_seed: int = 0  # added to the run seed for the zoo initialisation (two members of one family differ)
+    # ((value of metadata[balance], share), ...) of the labelled slice; None = balanced over those values
+    mix: tuple[tuple[str, float], ...] | None = None
+    balance: str = "question_type"
+    loader: str = "easyvqa"  # a loader registry name or module:function (vlm_corl.data)
 
 
 # Different labelled slices per member (warm-start data diversity lowers the correlation of their errors),
@@ -68,28 +73,55 @@ def build_base(member_id: str, recipe: BaseRecipe, out: Path, seed: int, bar_pos
     # One directory per initialisation: parallel workers never write a zoo member another one is reading.
     zoo_dir = out.parent.parent / "zoo" / f"{recipe.family}-{recipe.size}-init{init}"
     build_member(FAMILIES.get(recipe.family), zoo_dir, size=recipe.size, seed=init)
-    examples = labelled_slice("easyvqa", None, "train", recipe.slice_start, recipe.slice_size, "question_type")
+    examples = labelled_slice(
+        recipe.loader,
+        None,
+        "train",
+        recipe.slice_start,
+        recipe.slice_size,
+        recipe.balance,
+        dict(recipe.mix) if recipe.mix else None,
+    )
     torch.manual_seed(seed)
     member = load_member(MemberConfig(id=member_id, model=str(zoo_dir)))
     start = time.time()
-    with tqdm(total=recipe.steps, desc=f"warm start {member_id}", unit="step", position=bar_position,
-              disable=None if bar_position is not None else True) as bar:
-        losses = warm_start(member, examples, recipe.steps, recipe.batch_size, recipe.lr, seed,
-                            on_step=lambda loss: bar.update())
+    with tqdm(
+        total=recipe.steps,
+        desc=f"warm start {member_id}",
+        unit="step",
+        position=bar_position,
+        disable=None if bar_position is not None else True,
+    ) as bar:
+        losses = warm_start(
+            member, examples, recipe.steps, recipe.batch_size, recipe.lr, seed, on_step=lambda loss: bar.update()
+        )
     member.save(out)
-    return {"first_loss": losses[0], "last_loss": losses[-1], "steps": recipe.steps,
-            "examples": len(examples), "seconds": round(time.time() - start, 1)}
+    return {
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "steps": recipe.steps,
+        "examples": len(examples),
+        "seconds": round(time.time() - start, 1),
+    }
 
 
 def main(argv=None) -> int:
     parser = cli.parser("python -m vlm_corl.demo", __doc__)
     parser.add_argument("--config", default="configs/cohorts/tiny_easyvqa.yaml")
-    parser.add_argument("--eval-limit", type=cli.positive_int, default=600,
-                        help="easy-vqa test questions (balanced by type)")
-    parser.add_argument("--reuse-base", action="store_true",
-                        help="keep base models already built by an earlier demo run (skip steps 1-2)")
-    parser.add_argument("--warm-steps", type=cli.positive_int, default=None,
-                        help="warm-start steps of every base model instead of the recipes' (for smoke runs)")
+    parser.add_argument(
+        "--eval-limit", type=cli.positive_int, default=600, help="easy-vqa test questions (balanced by type)"
+    )
+    parser.add_argument(
+        "--reuse-base",
+        action="store_true",
+        help="keep base models already built by an earlier demo run (skip steps 1-2)",
+    )
+    parser.add_argument(
+        "--warm-steps",
+        type=cli.positive_int,
+        default=None,
+        help="warm-start steps of every base model instead of the recipes' (for smoke runs)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the cohort config")
     args = parser.parse_args(argv)
     recipes = {mid: replace(r, steps=args.warm_steps or r.steps) for mid, r in RECIPES.items()}
@@ -99,8 +131,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(members) - set(RECIPES))
     if unknown:
         raise UserError(f"the demo has no base-model recipe for members {unknown}; known: {sorted(RECIPES)}")
-    todo = {mid: path for mid, path in members.items()
-            if not (args.reuse_base and (Path(path) / "config.json").is_file())}
+    todo = {
+        mid: path for mid, path in members.items() if not (args.reuse_base and (Path(path) / "config.json").is_file())
+    }
     check_config(args.config, overrides, todo)  # every mistake in the config before minutes of warm start
     bench = BENCHMARKS.get("easyvqa")
     examples = benchmark_examples(bench, args.eval_limit)
@@ -108,11 +141,16 @@ def main(argv=None) -> int:
     _header(f"1-2. base models: zoo + supervised warm start of {', '.join(todo) or 'none (reused)'}")
     for mid in todo:
         r = recipes[mid]
-        print(f"  {mid}: {r.family} ({r.size}), {r.slice_size} labelled questions from #{r.slice_start}, "
-              f"{r.steps} steps at lr {r.lr}", flush=True)
+        print(
+            f"  {mid}: {r.family} ({r.size}), {r.slice_size} labelled questions from #{r.slice_start}, "
+            f"{r.steps} steps at lr {r.lr}",
+            flush=True,
+        )
     with ProcessPoolExecutor(max(len(todo), 1), mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = {mid: pool.submit(build_base, mid, recipes[mid], Path(path), 0, i)
-                for i, (mid, path) in enumerate(todo.items())}
+        jobs = {
+            mid: pool.submit(build_base, mid, recipes[mid], Path(path), 0, i)
+            for i, (mid, path) in enumerate(todo.items())
+        }
         base = {mid: job.result() for mid, job in jobs.items()}
     for mid, b in base.items():
         print(f"  {mid}: loss {b['first_loss']:.3f} -> {b['last_loss']:.3f} in {b['seconds']} s", flush=True)
@@ -123,16 +161,22 @@ def main(argv=None) -> int:
 
     from vlm_corl.loop import run_cohort
 
-    _header(f"4. label-free Co-RL: {cfg.reward.mode} rewards, {cfg.train.max_steps} steps, "
-            f"{cfg.data.batch_size} questions x {cfg.rollout.n} samples per step")
+    _header(
+        f"4. label-free Co-RL: {cfg.reward.mode} rewards, {cfg.train.max_steps} steps, "
+        f"{cfg.data.batch_size} questions x {cfg.rollout.n} samples per step"
+    )
     summary = run_cohort(cfg)
     final = Path(summary["checkpoint"])
     _header("5. trained members on easy-vqa test")
     after = evaluate_all({m.id: final / m.id for m in cfg.members}, bench, examples)
 
     report = {
-        "run_dir": summary["run_dir"], "checkpoint": str(final), "eval_questions": len(examples),
-        "base_models": base, "seconds": round(time.time() - start, 1), "torch_threads": torch.get_num_threads(),
+        "run_dir": summary["run_dir"],
+        "checkpoint": str(final),
+        "eval_questions": len(examples),
+        "base_models": base,
+        "seconds": round(time.time() - start, 1),
+        "torch_threads": torch.get_num_threads(),
         "members": {mid: {"before": _brief(before[mid]), "after": _brief(after[mid])} for mid in before},
     }
     out = Path("out/demo")
@@ -140,11 +184,14 @@ def main(argv=None) -> int:
     (out / "demo.json").write_text(json.dumps(report, indent=2))
     print(f"\neasy-vqa test accuracy ({len(examples)} questions, balanced by type), before -> after label-free Co-RL:")
     for mid, r in report["members"].items():
-        types = ", ".join(f"{t} {r['before']['by_type'][t]:.3f}->{r['after']['by_type'][t]:.3f}"
-                          for t in r["before"]["by_type"])
+        types = ", ".join(
+            f"{t} {r['before']['by_type'][t]:.3f}->{r['after']['by_type'][t]:.3f}" for t in r["before"]["by_type"]
+        )
         print(f"  {mid:6s} {r['before']['accuracy']:.3f} -> {r['after']['accuracy']:.3f}   ({types})")
-    print(f"run directory: {summary['run_dir']}   (total {report['seconds']} s, {report['torch_threads']} torch "
-          "threads; details in out/demo/demo.json)")
+    print(
+        f"run directory: {summary['run_dir']}   (total {report['seconds']} s, {report['torch_threads']} torch "
+        "threads; details in out/demo/demo.json)"
+    )
     return 0
 
 

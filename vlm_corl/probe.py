@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vlm_corl import cli
-from vlm_corl.errors import UserError
 from vlm_corl.answers import answers_equivalent
+from vlm_corl.errors import UserError
 
 RULE = (
     "Pairs are ranked by: (1) p_A + p_B > 1 overall first (a ring of two converges to the right answer when "
@@ -108,21 +108,24 @@ def both_wrong_rate(a: Sequence[bool], b: Sequence[bool]) -> float:
     return sum(not x and not y for x, y in zip(a, b)) / n if n else 0.0
 
 
-def same_wrong_rate(a_correct: Sequence[bool], b_correct: Sequence[bool],
-                    a_pred: Sequence[str | None], b_pred: Sequence[str | None]) -> float:
+def same_wrong_rate(
+    a_correct: Sequence[bool], b_correct: Sequence[bool], a_pred: Sequence[str | None], b_pred: Sequence[str | None]
+) -> float:
     """Share of the n questions both get wrong with the same answer (answers compared by
     `answers_equivalent`). A missing answer (None, unparseable) never matches: two models that both fail
     to answer abstain in a vote, they do not agree on a wrong label. 0.0 for n = 0."""
     n = _check_pair(a_correct, b_correct)
     _check_pair(a_correct, a_pred)
     _check_pair(a_correct, b_pred)
-    hits = sum(not ca and not cb and answers_equivalent(pa, pb)
-               for ca, cb, pa, pb in zip(a_correct, b_correct, a_pred, b_pred))
+    hits = sum(
+        not ca and not cb and answers_equivalent(pa, pb) for ca, cb, pa, pb in zip(a_correct, b_correct, a_pred, b_pred)
+    )
     return hits / n if n else 0.0
 
 
-def pair_metrics(a_correct: Sequence[bool], b_correct: Sequence[bool],
-                 a_pred: Sequence[str | None], b_pred: Sequence[str | None]) -> dict:
+def pair_metrics(
+    a_correct: Sequence[bool], b_correct: Sequence[bool], a_pred: Sequence[str | None], b_pred: Sequence[str | None]
+) -> dict:
     """Every pairwise number on one set of n questions: {"n", "kappa", "complementarity", "acc_sum",
     "acc_sum_se", "both_wrong", "same_wrong"}."""
     return {
@@ -162,12 +165,19 @@ def pair_report(records_a: Sequence[Mapping], records_b: Sequence[Mapping]) -> d
             groups[str(ra["type"])].append((ra, rb))
 
     def metrics(ps: list[tuple[Mapping, Mapping]]) -> dict:
-        return pair_metrics([bool(ra["correct"]) for ra, _ in ps], [bool(rb["correct"]) for _, rb in ps],
-                            [ra.get("pred") for ra, _ in ps], [rb.get("pred") for _, rb in ps])
+        return pair_metrics(
+            [bool(ra["correct"]) for ra, _ in ps],
+            [bool(rb["correct"]) for _, rb in ps],
+            [ra.get("pred") for ra, _ in ps],
+            [rb.get("pred") for _, rb in ps],
+        )
 
     by_type = {t: metrics(ps) for t, ps in sorted(groups.items())}
-    return {"overall": metrics(pairs), "by_type": by_type,
-            "collapse_types": [t for t, m in by_type.items() if m["acc_sum"] < 1]}
+    return {
+        "overall": metrics(pairs),
+        "by_type": by_type,
+        "collapse_types": [t for t, m in by_type.items() if m["acc_sum"] < 1],
+    }
 
 
 def model_summary(records: Sequence[Mapping]) -> dict:
@@ -177,15 +187,23 @@ def model_summary(records: Sequence[Mapping]) -> dict:
         if r.get("type") is not None:
             groups[str(r["type"])].append(bool(r["correct"]))
     n = len(records)
-    return {"n": n, "accuracy": sum(bool(r["correct"]) for r in records) / n if n else 0.0,
-            "by_type": {t: sum(c) / len(c) for t, c in sorted(groups.items())}}
+    return {
+        "n": n,
+        "accuracy": sum(bool(r["correct"]) for r in records) / n if n else 0.0,
+        "by_type": {t: sum(c) / len(c) for t, c in sorted(groups.items())},
+    }
 
 
 def rank_key(pair: Mapping) -> tuple:
     """Sort key implementing RULE on a pair's overall metrics (smaller sorts first)."""
     m = pair["overall"]
-    return (not m["acc_sum"] > 1, m["kappa"] is None, m["kappa"] if m["kappa"] is not None else 0.0,
-            -m["complementarity"], -m["acc_sum"])
+    return (
+        not m["acc_sum"] > 1,
+        m["kappa"] is None,
+        m["kappa"] if m["kappa"] is not None else 0.0,
+        -m["complementarity"],
+        -m["acc_sum"],
+    )
 
 
 def probe(models: Mapping[str, Sequence[Mapping]]) -> dict:
@@ -202,8 +220,12 @@ def probe(models: Mapping[str, Sequence[Mapping]]) -> dict:
     pairs.sort(key=rank_key)
     for rank, p in enumerate(pairs, 1):
         p["rank"] = rank
-    return {"rule": RULE, "models": {name: model_summary(rs) for name, rs in models.items()},
-            "pairs": pairs, "recommendation": recommendation(pairs)}
+    return {
+        "rule": RULE,
+        "models": {name: model_summary(rs) for name, rs in models.items()},
+        "pairs": pairs,
+        "recommendation": recommendation(pairs),
+    }
 
 
 def recommendation(ranked_pairs: Sequence[Mapping]) -> dict:
@@ -213,15 +235,22 @@ def recommendation(ranked_pairs: Sequence[Mapping]) -> dict:
     m = best["overall"]
     viable = m["acc_sum"] > 1
     kappa = "n/a" if m["kappa"] is None else f"{m['kappa']:.2f}"
-    text = (f"Train `ring` with {best['a']} + {best['b']}: p_A + p_B = {m['acc_sum']:.3f} ± {m['acc_sum_se']:.3f}, "
-            f"kappa {kappa}, complementarity {m['complementarity']:.3f}, same wrong answer {m['same_wrong']:.3f}.")
+    text = (
+        f"Train `ring` with {best['a']} + {best['b']}: p_A + p_B = {m['acc_sum']:.3f} ± {m['acc_sum_se']:.3f}, "
+        f"kappa {kappa}, complementarity {m['complementarity']:.3f}, same wrong answer {m['same_wrong']:.3f}."
+    )
     if not viable:
-        text += (" No pair has p_A + p_B > 1: the theory predicts a ring converges to a wrong consensus; "
-                 "improve the base models (warm start) before label-free training.")
+        text += (
+            " No pair has p_A + p_B > 1: the theory predicts a ring converges to a wrong consensus; "
+            "improve the base models (warm start) before label-free training."
+        )
     elif m["acc_sum"] - 2 * m["acc_sum_se"] <= 1:
         text += " p_A + p_B is within 2 standard errors of 1: probe more questions before relying on it."
-    flags = [f"{p['a']} + {p['b']}: {t} (p_A + p_B = {p['by_type'][t]['acc_sum']:.3f}): {COLLAPSE_WARNING}"
-             for p in ranked_pairs for t in p["collapse_types"]]
+    flags = [
+        f"{p['a']} + {p['b']}: {t} (p_A + p_B = {p['by_type'][t]['acc_sum']:.3f}): {COLLAPSE_WARNING}"
+        for p in ranked_pairs
+        for t in p["collapse_types"]
+    ]
     return {"ring_pair": [best["a"], best["b"]], "viable": viable, "text": text, "flags": flags}
 
 
@@ -232,25 +261,39 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 def probe_markdown(report: Mapping, title: str = "Cohort probe") -> str:
     """The probe as Markdown tables (what the CLI prints and writes to probe.md)."""
     types = sorted({t for m in report["models"].values() for t in m["by_type"]})
-    lines = [f"# {title}", "",
-             "Labels are used here only, as a pre-training diagnostic.", "",
-             "## Models", "",
-             "| model | n | accuracy | " + " | ".join(types) + (" |" if types else ""),
-             "|---|---|---|" + "---|" * len(types)]
+    lines = [
+        f"# {title}",
+        "",
+        "Labels are used here only, as a pre-training diagnostic.",
+        "",
+        "## Models",
+        "",
+        "| model | n | accuracy | " + " | ".join(types) + (" |" if types else ""),
+        "|---|---|---|" + "---|" * len(types),
+    ]
     for name, m in report["models"].items():
         cells = [_fmt(m["by_type"].get(t)) for t in types]
         lines.append(f"| {name} | {m['n']} | {_fmt(m['accuracy'])} | " + " | ".join(cells) + (" |" if cells else ""))
-    lines += ["", "## Pairs (best first)", "",
-              "| rank | pair | questions | n | kappa | complementarity | p_A+p_B | both wrong | same wrong answer | flag |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Pairs (best first)",
+        "",
+        "| rank | pair | questions | n | kappa | complementarity | p_A+p_B | both wrong | same wrong answer | flag |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in report["pairs"]:
         rows = [("all", p["overall"])] + list(p["by_type"].items())
         for t, m in rows:
-            flag = ("collapse risk" if t in p["collapse_types"] else "") if t != "all" else \
-                ("p_A+p_B > 1" if m["acc_sum"] > 1 else "p_A+p_B <= 1")
-            lines.append(f"| {p['rank']} | {p['a']} + {p['b']} | {t} | {m['n']} | {_fmt(m['kappa'], 2)} | "
-                         f"{_fmt(m['complementarity'])} | {m['acc_sum']:.3f} ± {m['acc_sum_se']:.3f} | "
-                         f"{_fmt(m['both_wrong'])} | {_fmt(m['same_wrong'])} | {flag} |")
+            flag = (
+                ("collapse risk" if t in p["collapse_types"] else "")
+                if t != "all"
+                else ("p_A+p_B > 1" if m["acc_sum"] > 1 else "p_A+p_B <= 1")
+            )
+            lines.append(
+                f"| {p['rank']} | {p['a']} + {p['b']} | {t} | {m['n']} | {_fmt(m['kappa'], 2)} | "
+                f"{_fmt(m['complementarity'])} | {m['acc_sum']:.3f} ± {m['acc_sum_se']:.3f} | "
+                f"{_fmt(m['both_wrong'])} | {_fmt(m['same_wrong'])} | {flag} |"
+            )
     rec = report["recommendation"]
     lines += ["", "## Recommendation", "", rec["text"], ""]
     if rec["flags"]:
@@ -286,20 +329,34 @@ def main(argv=None) -> int:
     from vlm_corl.warmstart import labelled_slice
 
     parser = cli.parser(
-        "python -m vlm_corl.probe", __doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "python -m vlm_corl.probe",
+        __doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__,
         epilog="Rule: " + RULE + "\n\nTo keep the test questions untouched, probe on a validation split carved "
-               "from train: --split train --skip 35000 (easy-vqa train has 38,575 questions; the demo's labelled "
-               "warm-start slices and unlabelled training questions come before that).")
-    parser.add_argument("--models", nargs="+", required=True, metavar="[NAME=]DIR",
-                        help="two or more model directories (HF format: zoo members, base models, checkpoints)")
+        "from train: --split train --skip 35000 (easy-vqa train has 38,575 questions; the demo's labelled "
+        "warm-start slices and unlabelled training questions come before that).",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        required=True,
+        metavar="[NAME=]DIR",
+        help="two or more model directories (HF format: zoo members, base models, checkpoints)",
+    )
     parser.add_argument("--benchmark", default="easyvqa", help="a registered benchmark (default easyvqa)")
-    parser.add_argument("--limit", type=cli.positive_int, default=600,
-                        help="probe questions (balanced over question types where the benchmark defines them)")
-    parser.add_argument("--split", default=None,
-                        help="dataset split instead of the benchmark's own (e.g. train, with --skip)")
-    parser.add_argument("--skip", type=int, default=0,
-                        help="start after this many questions of the split (carves a validation slice)")
+    parser.add_argument(
+        "--limit",
+        type=cli.positive_int,
+        default=600,
+        help="probe questions (balanced over question types where the benchmark defines them)",
+    )
+    parser.add_argument(
+        "--split", default=None, help="dataset split instead of the benchmark's own (e.g. train, with --skip)"
+    )
+    parser.add_argument(
+        "--skip", type=int, default=0, help="start after this many questions of the split (carves a validation slice)"
+    )
     parser.add_argument("--data", default=None, metavar="PATH", help="data path, for a loader that needs one")
     parser.add_argument("--out", default=None, help="directory for probe.json and probe.md")
     args = parser.parse_args(argv)
@@ -315,23 +372,35 @@ def main(argv=None) -> int:
     if args.split:
         bench = dataclasses.replace(bench, split=args.split)
     if args.skip:
-        examples = labelled_slice(bench.loader, args.data or bench.path, bench.split, args.skip, args.limit,
-                                  bench.balance_by)
+        examples = labelled_slice(
+            bench.loader, args.data or bench.path, bench.split, args.skip, args.limit, bench.balance_by
+        )
     else:
         examples = benchmark_examples(bench, args.limit, args.data)
     check_models(models, examples)
     records = {}
     for name, path in models.items():
-        print(f"[probe] evaluating {name} ({path}) on {len(examples)} {bench.name}[{bench.split}] questions",
-              file=sys.stderr, flush=True)
+        print(
+            f"[probe] evaluating {name} ({path}) on {len(examples)} {bench.name}[{bench.split}] questions",
+            file=sys.stderr,
+            flush=True,
+        )
         records[name] = evaluate_dir(path, bench, examples, name, progress=True)["records"]
 
     report = probe(records)
     balance = f", balanced by {bench.balance_by}" if bench.balance_by else ""
     skip = f", after the first {args.skip}" if args.skip else ""
     title = f"Cohort probe: {bench.name} [{bench.split}{skip}], {len(examples)} questions{balance}"
-    report = {"benchmark": bench.name, "split": bench.split, "skip": args.skip, "limit": args.limit,
-              "n": len(examples), "model_dirs": models, **report, "records": records}
+    report = {
+        "benchmark": bench.name,
+        "split": bench.split,
+        "skip": args.skip,
+        "limit": args.limit,
+        "n": len(examples),
+        "model_dirs": models,
+        **report,
+        "records": records,
+    }
     text = probe_markdown(report, title)
     print(text)
     if out is not None:

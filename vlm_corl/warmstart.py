@@ -11,11 +11,9 @@ label-free training starts from. It is the only training step that reads labels.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -39,8 +37,16 @@ def target_ids(member: Member, answer: str) -> list[int]:
     return member.tokenizer(text, add_special_tokens=False)["input_ids"] + [member.eos_token_ids[0]]
 
 
-def warm_start(member: Member, examples: list[Example], steps: int, batch_size: int, lr: float, seed: int,
-               max_image_pixels: int = 1280 * 28 * 28, on_step: Callable[[float], None] | None = None) -> list[float]:
+def warm_start(
+    member: Member,
+    examples: list[Example],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    max_image_pixels: int = 1280 * 28 * 28,
+    on_step: Callable[[float], None] | None = None,
+) -> list[float]:
     """Supervised fine-tuning (cross-entropy on the response tokens); returns the loss per step (also passed
     to `on_step`, e.g. for a progress bar)."""
     render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
@@ -50,8 +56,12 @@ def warm_start(member: Member, examples: list[Example], steps: int, batch_size: 
     losses = []
     for _ in range(steps):
         batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
-        logp, mask = response_logprobs(member.model, [render(ex).inputs for ex in batch],
-                                       [target_ids(member, ex.answer) for ex in batch], member.policy())
+        logp, mask = response_logprobs(
+            member.model,
+            [render(ex).inputs for ex in batch],
+            [target_ids(member, ex.answer) for ex in batch],
+            member.policy(),
+        )
         loss = -(logp * mask).sum() / mask.sum()
         loss.backward()
         optimizer.step()
@@ -62,8 +72,15 @@ def warm_start(member: Member, examples: list[Example], steps: int, batch_size: 
     return losses
 
 
-def labelled_slice(loader: str, path: str | None, split: str, skip: int, size: int, balance: str | None,
-                   mix: Mapping[str, float] | None = None) -> list[Example]:
+def labelled_slice(
+    loader: str,
+    path: str | None,
+    split: str,
+    skip: int,
+    size: int,
+    balance: str | None,
+    mix: Mapping[str, float] | None = None,
+) -> list[Example]:
     """`size` labelled examples after the first `skip`; balanced over metadata[balance] when given, or, with
     `mix` too, in those shares per value of metadata[balance] (drawn from the examples that follow `skip`, as
     many as needed to fill every group)."""
@@ -102,8 +119,12 @@ def main(argv=None) -> int:
     parser.add_argument("--split", default="train")
     parser.add_argument("--skip", type=int, default=0, help="labelled slice starts after this many examples")
     parser.add_argument("--limit", type=cli.positive_int, default=1000, help="size of the labelled slice")
-    parser.add_argument("--balance-by", default=None, metavar="KEY",
-                        help="take the slice balanced over metadata[KEY] (e.g. question_type for easy-vqa)")
+    parser.add_argument(
+        "--balance-by",
+        default=None,
+        metavar="KEY",
+        help="take the slice balanced over metadata[KEY] (e.g. question_type for easy-vqa)",
+    )
     parser.add_argument("--steps", type=cli.positive_int, default=300)
     parser.add_argument("--batch-size", type=cli.positive_int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -120,6 +141,7 @@ def main(argv=None) -> int:
     member = load_member(cfg)
     losses = []
     with tqdm(total=args.steps, desc=f"warm start {out.name}", unit="step", disable=None) as bar:
+
         def progress(loss: float) -> None:
             losses.append(loss)
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -127,8 +149,14 @@ def main(argv=None) -> int:
 
         warm_start(member, examples, args.steps, args.batch_size, args.lr, args.seed, on_step=progress)
     member.save(out)
-    record = {"model": args.model, "out": args.out, "examples": len(examples), "steps": args.steps,
-              "first_loss": losses[0], "last_loss": losses[-1]}
+    record = {
+        "model": args.model,
+        "out": args.out,
+        "examples": len(examples),
+        "steps": args.steps,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
     (out / "warmstart.json").write_text(json.dumps({**vars(args), **record}, indent=2))
     print(json.dumps(record))
     return 0

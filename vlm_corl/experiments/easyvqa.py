@@ -1,23 +1,26 @@
-"""The label-free learning experiment on real easy-vqa: the paper's table at tiny scale.
+"""The label-free learning experiment on real easy-vqa: do complementary cohorts teach themselves?
 
-    python -m vlm_corl.experiments.easyvqa --out DIR [--quick] [--seeds 3]
+    python -m vlm_corl.experiments.easyvqa --out DIR [--quick] [--seeds 5] [--workers 2] [--plots-only]
 
-Per seed: warm-start base models (each on its own balanced labelled slice of easy-vqa train, drawn before
-question 20000), then, with identical budgets on unlabelled train questions from 20000 on, train:
-Co-RL `ring` on a diverse cohort (Qwen2-VL-style + Mllama-style), Co-RL on a homogeneous cohort (two
-Qwen2-VL-style members from different seeds and slices), Co-RL with different views per member (the Mllama
-member reads easy-vqa's template paraphrases), `self_vote` (TTRL) per member, the frozen-peer control, and
-`gt` (gold answers) as the upper reference. Every member is evaluated before and after on easy-vqa test,
-balanced over question types, next to the question-only baseline (the most common training answer for each
-question string, without looking at the image). Writes results.json, results.md and PNG plots of test
-accuracy, reward, agreement, pseudo-label accuracy and answer diversity over steps, one line per method.
+Five base models, built once (tiny Qwen2-VL-style members warm-started on their own labelled slices of
+easy-vqa train before question 20000; vlm_corl.experiments.easyvqa_data): A and A2 mostly on images of
+palette A's colours, B and B2 mostly on palette B's (A2 and B2: the same skills from another initialisation
+and slice), M half and half. The probe (vlm_corl.probe) measures every cohort on validation (train from
+question 35000) before any training. Then, per seed (the RL seed: sampling and data order), with identical
+budgets on the unlabelled pool (colour and yes/no questions, chosen by wording, of train [20000, 35000)):
+Co-RL `ring` on the complementary pair A+B, on the homogeneous pairs A+A2 and B+B2, on A+M and B+M; Co-RL on
+the three members A+B+M (`ring` and `peers`); `self_vote` (TTRL); the frozen-peer control (A learns from a
+frozen B and B from a frozen A, in one run); and `gt` (gold answers), the reference. Every trained member is
+evaluated on easy-vqa test, balanced over question types.
 
-Recipes (warm-start steps and learning rates, the RL learning rate) were chosen on a validation split carved
-from the end of easy-vqa train, never on test.
+Writes results.json, results.md (the tables, the probe-vs-gain analysis with Spearman's rank correlation,
+and a verdict on each claim) and PNG plots. Every choice (warm-start steps and mix, pool, learning rate,
+budget) was made on validation, never on test: the README's experiment section lists what was tried.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import re
@@ -26,7 +29,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -35,8 +38,11 @@ from vlm_corl import cli
 from vlm_corl.demo import BaseRecipe, build_base
 from vlm_corl.errors import UserError
 from vlm_corl.eval import write_results
+from vlm_corl.experiments import easyvqa_analysis as analysis
+from vlm_corl.experiments.easyvqa_data import PALETTES, UNLABELLED_START, VALIDATION_START, skill_mix
 
-TRAIN_SKIP = 20000  # unlabelled training questions start here; the labelled slices lie before
+DATA = "vlm_corl.experiments.easyvqa_data"
+POOL = ["color", "yes/no"]  # shape is left out: the probe puts p_A + p_B below 1 on it for every pair
 
 
 @dataclass(frozen=True)
@@ -46,53 +52,114 @@ class Budget:
     warm_steps: int
     rl_steps: int
     eval_limit: int  # test questions, balanced over the 3 question types
-    curve_every: int  # steps between the in-training test evaluations (the accuracy curves)
-    curve_limit: int
+    probe_limit: int  # validation questions the probe evaluates each base model on
+    seeds: int
     batch_size: int = 16
-    rl_lr: float = 1e-4
-    train_limit: int = 8000
+    rl_lr: float = 3e-4
+    rollout_n: int = 4
+    own_share: float = 0.8  # of a specialist's labelled questions, on images of its own palette
 
 
-FULL = Budget(warm_steps=1000, rl_steps=150, eval_limit=600, curve_every=50, curve_limit=150)
-QUICK = Budget(warm_steps=200, rl_steps=12, eval_limit=90, curve_every=6, curve_limit=30, batch_size=8)
+FULL = Budget(warm_steps=1000, rl_steps=120, eval_limit=600, probe_limit=600, seeds=5, rl_lr=4e-4)
+QUICK = Budget(warm_steps=10, rl_steps=2, eval_limit=15, probe_limit=15, seeds=2, batch_size=4)
 
 
-def base_recipes(budget: Budget, seed: int) -> dict[str, BaseRecipe]:
-    """The base models of one seed; slices shift with the seed so seeds see different labelled data."""
-    off = 1000 * seed
+def base_recipes(budget: Budget) -> dict[str, BaseRecipe]:
+    """The five base models: each its own labelled slice (1000 questions, 4000 apart) and zoo initialisation."""
+
+    def recipe(k: int, palette: str, own: float) -> BaseRecipe:
+        return BaseRecipe(
+            "qwen2_vl",
+            "tiny",
+            4000 * k,
+            1000,
+            steps=budget.warm_steps,
+            init_seed=100 * k,
+            mix=skill_mix(palette, own),
+            balance="skill",
+            loader=f"{DATA}:labelled",
+        )
+
+    own = budget.own_share
     return {
-        "qwen": BaseRecipe("qwen2_vl", "tiny", off, 1000, steps=budget.warm_steps),
-        "llama": BaseRecipe("mllama", "tiny", 10000 + off, 1000, steps=budget.warm_steps, lr=4e-3),
-        "qwen_b": BaseRecipe("qwen2_vl", "tiny", 5000 + off, 1000, steps=budget.warm_steps, init_seed=100),
+        "A": recipe(0, "A", own),
+        "B": recipe(1, "B", own),
+        "A2": recipe(2, "A", own),
+        "B2": recipe(3, "B", own),
+        "M": recipe(4, "A", 0.5),
     }
 
 
-# method -> (members: [(id, base, overrides)], reward mode)
+# method -> (members [(id, base, overrides)], reward mode)
 METHODS = {
-    "co-rl ring, diverse": ([("qwen", "qwen", {}), ("llama", "llama", {})], "ring"),
-    "co-rl ring, homogeneous": ([("qwen", "qwen", {}), ("qwen_b", "qwen_b", {"seed": 1})], "ring"),
-    "co-rl ring, diverse + views": ([("qwen", "qwen", {}), ("llama", "llama", {"view": "paraphrase:1"})], "ring"),
-    "self_vote (TTRL)": ([("qwen", "qwen", {}), ("llama", "llama", {})], "self_vote"),
-    "frozen peer": ([("qwen", "qwen", {}), ("llama", "llama", {"trainable": False})], "ring"),
-    "gt (labels)": ([("qwen", "qwen", {}), ("llama", "llama", {})], "gt"),
+    "ring, complementary A+B": ([("A", "A", {}), ("B", "B", {})], "ring"),
+    "ring, homogeneous A+A2": ([("A", "A", {}), ("A2", "A2", {})], "ring"),
+    "ring, homogeneous B+B2": ([("B", "B", {}), ("B2", "B2", {})], "ring"),
+    "ring, A+M": ([("A", "A", {}), ("M", "M", {})], "ring"),
+    "ring, B+M": ([("B", "B", {}), ("M", "M", {})], "ring"),
+    "ring, 3 members A+B+M": ([("A", "A", {}), ("B", "B", {}), ("M", "M", {})], "ring"),
+    "peers, 3 members A+B+M": ([("A", "A", {}), ("B", "B", {}), ("M", "M", {})], "peers"),
+    "self_vote (TTRL)": ([("A", "A", {}), ("B", "B", {})], "self_vote"),
+    # ring order: B is labelled by the frozen A, A by the frozen B (member n by member n-1)
+    "frozen peer": (
+        [
+            ("A_frozen", "A", {"trainable": False}),
+            ("B", "B", {}),
+            ("B_frozen", "B", {"trainable": False}),
+            ("A", "A", {}),
+        ],
+        "ring",
+    ),
+    "gt (labels)": ([("A", "A", {}), ("B", "B", {})], "gt"),
+}
+# the ring cohorts of the probe-vs-gain analysis (a cohort's probe: the mean over its pairs)
+RING_COHORTS = (
+    "ring, complementary A+B",
+    "ring, homogeneous A+A2",
+    "ring, homogeneous B+B2",
+    "ring, A+M",
+    "ring, B+M",
+    "ring, 3 members A+B+M",
+)
+CLAIM_METHODS = {
+    "complementary": "ring, complementary A+B",
+    "homogeneous": "ring, homogeneous A+A2",
+    "self_vote": "self_vote (TTRL)",
+    "gt": "gt (labels)",
 }
 
 
-def method_config(method: str, seed: int, budget: Budget, out: Path, bases: dict[str, str]) -> dict:
+def slug(method: str) -> str:
+    """A method's name as a directory name."""
+    return re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
+
+
+def method_config(method: str, seed: int, budget: Budget, out: Path) -> dict:
+    """The cohort config of one method's run with one seed."""
     members, mode = METHODS[method]
-    slug = re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
+    name = f"{slug(method)}-seed{seed}"
     return {
-        "name": f"{slug}-seed{seed}",
-        "output_dir": str(out / "runs" / f"{slug}-seed{seed}"),
+        "name": name,
+        "output_dir": str(out / "runs" / name),
         "seed": seed,
-        "members": [{"id": mid, "model": bases.get(base), **extra} for mid, base, extra in members],
-        "data": {"train": {"loader": "easyvqa", "skip": TRAIN_SKIP, "limit": budget.train_limit},
-                 "batch_size": budget.batch_size, "seed": seed},
-        "rollout": {"n": 4, "max_new_tokens": 12},
+        "members": [{"id": mid, "model": str(out / "base" / base), **extra} for mid, base, extra in members],
+        "data": {
+            "train": {
+                "loader": f"{DATA}:load",
+                "options": {"start": UNLABELLED_START, "stop": VALIDATION_START, "asked": POOL, "balanced": True},
+            },
+            "batch_size": budget.batch_size,
+            "seed": seed,
+        },
+        "rollout": {"n": budget.rollout_n, "max_new_tokens": 12},
         "reward": {"mode": mode},
-        "train": {"max_steps": budget.rl_steps, "lr": budget.rl_lr, "save_every": 0, "micro_batch_size": 32,
-                  "overwrite": True},  # a re-run of the experiment redoes its runs
-        "eval": {"benchmarks": ["easyvqa"], "every": budget.curve_every, "limit": budget.curve_limit},
+        "train": {
+            "max_steps": budget.rl_steps,
+            "lr": budget.rl_lr,
+            "save_every": 0,
+            "micro_batch_size": 64,
+            "overwrite": True,
+        },  # a re-run of the experiment redoes its runs
         "logging": {"tensorboard": False, "progress": False},
     }
 
@@ -111,199 +178,249 @@ def relative_to(value, root: Path):
     return value
 
 
-def run_method(cfg_dict: dict, eval_limit: int) -> dict:
-    """One training run (in a worker process), then every member evaluated on easy-vqa test."""
+# ---- worker jobs (spawned processes, one torch thread each) -----------------------------------------------
+
+
+def eval_examples(split: str, limit: int) -> list:
+    """The questions trained members are scored on: easy-vqa `test`, or `validation` (train from #35000) when
+    choosing settings; both balanced over question types."""
+    from vlm_corl.eval import EASYVQA, benchmark_examples
+    from vlm_corl.experiments.easyvqa_data import validation
+
+    return validation(limit) if split == "validation" else benchmark_examples(EASYVQA, limit)
+
+
+def make_base(mid: str, recipe: BaseRecipe, out: Path, budget: Budget, split: str) -> dict:
+    """Build one base model, score it on `split` ("test"), and save its validation records (the probe's input)
+    next to it as probe_records.json."""
+    from vlm_corl.eval import EASYVQA, evaluate_dir
+
+    build = build_base(mid, recipe, out, seed=0)  # bases differ by slice and initialisation (recipe.init_seed)
+    test = evaluate_dir(out, EASYVQA, eval_examples(split, budget.eval_limit), mid)
+    val = evaluate_dir(out, EASYVQA, eval_examples("validation", budget.probe_limit), mid)
+    keep = ("id", "type", "pred", "gold", "correct")
+    (out / "probe_records.json").write_text(json.dumps([{k: r[k] for k in keep} for r in val["records"]]))
+    return {"build": build, "test": _brief(test), "validation": _brief(val)}
+
+
+def run_method(cfg_dict: dict, eval_limit: int, split: str) -> dict:
+    """One training run, then every trained member scored on `split` ("test"); the first/last values of the
+    answer-diversity metrics per trained member."""
     import torch
 
     from vlm_corl.config import config_from_dict
-    from vlm_corl.eval import benchmark_examples, evaluate_dir
+    from vlm_corl.eval import EASYVQA, evaluate_dir
     from vlm_corl.loop import run_cohort
-    from vlm_corl.registry import BENCHMARKS
+    from vlm_corl.report import first_last, read_jsonl
 
     torch.set_num_threads(1)
     start = time.time()
     summary = run_cohort(config_from_dict(cfg_dict))
-    bench = BENCHMARKS.get("easyvqa")
-    examples = benchmark_examples(bench, eval_limit)
+    examples = eval_examples(split, eval_limit)
     final = Path(summary["checkpoint"])
-    evals = {m["id"]: _brief(evaluate_dir(final / m["id"], bench, examples, m["id"])) for m in cfg_dict["members"]}
-    return {"eval": evals, "run_dir": cfg_dict["output_dir"], "seconds": round(time.time() - start, 1), "summary": summary}
-
-
-def evaluate_bases(bases: dict[str, str], eval_limit: int) -> dict:
-    import torch
-
-    from vlm_corl.eval import benchmark_examples, evaluate_dir
-    from vlm_corl.registry import BENCHMARKS
-
-    torch.set_num_threads(1)
-    bench = BENCHMARKS.get("easyvqa")
-    examples = benchmark_examples(bench, eval_limit)
-    return {mid: _brief(evaluate_dir(path, bench, examples, mid)) for mid, path in bases.items()}
-
-
-def question_only_baseline(eval_limit: int) -> dict:
-    """Accuracy on the evaluation questions of answering, for each question string, the most common answer
-    it has in the training split (no image): how much a question type can be solved without seeing."""
-    from vlm_corl.answers import answers_equivalent
-    from vlm_corl.data import load_examples
-    from vlm_corl.eval import benchmark_examples
-    from vlm_corl.registry import BENCHMARKS
-
-    answers_by_question: dict[str, Counter] = defaultdict(Counter)
-    for ex in load_examples("easyvqa", split="train").examples:
-        answers_by_question[ex.question][ex.answer] += 1
-    records = []
-    for ex in benchmark_examples(BENCHMARKS.get("easyvqa"), eval_limit):
-        guess = answers_by_question[ex.question].most_common(1)[0][0] if ex.question in answers_by_question else None
-        records.append((ex.metadata["question_type"], answers_equivalent(ex.answer, guess)))
-    by_type = defaultdict(list)
-    for qtype, ok in records:
-        by_type[qtype].append(ok)
-    return {"accuracy": statistics.fmean(ok for _, ok in records),
-            "by_type": {t: statistics.fmean(v) for t, v in sorted(by_type.items())}}
+    trained = [m["id"] for m in cfg_dict["members"] if m.get("trainable", True)]
+    rows = read_jsonl(Path(cfg_dict["output_dir"]) / "metrics.jsonl")
+    diversity = {
+        mid: {
+            k: first_last([r for r in rows if r["member"] == mid], k)
+            for k in ("distinct_answers", "answer_entropy", "answer_entropy_batch")
+        }
+        for mid in trained
+    }
+    return {
+        "eval": {mid: _brief(evaluate_dir(final / mid, EASYVQA, examples, mid)) for mid in trained},
+        "diversity": diversity,
+        "run_dir": cfg_dict["output_dir"],
+        "seconds": round(time.time() - start, 1),
+        "summary": summary,
+    }
 
 
 def _brief(result: dict) -> dict:
     return {"accuracy": result["accuracy"], "by_type": result["by_type"]}
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def question_only_baseline(split: str, eval_limit: int) -> dict:
+    """Accuracy on the `split` questions of answering, for each question string, the most common answer it has
+    in the training split (no image): how much a question type can be solved without seeing."""
+    from vlm_corl.answers import answers_equivalent
+    from vlm_corl.data import load_examples
 
-
-def mean_std(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
-
-
-def aggregate(seeds: dict) -> dict:
-    """{method: {member: {"accuracy": mean/std, "delta": mean/std vs its base, "by_type": {t: mean/std}}}}."""
-    table: dict = {}
-    for method in ["base models"] + list(METHODS):
-        per_member: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        for seed in seeds.values():
-            evals = seed["bases"] if method == "base models" else seed["methods"][method]["eval"]
-            for mid, r in evals.items():
-                per_member[mid]["accuracy"].append(r["accuracy"])
-                per_member[mid]["delta"].append(r["accuracy"] - seed["bases"][mid]["accuracy"])
-                for t, a in r["by_type"].items():
-                    per_member[mid][t].append(a)
-        table[method] = {mid: {k: mean_std(v) for k, v in vals.items()} for mid, vals in per_member.items()}
-    return table
-
-
-def results_markdown(results: dict) -> str:
-    b = results["budget"]
-    lines = [
-        "# Label-free learning on easy-vqa (tiny models, CPU)",
-        "",
-        f"Seeds: {len(results['seeds'])}. Budget per method: {b['rl_steps']} steps × {b['batch_size']} questions × "
-        f"K=4, lr {b['rl_lr']}; base models: {b['warm_steps']} supervised steps on 1000 labelled questions "
-        f"(balanced by type). Test: {b['eval_limit']} easy-vqa test questions balanced over yes/no, shape, colour; "
-        "greedy. Mean ± std over seeds; Δ = change vs the member's own base model.",
-        "",
-        "| method | member | accuracy | Δ vs base | yes/no | shape | colour |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    q = results["question_only"]
-    lines.append(f"| question-only baseline | (no image) | {q['accuracy']:.3f} | | {q['by_type']['yes/no']:.3f} | "
-                 f"{q['by_type']['shape']:.3f} | {q['by_type']['color']:.3f} |")
-    for method, members in results["table"].items():
-        for mid, r in members.items():
-            fmt = lambda k: f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"  # noqa: E731
-            delta = "" if method == "base models" else f"{r['delta']['mean']:+.3f} ± {r['delta']['std']:.3f}"
-            lines.append(f"| {method} | {mid} | {fmt('accuracy')} | {delta} | {fmt('yes/no')} | {fmt('shape')} | "
-                         f"{fmt('color')} |")
-    lines += ["", f"Wall time: {results['seconds'] / 60:.1f} min. Plots: " +
-              ", ".join(f"`{p}`" for p in results["plots"]), ""]
-    return "\n".join(lines)
-
-
-def plot_curves(out: Path, n_seeds: int, budget: Budget) -> list[str]:
-    """One PNG per diagnostic over steps, one line per method (mean over seeds and members), read from the
-    runs' metrics.jsonl / eval.jsonl (so `--plots-only` can redraw them after the fact)."""
-    from vlm_corl.report import plot_metric
-
-    curves = {
-        "test_accuracy": ("eval.jsonl", "accuracy", "easy-vqa test accuracy (in-training eval)"),
-        "reward": ("metrics.jsonl", "reward_mean", "reward"),
-        "agreement": ("metrics.jsonl", "agreement", "agreement with the label source"),
-        "pseudo_label_acc": ("metrics.jsonl", "pseudo_label_acc", "pseudo-label accuracy (diagnostic, vs gold)"),
-        "distinct_answers": ("metrics.jsonl", "distinct_answers", "distinct answers per group"),
-        "answer_entropy": ("metrics.jsonl", "answer_entropy", "answer entropy per group (nats)"),
+    answers_by_question: dict[str, Counter] = defaultdict(Counter)
+    for ex in load_examples("easyvqa", split="train").examples:
+        answers_by_question[ex.question][ex.answer] += 1
+    by_type = defaultdict(list)
+    for ex in eval_examples(split, eval_limit):
+        guess = answers_by_question[ex.question].most_common(1)[0][0] if ex.question in answers_by_question else None
+        by_type[ex.metadata["question_type"]].append(answers_equivalent(ex.answer, guess))
+    return {
+        "accuracy": statistics.fmean(ok for v in by_type.values() for ok in v),
+        "by_type": {t: statistics.fmean(v) for t, v in sorted(by_type.items())},
     }
-    paths = []
-    for name, (file, key, title) in curves.items():
+
+
+# ---- from the per-seed results to the tables -------------------------------------------------------------
+
+
+def probe_pairs(out: Path, bases: list[str]) -> dict[str, dict]:
+    """{"X+Y": vlm_corl.probe.pair_report} of every pair of base models, from their saved validation records."""
+    from vlm_corl.probe import pair_report
+
+    records = {b: json.loads((out / "base" / b / "probe_records.json").read_text()) for b in bases}
+    return {f"{a}+{b}": pair_report(records[a], records[b]) for a, b in itertools.combinations(bases, 2)}
+
+
+def cohort_bases(method: str) -> list[str]:
+    """The base models of a method's cohort, in member order, each once (the frozen copies included)."""
+    return list(dict.fromkeys(base for _, base, _ in METHODS[method][0]))
+
+
+def analyse(results: dict) -> dict:
+    """results with the tables, the probe of every cohort, the probe-vs-gain analysis and the claims
+    (re)computed from its seeds and base models."""
+    base_of = {(m, mid): base for m, (members, _) in METHODS.items() for mid, base, _ in members}
+    seeded = analysis.per_seed(results, lambda m, mid: base_of[(m, mid)])
+    cohorts = {m: analysis.cohort_probe(results["probe"], cohort_bases(m)) for m in METHODS}
+    pg = analysis.probe_vs_gain(seeded, cohorts, RING_COHORTS)
+    return {
+        **results,
+        "base_table": analysis.base_table(results["bases"]),
+        "cohort_probe": cohorts,
+        "table": analysis.method_table(seeded),
+        "probe_gain": pg,
+        "claims": analysis.claims(results, seeded, pg, CLAIM_METHODS),
+    }
+
+
+def plot_all(out: Path, results: dict) -> list[str]:
+    """The probe-vs-gain scatter and one PNG per training diagnostic over steps (one line per method, the
+    mean over seeds and trained members, read from the runs' metrics.jsonl)."""
+    from vlm_corl.report import plot_metric, read_jsonl
+
+    paths = [analysis.plot_probe_vs_gain(results["probe_gain"], out / "probe_vs_gain.png").name]
+    curves = {
+        "pseudo_label_acc": "pseudo-label accuracy (diagnostic, vs gold)",
+        "reward": "reward",
+        "agreement": "agreement with the label source",
+        "distinct_answers": "distinct answers per group",
+        "answer_entropy_batch": "answer entropy across the batch (nats)",
+    }
+    for key, title in curves.items():
         runs = {}
-        for method in METHODS:
-            rows = [row for s in range(n_seeds)
-                    for row in _read_jsonl(Path(method_config(method, s, budget, out, {})["output_dir"]) / file)
-                    if row.get(key) is not None]
+        for method, (members, _) in METHODS.items():
+            trained = {mid for mid, _, extra in members if extra.get("trainable", True)}
+            rows = [
+                row
+                for seed in results["seeds"]
+                for row in read_jsonl(out / "runs" / f"{slug(method)}-seed{seed}" / "metrics.jsonl")
+                if row["member"] in trained and row.get("reward_mean" if key == "reward" else key) is not None
+            ]
             if rows:
                 runs[method] = rows
         if runs:
-            path = out / f"{name}.png"
-            plot_metric(runs, key, path, title)
-            paths.append(path.name)
+            plot_metric(runs, "reward_mean" if key == "reward" else key, out / f"{key}.png", title)
+            paths.append(f"{key}.png")
     return paths
+
+
+def finish(out: Path, results: dict) -> None:
+    """Analyse, write results.json/md (before plotting, so the table is safe on disk), plot, write again."""
+    results = {**analyse(results), "plots": []}
+    write_results(out, results, analysis.markdown(results))
+    results["plots"] = plot_all(out, results)
+    write_results(out, results, analysis.markdown(results))
+
+
+# ---- the command --------------------------------------------------------------------------------------------
+
+
+def run_all(out: Path, budget: Budget, workers: int, split: str) -> dict:
+    """Every base model, then every method of every seed, `workers` processes at a time; members are scored
+    on `split`."""
+    start = time.time()
+    seeds = range(budget.seeds)
+    results = {
+        "budget": asdict(budget),
+        "split": split,
+        "pool": POOL,
+        "palettes": PALETTES,
+        "bases": {},
+        "seeds": {},
+        "workers": workers,
+    }
+    with (
+        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool,
+        tqdm(
+            total=len(base_recipes(budget)) + budget.seeds * len(METHODS),
+            desc="experiment",
+            unit="job",
+            file=sys.stdout,
+            mininterval=5,
+        ) as bar,
+    ):
+        bases = {
+            mid: pool.submit(make_base, mid, recipe, out / "base" / mid, budget, split)
+            for mid, recipe in base_recipes(budget).items()
+        }
+        for mid, job in bases.items():
+            results["bases"][mid] = job.result()
+            bar.update()
+        bar.write(f"[experiment] base models built ({len(bases)}) at {time.time() - start:.0f} s")
+        # the three-member runs first: the longest jobs start early and the pool ends evenly
+        order = sorted(METHODS, key=lambda m: -len(METHODS[m][0]))
+        runs = {
+            (s, m): pool.submit(run_method, method_config(m, s, budget, out), budget.eval_limit, split)
+            for s in seeds
+            for m in order
+        }
+        for (s, m), job in runs.items():
+            results["seeds"].setdefault(str(s), {})[m] = job.result()
+            bar.write(f"[experiment] seed {s} {m}: {results['seeds'][str(s)][m]['seconds']} s")
+            bar.update()
+    results["seeds"] = {s: {m: results["seeds"][s][m] for m in METHODS} for s in results["seeds"]}
+    results["probe"] = probe_pairs(out, list(bases))
+    results["question_only"] = question_only_baseline(split, budget.eval_limit)
+    results["seconds"] = round(time.time() - start, 1)
+    return relative_to(results, out)
 
 
 def main(argv=None) -> int:
     parser = cli.parser("python -m vlm_corl.experiments.easyvqa", __doc__)
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--quick", action="store_true", help="a small budget (one seed by default), for smoke runs")
-    parser.add_argument("--seeds", type=cli.positive_int, default=None, help="number of seeds (default 3, or 1 with --quick)")
-    parser.add_argument("--workers", type=cli.positive_int, default=2, help="training runs in parallel (one CPU thread each)")
-    parser.add_argument("--plots-only", action="store_true",
-                        help="redraw the plots and results.md of a finished experiment in --out")
+    parser.add_argument("--quick", action="store_true", help="a tiny budget with 2 seeds, for smoke runs")
+    parser.add_argument(
+        "--seeds",
+        type=cli.positive_int,
+        default=None,
+        help=f"number of seeds, at least 2 (default {FULL.seeds}, or {QUICK.seeds} with --quick)",
+    )
+    parser.add_argument("--workers", type=cli.positive_int, default=2, help="runs in parallel (one CPU thread each)")
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="score members on validation (train from #35000) instead of test: for choosing settings",
+    )
+    parser.add_argument(
+        "--plots-only",
+        action="store_true",
+        help="recompute the tables and redraw the plots of a finished experiment in --out",
+    )
     args = parser.parse_args(argv)
-    budget = QUICK if args.quick else FULL
-    n_seeds = args.seeds or (1 if args.quick else 3)
+    if args.seeds == 1:
+        parser.error("--seeds must be at least 2: the homogeneous pairs take their second member from another seed")
     out = cli.output_dir(args.out, "--out")
     if args.plots_only:
         if not (out / "results.json").is_file():
-            raise UserError(f"--plots-only redraws a finished experiment, but {out / 'results.json'} does not exist: "
-                            "run the experiment into --out first")
-        results = json.loads((out / "results.json").read_text())
-        results["plots"] = plot_curves(out, results["budget"]["seeds"], budget)
-        write_results(out, results, results_markdown(results))
+            raise UserError(
+                f"--plots-only redraws a finished experiment, but {out / 'results.json'} does not exist: "
+                "run the experiment into --out first"
+            )
+        finish(out, json.loads((out / "results.json").read_text()))
         return 0
-    start = time.time()
-    spawn = multiprocessing.get_context("spawn")
-    seeds: dict[int, dict] = {}
-    with ProcessPoolExecutor(args.workers, mp_context=spawn) as pool:
-        bases = {s: {mid: str(out / "base" / f"seed{s}" / mid) for mid in base_recipes(budget, s)} for s in range(n_seeds)}
-        jobs = [pool.submit(build_base, mid, recipe, Path(bases[s][mid]), s)
-                for s in range(n_seeds) for mid, recipe in base_recipes(budget, s).items()]
-        total = len(jobs) + n_seeds * (1 + len(METHODS))
-        with tqdm(total=total, desc="experiment", unit="job", file=sys.stdout, mininterval=5) as bar:
-            for job in jobs:
-                job.result()
-                bar.update()
-            bar.write(f"[experiment] base models built ({len(jobs)}) at {time.time() - start:.0f} s")
-            base_evals = {s: pool.submit(evaluate_bases, bases[s], budget.eval_limit) for s in range(n_seeds)}
-            runs = {(s, m): pool.submit(run_method, method_config(m, s, budget, out, bases[s]), budget.eval_limit)
-                    for s in range(n_seeds) for m in METHODS}
-            for s in range(n_seeds):
-                seeds[s] = {"bases": base_evals[s].result(), "methods": {}}
-                bar.update()
-            for (s, m), job in runs.items():
-                seeds[s]["methods"][m] = job.result()
-                bar.write(f"[experiment] seed {s} {m}: {seeds[s]['methods'][m]['seconds']} s")
-                bar.update()
-    results = {
-        "budget": vars(budget) | {"seeds": n_seeds},
-        "question_only": question_only_baseline(budget.eval_limit),
-        "table": aggregate(seeds),
-        "seeds": seeds,
-        "plots": [],
-        "seconds": round(time.time() - start, 1),
-    }
-    results = relative_to(results, out)
-    write_results(out, results, results_markdown(results))  # the table is safe on disk before plotting
-    results["plots"] = plot_curves(out, n_seeds, budget)
-    write_results(out, results, results_markdown(results))
+    budget = QUICK if args.quick else FULL
+    if args.seeds:
+        budget = Budget(**{**asdict(budget), "seeds": args.seeds})
+    finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
     return 0
 
 
