@@ -44,7 +44,7 @@ def reset_peak() -> None:
 def train(zoo: dict, out: Path, steps: int, extra: list[str]) -> dict:
     """One cohort run in this process; median step seconds (first step left out) and peak memory."""
     from vlm_corl.config import load_config
-    from vlm_corl.loop import run_cohort
+    from vlm_corl.training.loop import run_cohort
 
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "cohort.yaml"
@@ -137,10 +137,10 @@ def main(argv=None) -> int:
 def rollout_check(model_dir: Path) -> dict:
     """Generated tokens per second of the HF engine: 8 easy-vqa questions x 4 samples, 32 new tokens."""
     from vlm_corl.config import MemberConfig
-    from vlm_corl.data import load_examples
-    from vlm_corl.member import load_member
-    from vlm_corl.render import Renderer
-    from vlm_corl.rollout import SamplingParams, make_engine
+    from vlm_corl.data.loaders import load_examples
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.render import Renderer
+    from vlm_corl.members.rollout import SamplingParams, make_engine
 
     member = load_member(
         MemberConfig(id="q", model=str(model_dir), trainable=False),

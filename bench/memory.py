@@ -7,7 +7,7 @@ vocabulary (Qwen's) with a tiny body (hidden 64, 2 layers), so the logits domina
 holds --batch responses of --tokens tokens after a short prompt, under bf16 autocast (the update's mixed
 precision): the model's logits are one bf16 copy, B*T*V*2 bytes (1.24 GB at full size). "old" is the code
 before this change (kept here only: whole-batch fp32 policy logits, log_softmax, gather; stats on all
-responses at once); "new" is `vlm_corl.update` (`response_logprobs`, `response_token_stats`).
+responses at once); "new" is `vlm_corl.members.update` (`response_logprobs`, `response_token_stats`).
 
     python bench/memory.py                  # full size: V=151936, T=1024, B=4 (~10 GB peak for "old")
     python bench/memory.py --size tiny      # seconds
@@ -58,7 +58,7 @@ def old_policy_logits(logits, temperature, suppressed):
 
 
 def old_forward(model, prompts, responses, pad_id, fn):
-    from vlm_corl.batching import collate, model_positions
+    from vlm_corl.members.batching import collate, model_positions
 
     inputs, mask = collate(prompts, pad_id, responses)
     t = mask.shape[1]
@@ -81,7 +81,7 @@ def old_logprobs(model, prompts, responses, pad_id, temperature, suppressed):
 
 @torch.no_grad()
 def old_token_stats(model, prompts, responses, pad_id, temperature, suppressed):
-    from vlm_corl.grpo import token_entropy, token_self_certainty
+    from vlm_corl.training.grpo import token_entropy, token_self_certainty
 
     def stats(logits, targets):
         logits = old_policy_logits(logits, temperature, suppressed)
@@ -162,8 +162,8 @@ def batch(args, n: int, tokens: int, device, seed: int):
 
 
 def run(args) -> dict:
-    from vlm_corl.rollout import Policy
-    from vlm_corl.update import response_logprobs, response_token_stats
+    from vlm_corl.members.rollout import Policy
+    from vlm_corl.members.update import response_logprobs, response_token_stats
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     model = build_model(args, device)
@@ -272,7 +272,9 @@ def main() -> int:
     )
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
-    ap.add_argument("--chunk-elements", type=int, help="sets vlm_corl.grpo.CHUNK_ELEMENTS (fp32 elements a chunk)")
+    ap.add_argument(
+        "--chunk-elements", type=int, help="sets vlm_corl.training.grpo.CHUNK_ELEMENTS (fp32 elements a chunk)"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--only", nargs="+", choices=PASSES, default=list(PASSES), help="measure only these passes")

@@ -64,7 +64,7 @@ TARGET_OUTSIDE_SHARE = 0.05  # < 5% of a step outside rollout and update
 def dense_reward(batch, cfg):
     """Bench reward: -mean token entropy of each response (the entropy baseline), distinct per response, so
     no group has zero variance and the update trains every sequence. Reads no labels."""
-    from vlm_corl.rewards import RewardOutput
+    from vlm_corl.training.rewards import RewardOutput
 
     n, b, k = batch.shape
     rewards = -batch.scores["entropy"]  # (N, B, K)
@@ -147,7 +147,7 @@ class StepClock:
     the last write)."""
 
     def __enter__(self):
-        from vlm_corl.metrics import MetricsSink
+        from vlm_corl.training.metrics import MetricsSink
 
         self.stamps: list[float] = []
         self.cpu_stamps: list[float] = []  # process CPU time: with one thread, wall minus time lost to contention
@@ -162,7 +162,7 @@ class StepClock:
         return self
 
     def __exit__(self, *exc):
-        from vlm_corl.metrics import MetricsSink
+        from vlm_corl.training.metrics import MetricsSink
 
         MetricsSink.write = self._write
 
@@ -170,7 +170,7 @@ class StepClock:
 def run_ours(args, model_dir: str, data_file: str | None, n_members: int, out_dir: Path) -> dict:
     """Train a cohort of n_members through `run_cohort`: per-step wall time and the phases of metrics.jsonl."""
     from vlm_corl.config import check_registered
-    from vlm_corl.loop import run_cohort
+    from vlm_corl.training.loop import run_cohort
 
     cfg = cohort_config(args, model_dir, data_file, n_members, out_dir)
     check_registered(cfg)
@@ -229,9 +229,9 @@ def run_trl(args, out: Path) -> dict:
 def prompt_tokens(model_dir: str, data_file: str | None, args) -> tuple[int, int]:
     """(all tokens, image tokens) of our first rendered prompt."""
     from vlm_corl.config import MemberConfig
-    from vlm_corl.loop import load_training_examples
-    from vlm_corl.member import load_member
-    from vlm_corl.render import Renderer
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.render import Renderer
+    from vlm_corl.training.loop import load_training_examples
 
     cfg = cohort_config(args, model_dir, data_file, 1, Path("."))
     member = load_member(MemberConfig(id="probe", model=model_dir))

@@ -9,12 +9,12 @@ rollout engine and prompted through its own chat template with PROMPT (or SCENAR
 which also lets it change the story around the question). A vision-language rewriter sees the example's images;
 a text rewriter sees the text only. It samples --samples responses per question (default 2 x n); each must be
 exactly one <paraphrase>...</paraphrase> block (an optional leading <think>...</think> is allowed), and the
-wording inside must pass vlm_corl.paraphrases.check_paraphrase: not empty, not identical to the question,
+wording inside must pass vlm_corl.data.paraphrases.check_paraphrase: not empty, not identical to the question,
 the same numbers (as a multiset), every [asy] diagram and every answer option verbatim and in order, and a
 length within 0.5-3x the question's. The first n that pass are kept; the others are dropped and counted by
 reason. Images are never changed: only text is written.
 
-Output (OUT, JSONL, one line per example, in dataset order; the format `vlm_corl.paraphrases.read_cache` reads
+Output (OUT, JSONL, one line per example, in dataset order; the format `vlm_corl.data.paraphrases.read_cache` reads
 and training uses through data.paraphrases=OUT):
 
     {"id": <example id>, "source_question": <the question>, "paraphrases": [<up to n wordings>],
@@ -51,10 +51,9 @@ import torch
 
 from vlm_corl import cli
 from vlm_corl.config.schema import DataConfig, MemberConfig, RolloutConfig, VllmConfig
-from vlm_corl.data import load_examples
-from vlm_corl.errors import UserError
-from vlm_corl.images import load_image
-from vlm_corl.paraphrases import (
+from vlm_corl.data.images import load_image
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.data.paraphrases import (
     CLOSE_TAG,
     MAX_LENGTH_RATIO,
     MIN_LENGTH_RATIO,
@@ -63,11 +62,12 @@ from vlm_corl.paraphrases import (
     read_cache,
     select_paraphrases,
 )
-from vlm_corl.records import Example
-from vlm_corl.rollout import Prompt, RolloutEngine, SamplingParams, make_engine
+from vlm_corl.data.records import Example
+from vlm_corl.errors import UserError
+from vlm_corl.members.rollout import Prompt, RolloutEngine, SamplingParams, make_engine
 
 if TYPE_CHECKING:
-    from vlm_corl.member import Member
+    from vlm_corl.members.member import Member
 
 _RULES = (
     "Rules:\n"
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--loader",
         default="jsonl",
-        help="loader registry name or module:function (jsonl, hf, math500, ...; see vlm_corl.data)",
+        help="loader registry name or module:function (jsonl, hf, math500, ...; see vlm_corl.data.loaders)",
     )
     parser.add_argument("--split", default="train", help="dataset split, for a --data directory (default train)")
     parser.add_argument("--limit", type=cli.positive_int, default=None, help="use the first N examples of the dataset")
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         # Model code only when there is work: a finished cache resumes without loading anything.
         from transformers.utils import logging as hf_logging
 
-        from vlm_corl.member import load_member
+        from vlm_corl.members.member import load_member
 
         hf_logging.disable_progress_bar()
         member = load_member(

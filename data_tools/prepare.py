@@ -40,8 +40,8 @@ from PIL import Image
 
 from data_tools.sources import DEFAULT_LEVELS, SOURCES
 from vlm_corl import cli
-from vlm_corl.data import DataError, LoadReport, load_examples
-from vlm_corl.records import Example, ImageSource
+from vlm_corl.data.loaders import DataError, LoadReport, load_examples
+from vlm_corl.data.records import Example, ImageSource
 
 
 def levels_arg(text: str) -> tuple[int, ...]:
@@ -134,7 +134,7 @@ def prepare(
 @contextlib.contextmanager
 def quiet_load_warnings() -> Iterator[None]:
     """Without load_examples' warning of dropped records: the data tools print their own table of them."""
-    data_log = logging.getLogger("vlm_corl.data")
+    data_log = logging.getLogger("vlm_corl.data.loaders")
     level = data_log.level
     data_log.setLevel(logging.ERROR)
     try:

@@ -1,6 +1,6 @@
 """Readers of the training-set releases that `python -m data_tools.prepare` converts.
 
-Each reader is a `vlm_corl.data` loader, `(path, split, **options) -> Iterable[Example | Skip]`, so that
+Each reader is a `vlm_corl.data.loaders` loader, `(path, split, **options) -> Iterable[Example | Skip]`, so that
 `load_examples` applies the project's own checks (empty question, duplicate id, images that do not decode) and
 counts every dropped row by reason; the reader adds the reasons only it can see. `SOURCES[name].splits(path)`
 lists the splits a release holds (none: the path is not that release). Images stay encoded (bytes, or the
@@ -42,9 +42,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from text_corl.data import jsonl_rows
-from vlm_corl.answers import extract_answer
-from vlm_corl.data import DataError, Skip, _open_hf, example_from_row
-from vlm_corl.records import Example
+from vlm_corl.data.answers import extract_answer
+from vlm_corl.data.loaders import DataError, Skip, _open_hf, example_from_row
+from vlm_corl.data.records import Example
 
 DEFAULT_LEVELS = (3, 4, 5)
 _IMAGE_TOKEN = re.compile(r"<image>\s*")
@@ -154,7 +154,7 @@ def _problem_text(file: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Parquet releases (read through vlm_corl.data's Hugging Face reader)
+# Parquet releases (read through vlm_corl.data.loaders's Hugging Face reader)
 
 
 def parquet_splits(path: Path) -> list[str]:

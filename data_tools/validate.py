@@ -26,11 +26,11 @@ from pathlib import Path
 
 from data_tools.prepare import quiet_load_warnings
 from vlm_corl import cli
-from vlm_corl.answers import VERIFY_TIMEOUT_S, choice_letter, normalize_answer
-from vlm_corl.answers.normalize import is_word_answer
-from vlm_corl.data import DataError, LoadReport, load_examples
+from vlm_corl.data.answers import VERIFY_TIMEOUT_S, choice_letter, normalize_answer
+from vlm_corl.data.answers.normalize import is_word_answer
+from vlm_corl.data.loaders import DataError, LoadReport, load_examples
+from vlm_corl.data.records import Example
 from vlm_corl.errors import UserError
-from vlm_corl.records import Example
 
 SAMPLES = 3  # records named per problem in the table
 _LETTER = re.compile(r"\(?([A-Z])\)?\.?")
@@ -67,7 +67,7 @@ def answer_problem(example: Example, parses: dict[str, bool]) -> str | None:
 
 
 def math_parses(answer: str) -> bool:
-    """Whether math-verify reads a mathematical object from a (normalised) answer, parsed as vlm_corl.answers
+    """Whether math-verify reads a mathematical object from a (normalised) answer, parsed as vlm_corl.data.answers
     parses it, inside \\boxed{}. Its own timeout is a SIGALRM, which works here: a command's main thread."""
     from math_verify import parse
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import load_examples
-from vlm_corl.member import load_member
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.members.member import load_member
 from vlm_corl.warmstart import warm_start
 from vlm_corl.zoo import build_zoo
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from vlm_corl.rewards import RewardOutput
+from vlm_corl.training.rewards import RewardOutput
 
 
 def shorter_is_better(batch, cfg) -> RewardOutput:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vlm_corl.answers import (
+from vlm_corl.data.answers import (
     answers_equivalent,
     choice_letter,
     extract_answer,
@@ -225,7 +225,7 @@ def test_the_deadline_holds_in_a_thread_and_falls_back_to_strings():
 
 def test_a_comparison_cut_by_the_deadline_is_not_cached(monkeypatch):
     """A deadline depends on machine load: its "not equivalent" must not stick to the pair for the whole run."""
-    import vlm_corl.answers.equivalence as equivalence
+    import vlm_corl.data.answers.equivalence as equivalence
 
     verdicts = iter([None, True])  # first call: the deadline passed; second: math-verify answers
     monkeypatch.setattr(equivalence, "math_verify_equivalent", lambda g, p, t: next(verdicts))

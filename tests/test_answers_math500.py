@@ -12,7 +12,7 @@ import re
 import pytest
 
 from text_corl.data import MATH500_DIR
-from vlm_corl.answers import answers_equivalent, grade, math_verify_equivalent, normalize_answer
+from vlm_corl.data.answers import answers_equivalent, grade, math_verify_equivalent, normalize_answer
 
 MATH500 = MATH500_DIR / "test.json"
 

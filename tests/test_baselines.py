@@ -8,17 +8,17 @@ import pytest
 import torch
 from cohort_helpers import cohort, metrics, weights
 
-from vlm_corl.cohort import ema_update, teacher_decay
 from vlm_corl.config import MemberConfig, RewardConfig, config_from_dict
-from vlm_corl.data import load_examples
-from vlm_corl.loop import run_cohort
-from vlm_corl.member import load_member
-from vlm_corl.records import ViewError
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.data.records import ViewError
+from vlm_corl.members.member import load_member
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.update import response_token_stats
 from vlm_corl.registry import REWARDS
-from vlm_corl.render import Renderer
-from vlm_corl.rewards import CohortBatch
-from vlm_corl.rollout import SamplingParams, make_engine
-from vlm_corl.update import response_token_stats
+from vlm_corl.training.loop import run_cohort
+from vlm_corl.training.rewards import CohortBatch
+from vlm_corl.training.slots import ema_update, teacher_decay
 
 
 def test_intrinsic_rewards_read_the_rollout_statistics():

@@ -1,4 +1,4 @@
-"""A benchmark from a YAML file alone (vlm_corl.benchmark_file): read through the eval CLI and in-loop eval,
+"""A benchmark from a YAML file alone (vlm_corl.evaluation.benchmark_file): read through the eval CLI and in-loop eval,
 with field mapping, images, categories and sampled metrics; pass@k by hand; mistakes in the file exit 2."""
 
 import json
@@ -9,7 +9,8 @@ from cohort_helpers import cohort, write_jsonl
 from PIL import Image
 
 from vlm_corl import cli
-from vlm_corl.eval import main, pass_at_k
+from vlm_corl.eval import main
+from vlm_corl.evaluation.scoring import pass_at_k
 from vlm_corl.registry import BENCHMARKS
 
 
@@ -83,7 +84,7 @@ def test_a_yaml_benchmark_runs_through_the_eval_cli(tiny_zoo, bench_dir, capsys)
 
 def test_a_yaml_benchmark_in_a_cohort_file_is_evaluated_in_the_loop(tiny_zoo, bench_dir):
     from vlm_corl.config import config_from_dict
-    from vlm_corl.loop import run_cohort
+    from vlm_corl.training.loop import run_cohort
 
     cfg = cohort(
         bench_dir,
@@ -151,7 +152,7 @@ class CannedEngine:
         self.member = member
 
     def generate(self, prompts, params):
-        from vlm_corl.rollout import Response, RolloutGroup
+        from vlm_corl.members.rollout import Response, RolloutGroup
 
         assert params.n == 3 and params.temperature == 1.0
         texts = ["<answer>red</answer>", "<answer>blue</answer>", "<answer>red</answer>"]
@@ -162,7 +163,7 @@ def test_sampled_metrics_on_known_answers(tiny_zoo, bench_dir, monkeypatch):
     """3 red and 3 blue questions, each answered red, blue, red: avg@3 = (3 x 2/3 + 3 x 1/3) / 6 = 0.5,
     maj@3 = 0.5 (the red questions), pass@3 = 1 (each question has a right sample); text answers match
     case-insensitively; per category (hue = the red ones, colour = the blue ones)."""
-    import vlm_corl.eval as ev
+    import vlm_corl.evaluation.scoring as ev
 
     monkeypatch.setattr(ev, "make_engine", lambda name, member: CannedEngine(member))
     bench = BENCHMARKS.get(str(bench_dir / "colours.yaml"))

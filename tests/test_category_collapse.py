@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from vlm_corl.category_metrics import category_step_stats, pooled_diversity, window_metrics
-from vlm_corl.checkpoint import list_checkpoints
-from vlm_corl.collapse import collapse_warnings, eval_drops, flag_step
-from vlm_corl.guard import roll_back, stop_message
-from vlm_corl.metrics import unanimous_questions
-from vlm_corl.rewards import CohortBatch, RewardOutput
+from vlm_corl.distributed.checkpoint import list_checkpoints
+from vlm_corl.training.category_metrics import category_step_stats, pooled_diversity, window_metrics
+from vlm_corl.training.collapse import collapse_warnings, eval_drops, flag_step
+from vlm_corl.training.guard import roll_back, stop_message
+from vlm_corl.training.metrics import unanimous_questions
+from vlm_corl.training.rewards import CohortBatch, RewardOutput
 
 
 def test_category_step_sums_by_hand():

@@ -4,10 +4,10 @@ rewrites to a comparable form and how predictions grade against them."""
 import pytest
 
 from text_corl.data import champ_answer
-from vlm_corl.answers import normalize_answer
-from vlm_corl.answers.normalize import is_word_answer
-from vlm_corl.data import DataError, load_examples
-from vlm_corl.eval import grade_answer
+from vlm_corl.data.answers import normalize_answer
+from vlm_corl.data.answers.normalize import is_word_answer
+from vlm_corl.data.loaders import DataError, load_examples
+from vlm_corl.evaluation.scoring import grade_answer
 from vlm_corl.registry import BENCHMARKS
 
 

@@ -8,9 +8,9 @@ import pytest
 from cohort_helpers import write_jsonl
 
 from text_corl.code import extract_code, grade_humaneval, grade_mbpp
-from vlm_corl.data import load_examples
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.members.rollout import Response, RolloutGroup
 from vlm_corl.registry import BENCHMARKS
-from vlm_corl.rollout import Response, RolloutGroup
 
 PROMPT = 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum of xs."""\n'
 TEST = "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"
@@ -73,7 +73,7 @@ def test_extract_code_takes_the_last_block():
 
 
 def test_humaneval_through_evaluation_with_the_code_prompt(tiny_zoo, humaneval, monkeypatch):
-    import vlm_corl.eval as ev
+    import vlm_corl.evaluation.scoring as ev
 
     seen = []
 

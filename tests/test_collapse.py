@@ -11,9 +11,9 @@ import pytest
 import torch
 from cohort_helpers import cohort, metrics
 
-from vlm_corl.collapse import CollapseRule, collapse_evidence, collapse_warnings, flag_step, window_size
 from vlm_corl.config import config_from_dict
-from vlm_corl.metrics import (
+from vlm_corl.training.collapse import CollapseRule, collapse_evidence, collapse_warnings, flag_step, window_size
+from vlm_corl.training.metrics import (
     answer_entropy,
     answer_key,
     batch_entropy,
@@ -24,7 +24,7 @@ from vlm_corl.metrics import (
     unanimity,
     unanimous_questions,
 )
-from vlm_corl.rewards import CohortBatch, RewardOutput
+from vlm_corl.training.rewards import CohortBatch, RewardOutput
 
 H_31 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # entropy of (3/4, 1/4)
 H_21 = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))
@@ -206,8 +206,8 @@ def test_flag_step_marks_rows_and_logs_once(caplog):
 
 
 def test_real_run_logs_collapse_diagnostics(base_models, tmp_path):
-    from vlm_corl.loop import run_cohort
     from vlm_corl.report import render_report
+    from vlm_corl.training.loop import run_cohort
 
     members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"])]
     summary = run_cohort(config_from_dict(cohort(tmp_path, members, reward={"mode": "ring"})))

@@ -19,10 +19,10 @@ import torch
 import yaml
 
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import balance_by, load_examples
-from vlm_corl.guard import EXIT_STATUS
-from vlm_corl.member import load_member
+from vlm_corl.data.loaders import balance_by, load_examples
+from vlm_corl.members.member import load_member
 from vlm_corl.train import main
+from vlm_corl.training.guard import EXIT_STATUS
 from vlm_corl.warmstart import warm_start
 
 

@@ -11,11 +11,11 @@ import torch
 from cohort_helpers import cohort, metrics, weights, write_jsonl
 
 from vlm_corl.config import ConfigError, MemberConfig, config_from_dict
-from vlm_corl.distributed import PlacementError, World, describe, place_members, shard, sum_over
-from vlm_corl.exchange import LockstepError, exchange
-from vlm_corl.loop import _check_shards, batch_totals, run_cohort
-from vlm_corl.member import load_member
-from vlm_corl.sampler import LockstepSampler
+from vlm_corl.data.sampler import LockstepSampler
+from vlm_corl.distributed.exchange import LockstepError, exchange
+from vlm_corl.distributed.world import PlacementError, World, describe, place_members, shard, sum_over
+from vlm_corl.members.member import load_member
+from vlm_corl.training.loop import _check_shards, batch_totals, run_cohort
 
 
 def _members(*ids, ranks=None):

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from vlm_corl.data import DataError, easyvqa_question_type, load_easyvqa
+from vlm_corl.data.loaders import DataError, easyvqa_question_type, load_easyvqa
+from vlm_corl.data.records import Example
 from vlm_corl.experiments import easyvqa_analysis as analysis
 from vlm_corl.experiments.easyvqa import METHODS, RING_COHORTS
 from vlm_corl.experiments.easyvqa_data import asked_type, skill_mix
 from vlm_corl.experiments.stats import mean_ci, pearson, ranks, spearman, t975
-from vlm_corl.records import Example
 from vlm_corl.warmstart import mixed_by
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import random
 import pytest
 from PIL import Image
 
-from vlm_corl.images import BadImage, load_image
+from vlm_corl.data.images import BadImage, load_image
 
 
 def encode(image: Image.Image, fmt: str = "PNG", **params) -> bytes:

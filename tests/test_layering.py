@@ -1,4 +1,5 @@
-"""The package layering: the core never imports text_corl, and heavy optional engines are imported lazily."""
+"""The package layering: the core never imports the user tools or text_corl, and heavy optional engines are
+imported lazily."""
 
 import ast
 import subprocess
@@ -31,6 +32,23 @@ def test_core_never_imports_text_corl():
         for p in _modules("vlm_corl")
         for name in _imports(p, top_level_only=False)
         if name.split(".")[0] == "text_corl"
+    ]
+    assert offenders == []
+
+
+# the core: the loop, members, distribution, data, evaluation, configs; the tools (commands) build on it
+CORE = ("training", "members", "distributed", "data", "evaluation", "config", "registry.py", "errors.py", "cli.py")
+TOOLS = ("zoo", "warmstart", "demo", "probe", "report", "experiments", "train", "eval")
+
+
+def test_core_never_imports_the_tools():
+    core = [p for c in CORE for p in ([ROOT / "vlm_corl" / c] if c.endswith(".py") else _modules(f"vlm_corl/{c}"))]
+    assert len(core) > 40  # the packages exist where this test looks
+    offenders = [
+        f"{p.relative_to(ROOT)}: {name}"
+        for p in core
+        for name in _imports(p, top_level_only=False)
+        if name.split(".")[:2][0] == "vlm_corl" and len(name.split(".")) > 1 and name.split(".")[1] in TOOLS
     ]
     assert offenders == []
 

@@ -11,7 +11,7 @@ import pytest
 from cohort_helpers import write_jsonl
 
 from text_corl.livecodebench import grade_livecodebench, version_files
-from vlm_corl.data import DataError, load_examples
+from vlm_corl.data.loaders import DataError, load_examples
 from vlm_corl.registry import BENCHMARKS
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-import vlm_corl.data as data
+import vlm_corl.data.loaders as data
 from text_corl.data import MATH500_DIR
-from vlm_corl.data import DataError, load_examples
+from vlm_corl.data.loaders import DataError, load_examples
 from vlm_corl.registry import LOADERS
 
 MATH500 = MATH500_DIR / "test.json"

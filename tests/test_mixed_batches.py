@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vlm_corl.batching import collate
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import load_examples
-from vlm_corl.member import load_member
-from vlm_corl.render import Renderer
-from vlm_corl.rollout import SamplingParams, make_engine
-from vlm_corl.update import _full_logprobs, _shared_prompt_logprobs
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.members.batching import collate
+from vlm_corl.members.member import load_member
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.update import _full_logprobs, _shared_prompt_logprobs
 
 VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl")
 

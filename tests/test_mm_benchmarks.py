@@ -12,16 +12,16 @@ import pytest
 
 from vlm_corl import cli
 from vlm_corl import eval as ev
-from vlm_corl.benchmarks.common import grade_response
-from vlm_corl.benchmarks.mathverse import MATHVERSE
-from vlm_corl.benchmarks.mathvision import MATHVISION
-from vlm_corl.benchmarks.mathvista import MATHVISTA, grade_mathvista
-from vlm_corl.benchmarks.wemath import WEMATH, four_dimensional
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import DataError, load_examples
-from vlm_corl.images import load_image
-from vlm_corl.member import load_member
-from vlm_corl.rollout import Response, RolloutGroup
+from vlm_corl.data.images import load_image
+from vlm_corl.data.loaders import DataError, load_examples
+from vlm_corl.evaluation.benchmarks.common import grade_response
+from vlm_corl.evaluation.benchmarks.mathverse import MATHVERSE
+from vlm_corl.evaluation.benchmarks.mathvision import MATHVISION
+from vlm_corl.evaluation.benchmarks.mathvista import MATHVISTA, grade_mathvista
+from vlm_corl.evaluation.benchmarks.wemath import WEMATH, four_dimensional
+from vlm_corl.members.member import load_member
+from vlm_corl.members.rollout import Response, RolloutGroup
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SPLITS = {"mathvista": "testmini", "mathverse": "testmini", "mathvision": "test", "wemath": "testmini"}

@@ -11,8 +11,7 @@ from PIL import Image
 from data_tools import paraphrase as tool
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
-from vlm_corl.member import load_member
-from vlm_corl.paraphrases import (
+from vlm_corl.data.paraphrases import (
     CacheError,
     CacheRecord,
     ParaphraseRejected,
@@ -23,8 +22,9 @@ from vlm_corl.paraphrases import (
     read_cache,
     select_paraphrases,
 )
-from vlm_corl.records import Example
-from vlm_corl.rollout import Response, RolloutGroup, SamplingParams
+from vlm_corl.data.records import Example
+from vlm_corl.members.member import load_member
+from vlm_corl.members.rollout import Response, RolloutGroup, SamplingParams
 from vlm_corl.zoo import build_zoo
 
 SOURCE = "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express it as a common fraction."

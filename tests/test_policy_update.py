@@ -17,13 +17,13 @@ import torch
 
 from vlm_corl.config import AlgoConfig, MemberConfig, TrainConfig
 from vlm_corl.config.schema import RolloutConfig
-from vlm_corl.data import load_examples
-from vlm_corl.grpo import group_advantages
-from vlm_corl.loop import _sequences, batch_totals
-from vlm_corl.member import load_member
-from vlm_corl.render import Renderer
-from vlm_corl.rollout import SamplingParams, make_engine
-from vlm_corl.update import policy_update, response_logprobs
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.members.member import load_member
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.update import policy_update, response_logprobs
+from vlm_corl.training.grpo import group_advantages
+from vlm_corl.training.loop import _sequences, batch_totals
 
 CONST_NORM = 8  # Dr.GRPO's constant normaliser (rollout.max_new_tokens)
 # Hand-chosen rewards of each slot's 3 groups x 3 responses; the middle group of slot 1 and the last of slot 2

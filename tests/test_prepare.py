@@ -13,8 +13,8 @@ import pytest
 
 from data_tools.prepare import main
 from vlm_corl import cli
-from vlm_corl.data import load_examples
-from vlm_corl.images import load_image
+from vlm_corl.data.images import load_image
+from vlm_corl.data.loaders import load_examples
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "prepare"
 ROOT = Path(__file__).resolve().parents[1]

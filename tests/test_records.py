@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from vlm_corl.records import Example, ViewError, parse_view
+from vlm_corl.data.records import Example, ViewError, parse_view
 
 
 def test_views_pick_the_original_or_the_kth_paraphrase():

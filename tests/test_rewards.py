@@ -7,7 +7,7 @@ import torch
 
 from vlm_corl.config import RewardConfig
 from vlm_corl.registry import REWARDS
-from vlm_corl.rewards import CohortBatch, consensus, plurality_vote
+from vlm_corl.training.rewards import CohortBatch, consensus, plurality_vote
 
 
 def batch(answers, gold=None, fmt=None, choices=None):

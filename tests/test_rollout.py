@@ -7,15 +7,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vlm_corl.batching import collate
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import load_examples
-from vlm_corl.engines.hf import draw
-from vlm_corl.grpo import token_entropy, token_self_certainty
-from vlm_corl.member import load_member
-from vlm_corl.render import Renderer
-from vlm_corl.rollout import SamplingParams, make_engine
-from vlm_corl.update import _full_logprobs, _shared_prompt_logprobs, response_logprobs
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.members.batching import collate
+from vlm_corl.members.engines.hf import draw
+from vlm_corl.members.member import load_member
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.update import _full_logprobs, _shared_prompt_logprobs, response_logprobs
+from vlm_corl.training.grpo import token_entropy, token_self_certainty
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl", "qwen3", "qwen2", "llama")
 TEXT = {"qwen3", "qwen2", "llama"}
@@ -177,7 +177,7 @@ def test_sharing_the_prompt_pass_leaves_logits_and_gradients_unchanged(tiny_zoo,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rollout_statistics_are_those_of_the_policy(tiny_zoo, examples, family):
-    """Entropy and self-certainty sums recorded while sampling equal vlm_corl.grpo's definitions applied to the
+    """Entropy and self-certainty sums recorded while sampling equal vlm_corl.training.grpo's definitions applied to the
     tempered policy (suppressed tokens removed) of a forward pass over the same tokens."""
     member, prompts = _prompts(tiny_zoo, examples, family)
     params = SamplingParams(n=2, max_new_tokens=8, seed=3, temperature=0.7)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from vlm_corl import sandbox
-from vlm_corl.sandbox import Limits, run_io_cases, run_program, run_tests, same_output
+from vlm_corl.evaluation import sandbox
+from vlm_corl.evaluation.sandbox import Limits, run_io_cases, run_program, run_tests, same_output
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = Limits(wall_s=2, cpu_s=2)

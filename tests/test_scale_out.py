@@ -24,7 +24,7 @@ import torch
 import yaml
 from cohort_helpers import cohort, metrics, weights
 
-from vlm_corl.checkpoint import is_complete, list_checkpoints
+from vlm_corl.distributed.checkpoint import is_complete, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}

@@ -8,7 +8,7 @@ from cohort_helpers import write_jsonl
 
 from text_corl.data import load_amc23, load_gpqa
 from vlm_corl import cli
-from vlm_corl.data import load_examples
+from vlm_corl.data.loaders import load_examples
 from vlm_corl.eval import main
 
 

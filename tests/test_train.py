@@ -22,8 +22,8 @@ import yaml
 from cohort_helpers import cohort, metrics, weights, write_jsonl
 
 from vlm_corl.config import config_from_dict
-from vlm_corl.data import load_examples
-from vlm_corl.loop import run_cohort
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.training.loop import run_cohort
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_FAMILIES = {"qwen3", "qwen2", "llama"}

@@ -150,7 +150,7 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos(models, tmp_path):
     import json
 
     from vlm_corl.config import MemberConfig
-    from vlm_corl.member import load_member
+    from vlm_corl.members.member import load_member
 
     text = tmp_path / "nopad"
     shutil.copytree(models["text"], text)

@@ -110,9 +110,9 @@ def test_a_zero3_member_on_two_ranks_trains_with_vllm_and_no_full_copy_like_zero
 def test_engines_of_one_process_split_the_budget_and_a_cache_that_cannot_fit_is_a_clear_error(zoo):
     from vlm_corl.config import MemberConfig
     from vlm_corl.config.schema import RolloutConfig, VllmConfig
-    from vlm_corl.engines.vllm import VLLMEngine
     from vlm_corl.errors import UserError
-    from vlm_corl.member import load_member
+    from vlm_corl.members.engines.vllm import VLLMEngine
+    from vlm_corl.members.member import load_member
 
     member = load_member(MemberConfig(id="a", model=str(zoo["qwen2"]), trainable=False))
     rollout = RolloutConfig(max_prompt_tokens=2048, max_new_tokens=2048, vllm=VllmConfig(kv_cache_memory_bytes=4 << 20))
@@ -156,11 +156,11 @@ def test_a_batch_larger_than_one_prefill_step_samples_with_seeds(zoo):
     prefills whole on a CPU. 64 seeded requests of ~100-300 tokens exceed one step's 4,096-token budget."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.config.schema import RolloutConfig, VllmConfig
-    from vlm_corl.data import load_examples
-    from vlm_corl.engines.vllm import VLLMEngine
-    from vlm_corl.member import load_member
-    from vlm_corl.render import Renderer
-    from vlm_corl.rollout import SamplingParams
+    from vlm_corl.data.loaders import load_examples
+    from vlm_corl.members.engines.vllm import VLLMEngine
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.render import Renderer
+    from vlm_corl.members.rollout import SamplingParams
 
     member = load_member(MemberConfig(id="a", model=str(zoo["qwen2"]), trainable=False))
     rollout = RolloutConfig(max_prompt_tokens=320, max_new_tokens=4, vllm=VllmConfig(kv_cache_memory_bytes=KV_BYTES))

@@ -17,10 +17,10 @@ from transformers import (
 )
 
 from vlm_corl import cli
-from vlm_corl.families import TEXT_DIMS, detect_family, family_for_model_type
-from vlm_corl.families.qwen import mrope_section
+from vlm_corl.members.families import TEXT_DIMS, detect_family, family_for_model_type
+from vlm_corl.members.families.qwen import mrope_section
+from vlm_corl.members.families.tokenizer import BASE_VOCAB_SIZE, FORMAT_TOKENS, _trained_bpe
 from vlm_corl.registry import FAMILIES
-from vlm_corl.tokenizer_train import BASE_VOCAB_SIZE, FORMAT_TOKENS, _trained_bpe
 from vlm_corl.zoo import build_member, main, member_dir
 
 VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl")

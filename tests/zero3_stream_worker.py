@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
-from vlm_corl.cohort import ema_update
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig, VllmConfig
-from vlm_corl.data import load_examples
-from vlm_corl.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
-from vlm_corl.distributed import build_groups, launch_world, weights_checksum
-from vlm_corl.member import load_member
-from vlm_corl.render import Renderer
-from vlm_corl.rollout import SamplingParams, make_engine
-from vlm_corl.update import Sequence, policy_update, response_token_stats
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.distributed.world import build_groups, launch_world, weights_checksum
+from vlm_corl.members.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
+from vlm_corl.members.member import load_member
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.update import Sequence, policy_update, response_token_stats
+from vlm_corl.training.slots import ema_update
 
 ROOT = Path(__file__).resolve().parents[1]
 

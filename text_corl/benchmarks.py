@@ -2,7 +2,7 @@
 
 from text_corl.code import grade_humaneval, grade_mbpp
 from text_corl.livecodebench import accuracy_by_platform, grade_livecodebench
-from vlm_corl.eval import Benchmark
+from vlm_corl.evaluation.scoring import Benchmark
 
 # The paper samples text benchmarks at T=0.6, top-p 0.95, and grades the last \boxed{}. The data is the copy
 # shipped in text_corl/datasets/math500 unless a path is given (`python -m vlm_corl.eval … --data math500=DIR`).
@@ -25,7 +25,7 @@ GPQA_DIAMOND = Benchmark(
     category="domain",
 )
 
-# Code: pass@1 at T=0.6 (one sample) by running the program against the tests in vlm_corl.sandbox.
+# Code: pass@1 at T=0.6 (one sample) by running the program against the tests in vlm_corl.evaluation.sandbox.
 HUMANEVAL = Benchmark(
     "humaneval",
     "humaneval",

@@ -1,5 +1,5 @@
 """Code benchmarks (HumanEval, MBPP) in their official release formats, graded by running the model's program
-against the benchmark's tests in `vlm_corl.sandbox` (own process, limits, no network).
+against the benchmark's tests in `vlm_corl.evaluation.sandbox` (own process, limits, no network).
 
     python -m vlm_corl.eval --models DIR --benchmarks humaneval --data humaneval=HumanEval.jsonl.gz --out OUT
 
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from text_corl.data import release_rows
-from vlm_corl.data import Skip
-from vlm_corl.records import Example
+from vlm_corl.data.loaders import Skip
+from vlm_corl.data.records import Example
 
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 TIME_LIMIT_S = 10.0  # per task, the usual HumanEval/MBPP harness budget
@@ -84,7 +84,7 @@ def load_mbpp(path: str | os.PathLike | None, split: str = "test") -> Iterator[E
 def grade_humaneval(example: Example, response: str) -> bool:
     """The response's function (or, when it does not define the entry point, the prompt + the response as a
     completion) passes the task's `check(entry_point)`."""
-    from vlm_corl.sandbox import Limits, run_tests
+    from vlm_corl.evaluation.sandbox import Limits, run_tests
 
     meta = example.metadata
     code = extract_code(response)
@@ -101,7 +101,7 @@ def grade_humaneval(example: Example, response: str) -> bool:
 
 def grade_mbpp(example: Example, response: str) -> bool:
     """The response's code passes every assert of the task's test_list (after its setup code)."""
-    from vlm_corl.sandbox import Limits, run_tests
+    from vlm_corl.evaluation.sandbox import Limits, run_tests
 
     meta = example.metadata
     outcome = run_tests(

@@ -1,6 +1,6 @@
 """Text benchmark loaders, found by `vlm_corl.registry.LOADERS` through the `vlm_corl.loaders` entry points.
 
-Each follows the loader contract of `vlm_corl.data` and is used through `vlm_corl.data.load_examples`.
+Each follows the loader contract of `vlm_corl.data.loaders` and is used through `vlm_corl.data.load_examples`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from vlm_corl.data import DataError, Skip, example_from_row, hub_dataset, resolve_data_file
-from vlm_corl.records import Example, with_choices
+from vlm_corl.data.loaders import DataError, Skip, example_from_row, hub_dataset, resolve_data_file
+from vlm_corl.data.records import Example, with_choices
 
 MATH500_DIR = Path(__file__).resolve().parent / "datasets" / "math500"  # vendored copy (README.md there)
 
@@ -200,7 +200,7 @@ def load_champ(path: str | os.PathLike | None, split: str = "test") -> Iterator[
 
     One split, "test". Ids are the package's ("P_Combinatorics_1"); metadata: category (Combinatorics,
     Inequality, Number-Theory, Polynomial, Sequence) and raw_answer. The gold answer is `champ_answer` of the
-    released one: 56 are plain words ("No", "No integer solutions"), which vlm_corl.answers compares as
+    released one: 56 are plain words ("No", "No integer solutions"), which vlm_corl.data.answers compares as
     normalised text; a few mix words and math ("376 and 625", "x(n)<y(n-1) for all n≥3") and go to math-verify
     as they are."""
     if path is not None:

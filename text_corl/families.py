@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import transformers as tf
 
-from vlm_corl.families import (
+from vlm_corl.members.families import (
     CHATML_TOKENS,
     LLAMA3_ROPE,
     LLAMA3_TOKENS,

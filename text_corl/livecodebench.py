@@ -1,5 +1,5 @@
 """LiveCodeBench code generation in its official release format, graded by running the model's program in
-`vlm_corl.sandbox` against every public and private test.
+`vlm_corl.evaluation.sandbox` against every public and private test.
 
     python -m vlm_corl.eval --models DIR --benchmarks livecodebench --data livecodebench=code_generation_lite/ --out OUT
 
@@ -37,8 +37,8 @@ from typing import NoReturn
 
 from text_corl.code import extract_code
 from text_corl.data import jsonl_rows
-from vlm_corl.data import DataError, Skip, missing_path
-from vlm_corl.records import Example
+from vlm_corl.data.loaders import DataError, Skip, missing_path
+from vlm_corl.data.records import Example
 
 TIME_LIMIT_S = 6  # per test case, lcb_runner's default --timeout
 MAX_PRIVATE_BYTES = 1 << 30  # decompressed size of one record's private tests: a zip bomb is a bad record
@@ -236,7 +236,7 @@ def grade_livecodebench(example: Example, response: str) -> bool:
     `Solution().<func_name>` (or a top-level function of that name) on each case's inputs, one JSON value per
     line, and comparing the result with the JSON-decoded expected output (a tuple counts as a list), as
     lcb_runner does."""
-    from vlm_corl.sandbox import Limits, run_io_cases, run_tests
+    from vlm_corl.evaluation.sandbox import Limits, run_io_cases, run_tests
 
     meta = example.metadata
     program = PRELUDE + extract_code(response)

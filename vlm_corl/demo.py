@@ -27,8 +27,8 @@ from tqdm import tqdm
 from vlm_corl import cli
 from vlm_corl.config import ConfigError, MemberConfig, load_config, read_raw_config
 from vlm_corl.errors import UserError
-from vlm_corl.eval import benchmark_examples, evaluate_dir
-from vlm_corl.member import load_member
+from vlm_corl.evaluation.scoring import benchmark_examples, evaluate_dir
+from vlm_corl.members.member import load_member
 from vlm_corl.registry import BENCHMARKS, FAMILIES
 from vlm_corl.warmstart import labelled_slice, warm_start
 from vlm_corl.zoo import build_member
@@ -51,7 +51,7 @@ class BaseRecipe:
     # ((value of metadata[balance], share), ...) of the labelled slice; None = balanced over those values
     mix: tuple[tuple[str, float], ...] | None = None
     balance: str = "question_type"
-    loader: str = "easyvqa"  # a loader registry name or module:function (vlm_corl.data)
+    loader: str = "easyvqa"  # a loader registry name or module:function (vlm_corl.data.loaders)
 
 
 # Different labelled slices per member (warm-start data diversity lowers the correlation of their errors),
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     _header(f"3. base models on easy-vqa test ({len(examples)} questions, balanced by type)")
     before = evaluate_all({m.id: m.model for m in cfg.members}, bench, examples)
 
-    from vlm_corl.loop import run_cohort
+    from vlm_corl.training.loop import run_cohort
 
     _header(
         f"4. label-free Co-RL: {cfg.reward.mode} rewards, {cfg.train.max_steps} steps, "

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vlm_corl import cli
-from vlm_corl.answers import answers_equivalent
+from vlm_corl.data.answers import answers_equivalent
 from vlm_corl.errors import UserError
 
 RULE = (
@@ -324,7 +324,11 @@ def model_names(specs: Sequence[str]) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    from vlm_corl.eval import benchmark_examples, check_models, evaluate_dir  # registers the built-in benchmarks
+    from vlm_corl.evaluation.scoring import (  # registers the built-in benchmarks
+        benchmark_examples,
+        check_models,
+        evaluate_dir,
+    )
     from vlm_corl.registry import BENCHMARKS
     from vlm_corl.warmstart import labelled_slice
 

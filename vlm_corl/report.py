@@ -3,7 +3,7 @@
 Reads the run's metrics.jsonl (one row per slot per step), eval.jsonl (if present) and summary.json (if present)
 and writes into --out (default RUN_DIR): report.md, and PNGs of reward, agreement, pseudo-label accuracy, answer
 diversity, unanimity, response length, loss/grad norm (one line per slot over steps) and eval accuracy (one
-line per member and benchmark), a first-vs-last table per slot, and the collapse warnings (vlm_corl.collapse).
+line per member and benchmark), a first-vs-last table per slot, and the collapse warnings (vlm_corl.training.collapse).
 With per-category metrics (logging.category_key) and per-category evaluation, `categories.png` and
 `eval_categories.png` draw one line per slot and category, with the collapse flags as dashed lines.
 
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 from matplotlib.figure import Figure
 
 from vlm_corl import cli
-from vlm_corl.collapse import collapse_warnings, describe
 from vlm_corl.errors import UserError
+from vlm_corl.training.collapse import collapse_warnings, describe
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -477,7 +477,7 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
             f"**The run was stopped by the collapse guard** (train.on_collapse={stop['action']}) at step "
             f"{stop['warning']['step']}.",
         ]
-    md += ["", f"_Source: {source}; rule in `vlm_corl.collapse`._", ""]
+    md += ["", f"_Source: {source}; rule in `vlm_corl.training.collapse`._", ""]
     n = len(steps)
     md += [
         "## First vs last",

@@ -2,7 +2,7 @@
 
 Also runs as `accelerate launch -m vlm_corl.train …`. A configuration problem exits with status 2 and a
 short message naming the field; a run stopped by the collapse guard (train.on_collapse) with status 3; training
-itself runs `vlm_corl.loop.run_cohort`.
+itself runs `vlm_corl.training.loop.run_cohort`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import transformers
 
 from vlm_corl import cli
 from vlm_corl.config import ConfigError, check_registered, load_config
-from vlm_corl.distributed import PlacementError
+from vlm_corl.distributed.world import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
-from vlm_corl.guard import CollapseStopped
-from vlm_corl.rollout import release_engines
+from vlm_corl.members.rollout import release_engines
+from vlm_corl.training.guard import CollapseStopped
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from vlm_corl.loop import RankFailure, run_cohort  # heavy imports after the cheap checks
+        from vlm_corl.training.loop import RankFailure, run_cohort  # heavy imports after the cheap checks
 
         check_registered(cfg)
     except ConfigError as err:

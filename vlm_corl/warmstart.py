@@ -21,11 +21,11 @@ from tqdm import tqdm
 
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
-from vlm_corl.data import DataError, balance_by, load_examples
-from vlm_corl.member import Member, check_modality, load_member, member_family
-from vlm_corl.records import Example
-from vlm_corl.render import Renderer
-from vlm_corl.update import response_logprobs
+from vlm_corl.data.loaders import DataError, balance_by, load_examples
+from vlm_corl.data.records import Example
+from vlm_corl.members.member import Member, check_modality, load_member, member_family
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.update import response_logprobs
 
 # The response a member is taught for gold answer A, per prompt style (no reasoning: tiny models).
 TARGETS = {"answer_tags": "<answer>{answer}</answer>", "boxed": "\\boxed{{{answer}}}"}

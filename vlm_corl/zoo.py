@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from vlm_corl import cli
-from vlm_corl.families import SIZES, Family  # importing the package registers the vision families
+from vlm_corl.members.families import SIZES, Family  # importing the package registers the vision families
 from vlm_corl.registry import FAMILIES
 
 

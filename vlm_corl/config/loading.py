@@ -123,7 +123,7 @@ def _run_problems(cfg: CohortConfig, problems: Problems) -> None:
 
 def deepspeed_problems(path: str) -> list[str]:
     """What stops `train.deepspeed` from working: a missing file, bad JSON, settings we drive, no deepspeed."""
-    from vlm_corl.deepspeed_update import DeepSpeedConfigError, load_deepspeed_config
+    from vlm_corl.members.deepspeed_update import DeepSpeedConfigError, load_deepspeed_config
 
     if not Path(path).is_file():
         return [
@@ -147,7 +147,7 @@ def check_registered(cfg: CohortConfig) -> None:
     Loading does not check these names: the registries fill up only when `vlm_corl`'s data/family modules,
     `text_corl` or a user's package are imported, which the config layer must not do itself.
     """
-    import vlm_corl.rewards  # noqa: F401  (registers the built-in reward modes)
+    import vlm_corl.training.rewards  # noqa: F401  (registers the built-in reward modes)
 
     problems = Problems()
     lookups = [("data.train.loader", LOADERS, cfg.data.train.loader)]

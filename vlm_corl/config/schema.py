@@ -211,7 +211,7 @@ class EvalConfig:
     """Periodic benchmark evaluation during training."""
 
     benchmarks: list[str] = _f(
-        "benchmark registry names or benchmark YAML files (vlm_corl.benchmark_file)", factory=list
+        "benchmark registry names or benchmark YAML files (vlm_corl.evaluation.benchmark_file)", factory=list
     )
     every: int = _f("evaluate every N steps; 0 = off", 0, ge=0)
     limit: int | None = _f("examples per benchmark; null = all", None, ge=1)

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from vlm_corl import cli
 from vlm_corl.demo import BaseRecipe, build_base
 from vlm_corl.errors import UserError
-from vlm_corl.eval import write_results
+from vlm_corl.evaluation.scoring import write_results
 from vlm_corl.experiments import easyvqa_analysis as analysis
 from vlm_corl.experiments.easyvqa_data import PALETTES, UNLABELLED_START, VALIDATION_START, skill_mix
 
@@ -184,7 +184,7 @@ def relative_to(value, root: Path):
 def eval_examples(split: str, limit: int) -> list:
     """The questions trained members are scored on: easy-vqa `test`, or `validation` (train from #35000) when
     choosing settings; both balanced over question types."""
-    from vlm_corl.eval import EASYVQA, benchmark_examples
+    from vlm_corl.evaluation.scoring import EASYVQA, benchmark_examples
     from vlm_corl.experiments.easyvqa_data import validation
 
     return validation(limit) if split == "validation" else benchmark_examples(EASYVQA, limit)
@@ -193,7 +193,7 @@ def eval_examples(split: str, limit: int) -> list:
 def make_base(mid: str, recipe: BaseRecipe, out: Path, budget: Budget, split: str) -> dict:
     """Build one base model, score it on `split` ("test"), and save its validation records (the probe's input)
     next to it as probe_records.json."""
-    from vlm_corl.eval import EASYVQA, evaluate_dir
+    from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
 
     build = build_base(mid, recipe, out, seed=0)  # bases differ by slice and initialisation (recipe.init_seed)
     test = evaluate_dir(out, EASYVQA, eval_examples(split, budget.eval_limit), mid)
@@ -209,9 +209,9 @@ def run_method(cfg_dict: dict, eval_limit: int, split: str) -> dict:
     import torch
 
     from vlm_corl.config import config_from_dict
-    from vlm_corl.eval import EASYVQA, evaluate_dir
-    from vlm_corl.loop import run_cohort
+    from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
     from vlm_corl.report import first_last, read_jsonl
+    from vlm_corl.training.loop import run_cohort
 
     torch.set_num_threads(1)
     start = time.time()
@@ -243,8 +243,8 @@ def _brief(result: dict) -> dict:
 def question_only_baseline(split: str, eval_limit: int) -> dict:
     """Accuracy on the `split` questions of answering, for each question string, the most common answer it has
     in the training split (no image): how much a question type can be solved without seeing."""
-    from vlm_corl.answers import answers_equivalent
-    from vlm_corl.data import load_examples
+    from vlm_corl.data.answers import answers_equivalent
+    from vlm_corl.data.loaders import load_examples
 
     answers_by_question: dict[str, Counter] = defaultdict(Counter)
     for ex in load_examples("easyvqa", split="train").examples:

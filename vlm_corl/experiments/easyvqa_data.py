@@ -1,5 +1,5 @@
 """easy-vqa questions for the experiment, with the metadata its skill-weighted warm starts and its unlabelled
-pool need. Loaders (`vlm_corl.data`'s `module:function` form): `...easyvqa_data:load` (any range, with
+pool need. Loaders (`vlm_corl.data.loaders`'s `module:function` form): `...easyvqa_data:load` (any range, with
 options) and `...easyvqa_data:labelled` (the questions before UNLABELLED_START, where warm-start slices lie).
 
 Question index ranges of easy-vqa train (38,575 questions, ordered by image, so the ranges share no image):
@@ -24,8 +24,8 @@ import dataclasses
 import functools
 from collections.abc import Iterator
 
-from vlm_corl.data import balance_by, load_easyvqa
-from vlm_corl.records import Example
+from vlm_corl.data.loaders import balance_by, load_easyvqa
+from vlm_corl.data.records import Example
 
 UNLABELLED_START, VALIDATION_START = 20000, 35000
 PALETTES = {"A": ("black", "blue", "brown", "gray"), "B": ("green", "red", "teal", "yellow")}

@@ -1,0 +1,1 @@
+"""Data: loaders, records, images, paraphrases, the sampler, answer extraction and equivalence."""

@@ -1,0 +1,592 @@
+"""Dataset loaders and the one function that turns any of them into validated `Example`s.
+
+A *loader* is a function registered in `vlm_corl.registry.LOADERS`:
+
+    loader(path: str | os.PathLike | None, split: str, **options) -> Iterable[Example | Skip]
+
+It raises `DataError` when its source cannot be read at all (no path, missing file, wrong format), and
+otherwise yields one item per record: the `Example`, or a `Skip` for a record it cannot even parse (an
+undecodable line, a field of the wrong type). It does no other checking: `load_examples` applies the same
+checks to every loader's records (empty question, duplicate id, images that do not decode) and counts every
+record it drops, by reason, in a `LoadReport`.
+
+Built-in loaders: "jsonl" (JSONL + image folder), "hf" (a Hugging Face dataset on local disk), "easyvqa" (the
+easy-vqa PyPI package); `text_corl` adds "math500" through an entry point. A user loader is any function with
+the signature above, named as "package.module:function" or registered under a name.
+
+Record fields understood by "jsonl" and "hf" (the first name present wins; `fields={"question": "query"}`
+names another column for a field, which then must exist):
+
+    id           "id" (string or integer); default "<source>-<split>-<row index, 6 digits>"
+    question     "question", "prompt", "problem"
+    images       "images", "image": a path (relative to `image_root`), a {"bytes", "path"} mapping (the
+                 datasets Image feature), raw bytes, or a list of these; absent or null for text-only records
+    answer       "answer" (string or number)
+    choices      "choices", "options" (list of strings or numbers)
+    paraphrases  "paraphrases" (list of strings)
+    metadata     every other field, under its own name
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vlm_corl.data.images import BadImage, load_image
+from vlm_corl.data.records import Example, ImageSource
+from vlm_corl.errors import UserError
+from vlm_corl.registry import LOADERS
+
+if TYPE_CHECKING:
+    import datasets
+
+log = logging.getLogger(__name__)
+
+FIELD_NAMES: dict[str, tuple[str, ...]] = {
+    "id": ("id",),
+    "question": ("question", "prompt", "problem"),
+    "images": ("images", "image"),
+    "answer": ("answer",),
+    "choices": ("choices", "options"),
+    "paraphrases": ("paraphrases",),
+}
+"""Example field -> record field names tried in order (see the module docstring)."""
+
+SAMPLES_PER_REASON = 5
+"""How many dropped records a `LoadReport` names per reason (all of them are counted)."""
+
+
+class DataError(UserError):
+    """A dataset that cannot be read at all; the message names the path and what to do."""
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A record a loader could not turn into an `Example`: `reason` is a short key, `detail` says where/why."""
+
+    reason: str
+    detail: str
+
+
+@dataclass
+class LoadReport:
+    """What `load_examples` kept and what it dropped, by reason (in the order reasons were first met)."""
+
+    loader: str
+    path: str | None
+    split: str
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, list[str]] = field(default_factory=dict)
+    """reason -> the first `SAMPLES_PER_REASON` dropped records, as "id: detail" or the loader's detail."""
+
+    def skip(self, reason: str, detail: str) -> None:
+        """Count one dropped record."""
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        samples = self.samples.setdefault(reason, [])
+        if len(samples) < SAMPLES_PER_REASON:
+            samples.append(detail)
+
+    @property
+    def total_skipped(self) -> int:
+        """Dropped records, all reasons together."""
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        """One line of totals, then one line per skip reason with its first few records."""
+        where = f" {self.path}" if self.path is not None else ""
+        lines = [f"{self.loader}[{self.split}]{where}: kept {self.kept}, skipped {self.total_skipped}"]
+        for reason, count in self.skipped.items():
+            lines.append(f"  {reason}: {count} (e.g. {'; '.join(self.samples[reason])})")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready form for run logs."""
+        return {
+            "loader": self.loader,
+            "path": self.path,
+            "split": self.split,
+            "kept": self.kept,
+            "skipped": dict(self.skipped),
+            "samples": {reason: list(s) for reason, s in self.samples.items()},
+        }
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """The examples that passed every check, in source order, and the report of what was dropped."""
+
+    examples: list[Example]
+    report: LoadReport
+
+
+def load_examples(
+    loader: str,
+    path: str | os.PathLike | None = None,
+    split: str = "train",
+    limit: int | None = None,
+    **options: Any,
+) -> LoadResult:
+    """Read a dataset with the named loader and keep the records that pass every check.
+
+    `limit` stops after that many kept examples. `options` go to the loader. A record is dropped, and counted
+    under its reason, when the loader yields a `Skip`, its question is blank ("empty_question"), its id was
+    already kept ("duplicate_id"; the first wins), or one of its images fails `load_image` (a `BadImage`
+    reason: "missing_image", "corrupt_image", "zero_size_image", ...). Each distinct image is decoded once.
+    Raises `DataError` when the source cannot be read or no record survives.
+    """
+    if limit is not None and limit < 1:
+        raise DataError(f"limit must be at least 1, or None for every record (got {limit})")
+    fn = LOADERS.get(loader)
+    try:
+        inspect.signature(fn).bind(path, split, **options)
+    except TypeError as err:
+        accepted = [p for p in list(inspect.signature(fn).parameters)[2:]]
+        raise DataError(
+            f"the {loader!r} loader does not take these options {sorted(options)} ({err}); it accepts "
+            f"{accepted or 'no options'} (data.train.options)"
+        ) from err
+    items = fn(path, split, **options)
+    report = LoadReport(loader, None if path is None else os.fspath(path), split)
+    examples: list[Example] = []
+    kept_ids: set[str] = set()
+    image_problems: dict[ImageSource, BadImage | None] = {}
+    for item in items:
+        if isinstance(item, Skip):
+            report.skip(item.reason, item.detail)
+            continue
+        problem = _problem(item, kept_ids, image_problems)
+        if problem is not None:
+            report.skip(problem[0], f"{item.id}: {problem[1]}")
+            continue
+        examples.append(item)
+        kept_ids.add(item.id)
+        if len(examples) == limit:
+            break
+    report.kept = len(examples)
+    if not examples:
+        raise DataError(
+            f"no usable example in {report.path or loader} (split {split!r}):\n{report.summary()}\n"
+            f"Check the path, the split and the field names (see vlm_corl.data.loaders)."
+        )
+    if report.skipped:
+        log.warning("dropped records while loading data:\n%s", report.summary())
+    return LoadResult(examples, report)
+
+
+HUB_TIMEOUT_S = 5.0
+"""How long the dataset hub may take to accept a connection: `datasets` retries an unreachable hub for ~25 s."""
+
+
+def hub_dataset(name: str, config: str | None, split: str, loader: str) -> datasets.Dataset:
+    """`datasets.load_dataset(name, config, split=split)` for a loader given no path, on a machine that reaches
+    the Hugging Face hub (or with HF_HUB_OFFLINE=1, from what `datasets` cached before); elsewhere a DataError
+    naming `--data LOADER=PATH`. No dataset script is run (no trust_remote_code)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    try:
+        if not constants.HF_HUB_OFFLINE:
+            url = urlparse(constants.ENDPOINT)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            socket.create_connection((url.hostname, port), timeout=HUB_TIMEOUT_S).close()
+        import datasets
+
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # no network, no such split, an interrupted download: the user's fix is the same
+        raise DataError(
+            f"the {loader!r} loader got no path and cannot load {name} from the Hugging Face hub "
+            f"({constants.ENDPOINT}: {type(e).__name__}: {str(e)[:200]}); download the official release "
+            f"and give it with --data {loader}=PATH (data.train.path in a config)"
+        ) from e
+
+
+def missing_path(path: Path) -> DataError:
+    """The error for a data path that does not exist."""
+    return DataError(
+        f"{path} does not exist: check the data path (data.train.path in a cohort config; relative "
+        f"paths are from {Path.cwd()})"
+    )
+
+
+def balance_by(examples: list[Example], key: str, limit: int | None = None) -> list[Example]:
+    """An equal number of examples of every value of metadata[key] (at most `limit` in all), in source order.
+
+    easy-vqa is 74% yes/no questions: a balanced slice keeps a few answerable-from-text questions from
+    dominating a warm start or an accuracy figure.
+    """
+    if examples and not any(key in ex.metadata for ex in examples):
+        found = sorted({k for ex in examples for k in ex.metadata})
+        raise DataError(f"cannot balance by {key!r}: no example has that metadata key (keys: {found or 'none'})")
+    groups: dict[str, list[Example]] = {}
+    for ex in examples:
+        groups.setdefault(str(ex.metadata.get(key)), []).append(ex)
+    per_value = min(len(g) for g in groups.values())
+    if limit is not None and limit < len(groups):
+        raise DataError(
+            f"a limit of {limit} cannot be balanced over the {len(groups)} values of {key!r} "
+            f"({', '.join(sorted(groups))}); give at least {len(groups)}"
+        )
+    if limit is not None:
+        per_value = min(per_value, limit // len(groups))
+    return [ex for group in groups.values() for ex in group[:per_value]]
+
+
+def _problem(
+    example: Example, kept_ids: set[str], image_problems: dict[ImageSource, BadImage | None]
+) -> tuple[str, str] | None:
+    """(reason, detail) when the example must be dropped; fills `image_problems` so each image decodes once."""
+    if not example.question.strip():
+        return "empty_question", "blank question"
+    if example.id in kept_ids:
+        return "duplicate_id", "id already used by an earlier record"
+    for src in example.images:
+        if src not in image_problems:
+            try:
+                load_image(src, max_pixels=None)
+                image_problems[src] = None
+            except BadImage as e:
+                image_problems[src] = e
+        if image_problems[src] is not None:
+            return image_problems[src].reason, image_problems[src].detail
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared by the loaders (and by text_corl's): locating a data file, mapping a record onto an Example.
+
+
+def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tuple[str, ...], loader: str) -> Path:
+    """The data file for a split: `path` itself if it is a file, else `path/<split><suffix>`.
+
+    Raises DataError naming the path when there is none.
+    """
+    if path is None:
+        raise DataError(
+            f"the {loader!r} loader needs a path to a {'/'.join(suffixes)} file or a directory holding "
+            f"<split>{suffixes[0]}: data.train.path in a cohort file, --data NAME=PATH for the eval CLI"
+        )
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        for suffix in suffixes:
+            if (path / f"{split}{suffix}").is_file():
+                return path / f"{split}{suffix}"
+        found = sorted(p.name for p in path.iterdir())[:20]
+        raise DataError(
+            f"{path} has no {split}{suffixes[0]} for split {split!r} (found: "
+            f"{', '.join(found) or 'nothing'}); give the file itself as the path, or another split"
+        )
+    raise missing_path(path)
+
+
+class _BadField(ValueError):
+    """A record field of the wrong type (becomes a "bad_record" skip)."""
+
+
+def example_from_row(
+    row: Any,
+    *,
+    fallback_id: str,
+    source: str,
+    image_root: Path,
+    fields: Mapping[str, str] | None = None,
+) -> Example | Skip:
+    """Map one record (a JSON object or a dataset row) onto an Example using `FIELD_NAMES`.
+
+    `fields` overrides the record field name for an Example field; `image_root` anchors relative image paths.
+    Returns Skip("bad_record", ...) for a record that is not a mapping or has a field of the wrong type.
+    """
+    if not isinstance(row, Mapping):
+        return Skip("bad_record", f"{fallback_id}: expected an object with fields, got {type(row).__name__}")
+    names = _field_names(fields)
+    used = {attr: next((n for n in names[attr] if n in row), None) for attr in names}
+
+    def value(attr: str) -> Any:
+        return None if used[attr] is None else row[used[attr]]
+
+    try:
+        return Example(
+            id=_text(value("id"), "id") or fallback_id,
+            question=_text(value("question"), "question") or "",
+            images=_images(value("images"), image_root),
+            answer=_text(value("answer"), "answer"),
+            choices=None if value("choices") is None else _texts(value("choices"), "choices"),
+            paraphrases=() if value("paraphrases") is None else _texts(value("paraphrases"), "paraphrases"),
+            source=source,
+            metadata={k: v for k, v in row.items() if k not in used.values()},
+        )
+    except _BadField as e:
+        return Skip("bad_record", f"{fallback_id}: {e}")
+
+
+def _field_names(fields: Mapping[str, str] | None) -> dict[str, tuple[str, ...]]:
+    unknown = set(fields or ()) - set(FIELD_NAMES)
+    if unknown:
+        raise DataError(f"unknown field(s) {sorted(unknown)} in the 'fields' option; valid: {list(FIELD_NAMES)}")
+    return {attr: (fields[attr],) if fields and attr in fields else names for attr, names in FIELD_NAMES.items()}
+
+
+def _text(value: Any, name: str) -> str | None:
+    # bool is an int subclass, but a true/false answer is a data error, not the number 1/0.
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise _BadField(f"{name} must be a string or a number, got {type(value).__name__}")
+
+
+def _texts(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _BadField(f"{name} must be a list, got {type(value).__name__}")
+    texts = tuple(_text(v, f"each of {name}") for v in value)
+    if None in texts:
+        raise _BadField(f"{name} has a null entry")
+    return texts
+
+
+def _images(value: Any, root: Path) -> tuple[ImageSource, ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(_image(item, root) for item in items)
+
+
+def _image(item: Any, root: Path) -> ImageSource:
+    if isinstance(item, Mapping):  # the datasets Image feature stores {"bytes": ..., "path": ...}
+        if item.get("bytes"):
+            return item["bytes"]
+        item = item.get("path")
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return str(root / item)  # an absolute path stays as it is
+    raise _BadField(f"an image must be a path, bytes or a {{'bytes', 'path'}} mapping, got {type(item).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# "jsonl": one JSON object per line, images in a folder.
+
+
+@LOADERS.register("jsonl")
+def load_jsonl(
+    path: str | os.PathLike | None,
+    split: str = "train",
+    *,
+    image_root: str | os.PathLike | None = None,
+    fields: Mapping[str, str] | None = None,
+    source: str | None = None,
+) -> Iterator[Example | Skip]:
+    """Records from a JSONL file (`path`, or `path/<split>.jsonl`), one object per line (fields: module doc).
+
+    Relative image paths are resolved against `image_root` (default: the JSONL file's directory). `source`
+    defaults to the name of that directory. Blank lines are not records; a line that is not valid JSON (or
+    not UTF-8) yields Skip("undecodable_line").
+    """
+    file = resolve_data_file(path, split, (".jsonl",), "jsonl")
+    name = source or file.resolve().parent.name
+    root = Path(image_root) if image_root is not None else file.parent
+    _field_names(fields)  # an unknown field name is a config error: raise it now, not once per record
+    return _jsonl_rows(file, split, name, root.resolve(), fields)
+
+
+def _jsonl_rows(file: Path, split: str, source: str, root: Path, fields) -> Iterator[Example | Skip]:
+    try:
+        handle = open(file, "rb")
+    except OSError as e:
+        raise DataError(f"cannot read {file}: {e.strerror or e}") from e
+    with handle:
+        for index, line in enumerate(handle):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)  # bytes in: invalid UTF-8 raises UnicodeDecodeError, a ValueError
+            except ValueError as e:
+                yield Skip("undecodable_line", f"line {index + 1}: {e}")
+                continue
+            yield example_from_row(
+                row, fallback_id=f"{source}-{split}-{index:06d}", source=source, image_root=root, fields=fields
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# "hf": a Hugging Face dataset on local disk.
+
+_HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+
+
+@LOADERS.register("hf")
+def load_hf(
+    path: str | os.PathLike | None,
+    split: str = "train",
+    *,
+    fields: Mapping[str, str] | None = None,
+    image_root: str | os.PathLike | None = None,
+    source: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> Iterator[Example | Skip]:
+    """Records from a Hugging Face dataset on local disk; nothing is downloaded.
+
+    `path` is a directory written by `save_to_disk` (a DatasetDict: `split` picks the split; a Dataset: used
+    whole), a directory of data files whose names give the splits (`train.parquet`, `data/test-*.arrow`, ...),
+    or one .parquet/.arrow/.json/.jsonl/.csv file (used whole). Image columns (the `Image` feature, or lists
+    of it) become bytes; path-valued image columns are resolved against `image_root` (default: the dataset
+    directory). `fields` maps Example fields to column names (see the module doc); `cache_dir` is where
+    `datasets` converts data files to Arrow (default: its own cache). `source` defaults to the directory name.
+    """
+    if path is None:
+        raise DataError(
+            "the 'hf' loader needs a path: set data.train.path to a save_to_disk directory, a directory of "
+            "parquet/arrow/json files, or one such file (nothing is downloaded)"
+        )
+    path = Path(path)
+    if not path.exists():
+        raise missing_path(path)
+    names = _field_names(fields)
+    dataset = _open_hf(path, split, cache_dir)
+    columns = dataset.column_names
+    missing = [f"{column!r} (for {attr})" for attr, column in (fields or {}).items() if column not in columns]
+    if missing:
+        raise DataError(f"{path}: no column {', '.join(missing)}; columns: {', '.join(columns)}")
+    if not set(names["question"]) & set(columns):
+        raise DataError(
+            f"{path}: no question column (looked for {', '.join(names['question'])}; columns: "
+            f"{', '.join(columns)}); name it with fields={{'question': '<column>'}}"
+        )
+    directory = path if path.is_dir() else path.parent
+    name = source or directory.resolve().name
+    root = Path(image_root) if image_root is not None else directory
+    return _hf_rows(dataset, split, name, root.resolve(), fields)
+
+
+def _open_hf(path: Path, split: str, cache_dir):
+    # datasets takes ~1 s to import and only this loader needs it.
+    import datasets
+
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+        elif path.is_dir():
+            loaded = datasets.load_dataset(str(path), cache_dir=cache_dir)
+        elif path.suffix in _HF_FILE_BUILDERS:
+            loaded = datasets.load_dataset(
+                _HF_FILE_BUILDERS[path.suffix], data_files=str(path), split="train", cache_dir=cache_dir
+            )
+        else:
+            raise DataError(f"{path}: not a dataset file (expected {', '.join(_HF_FILE_BUILDERS)} or a directory)")
+    except DataError:
+        raise
+    except Exception as e:  # datasets and pyarrow report unreadable data with many exception types
+        raise DataError(
+            f"cannot read {path} as a Hugging Face dataset ({type(e).__name__}: {e}); it should be a "
+            f"save_to_disk directory or parquet/arrow/json/csv files"
+        ) from e
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"{path} has no split {split!r} (splits: {', '.join(loaded)})")
+        return loaded[split]
+    return loaded
+
+
+def _hf_rows(dataset, split: str, source: str, root: Path, fields) -> Iterator[Example | Skip]:
+    # The arrow format yields stored values without decoding features: Image columns stay {"bytes", "path"}.
+    index = 0
+    for batch in dataset.with_format("arrow").iter(batch_size=1000):
+        for row in batch.to_pylist():
+            yield example_from_row(
+                row, fallback_id=f"{source}-{split}-{index:06d}", source=source, image_root=root, fields=fields
+            )
+            index += 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# "easyvqa": the easy-vqa package (64x64 PNGs of one coloured shape; yes/no, shape and colour questions).
+
+_EASYVQA_SHAPES = frozenset({"circle", "rectangle", "triangle"})
+
+# The dataset's own wordings, grouped so that every wording in a group asks the same thing ({x} is a shape,
+# a colour + "shape", or "shape"). "which shape is {x}?" is ours: "what is the {x} shape?" has no twin.
+_EASYVQA_WORDINGS = (
+    ("is there a {x}?", "is there a {x} in the image?", "does the image contain a {x}?", "is a {x} present?"),
+    (
+        "is there not a {x}?",
+        "is there not a {x} in the image?",
+        "does the image not contain a {x}?",
+        "is no {x} present?",
+    ),
+    ("what color is the {x}?", "what is the color of the {x}?"),
+    ("what shape is in the image?", "what shape does the image contain?", "what shape is present?"),
+    ("what is the {x} shape?", "which shape is {x}?"),
+)
+_EASYVQA_PATTERNS = tuple(
+    (re.compile(re.escape(wording).replace(re.escape("{x}"), r"(?P<x>[a-z]+(?: shape)?)")), group)
+    for group in _EASYVQA_WORDINGS
+    for wording in group
+)
+
+
+@functools.lru_cache(maxsize=None)
+def easyvqa_paraphrases(question: str) -> tuple[str, ...]:
+    """The other wordings of an easy-vqa question that keep its answer (empty if its template is unknown)."""
+    for pattern, group in _EASYVQA_PATTERNS:
+        match = pattern.fullmatch(question)
+        if match:
+            wordings = (w.format(x=match.groupdict().get("x")) for w in group)
+            return tuple(w for w in wordings if w != question)
+    return ()
+
+
+def easyvqa_question_type(answer: str) -> str:
+    """ "yes/no", "shape" or "color", from the answer (the 13 answers split cleanly into these)."""
+    if answer in ("yes", "no"):
+        return "yes/no"
+    return "shape" if answer in _EASYVQA_SHAPES else "color"
+
+
+@LOADERS.register("easyvqa")
+def load_easyvqa(path: str | os.PathLike | None, split: str = "train") -> Iterator[Example | Skip]:
+    """easy-vqa from the installed package: split "train" (38,575 questions, 4,000 images) or "test" (9,673, 1,000).
+
+    Ids are "easyvqa-<split>-<question index, 6 digits>"; each example has one image path, its gold answer,
+    the other wordings of its question as paraphrases, and metadata {"question_type", "image_id"}.
+    """
+    if path is not None:
+        raise DataError(
+            f"the 'easyvqa' loader reads the installed easy-vqa package; leave data.train.path empty (got {path})"
+        )
+    try:
+        import easy_vqa
+    except ImportError as e:
+        raise DataError("the 'easyvqa' loader needs the easy-vqa package: pip install easy-vqa==1.0") from e
+    readers = {
+        "train": (easy_vqa.get_train_questions, easy_vqa.get_train_image_paths),
+        "test": (easy_vqa.get_test_questions, easy_vqa.get_test_image_paths),
+    }
+    if split not in readers:
+        raise DataError(f"easy-vqa has no split {split!r} (splits: train, test)")
+    read_questions, read_image_paths = readers[split]
+    questions, answers, image_ids = read_questions()
+    image_paths = read_image_paths()
+    return (
+        Example(
+            id=f"easyvqa-{split}-{index:06d}",
+            question=question,
+            images=(image_paths[image_id],),
+            answer=answer,
+            paraphrases=easyvqa_paraphrases(question),
+            source="easyvqa",
+            metadata={"question_type": easyvqa_question_type(answer), "image_id": image_id},
+        )
+        for index, (question, answer, image_id) in enumerate(zip(questions, answers, image_ids))
+    )

@@ -1,0 +1,173 @@
+"""Cohort-atomic checkpoints: all members, optimizers, schedulers, RNG states and the data position, or nothing.
+
+Layout: `RUN/checkpoints/step-N/<member>/` (HF format, loadable by `from_pretrained`, plus the member's
+`trainer_state.pt`), `RUN/checkpoints/step-N/cohort_state.pt` (step, data position, every rank's RNG states)
+and `manifest.json` (the member directories and the files each must hold). A checkpoint is written under a
+temporary name: every member's first rank writes its member's directory, all ranks meet at a barrier, then
+world rank 0 writes the cohort state and the manifest and renames the directory. A process killed at any
+moment leaves either the previous checkpoints or the new one, never half of one taken as complete: a
+checkpoint counts only when its manifest is there and every member's files in it are. (A rename is atomic on
+POSIX filesystems; a SIGKILL does not drop written-but-unflushed pages, so no fsync is needed for that
+failure mode.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vlm_corl.errors import UserError
+
+if TYPE_CHECKING:
+    from vlm_corl.distributed.world import World
+    from vlm_corl.members.member import Member
+
+STATE_FILE = "cohort_state.pt"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.pt"  # a trained member's optimizer and schedule
+_STEP_DIR = re.compile(r"step-(\d+)")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+log = logging.getLogger("vlm_corl")
+
+
+def rng_states() -> dict:
+    """Every RNG a training step of this process may draw from (the CUDA one of its device included)."""
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def save_checkpoint(
+    world: World, run_dir: Path, step: int, models: Iterable[tuple[Member, bool]], cohort_state: dict, keep_last: int
+) -> Path:
+    """Write step `step` atomically, then prune to the newest `keep_last` checkpoints.
+
+    `models` are (model, whether this rank writes it) for this process's models to save (members and
+    teachers; a model's writer is its member's first rank); `cohort_state["members"]` lists what the manifest
+    requires. Every rank calls this at the same step.
+    """
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
+        tmp.mkdir(parents=True)
+    world.barrier()
+    for member, writes in models:
+        member.save(tmp / member.id, write=writes)
+    rngs = world.all_gather(rng_states())  # every rank's RNG states, in rank order
+    world.barrier()  # every member's directory is written
+    if world.is_main:
+        required = cohort_state["members"]
+        missing = [f"{mid}/{name}" for mid, files in required.items() for name in files if not _has(tmp / mid, name)]
+        if missing:
+            raise RuntimeError(f"checkpoint step {step} is incomplete after every rank wrote it: missing {missing}")
+        torch.save({"step": step, "rng": rngs, **cohort_state}, tmp / STATE_FILE)
+        manifest = {"step": step, "members": required, "replicas": cohort_state.get("replicas", {})}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old)
+    world.barrier()  # nobody reads or resumes from the checkpoint before it is renamed
+    return final
+
+
+def required_files(trainable: bool) -> list[str]:
+    """What a model's checkpoint directory must hold to be resumed from (a trained member: its optimizer too)."""
+    return ["config.json", "model.safetensors"] + ([TRAINER_STATE] if trainable else [])
+
+
+def _has(directory: Path, name: str) -> bool:
+    if name == "model.safetensors":  # a large model is saved in shards with an index
+        return any((directory / w).is_file() for w in _WEIGHTS)
+    return (directory / name).exists()
+
+
+def is_complete(checkpoint: Path) -> bool:
+    """The manifest is there and every member's files it lists are in the checkpoint."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return (checkpoint / STATE_FILE).is_file() and all(
+        _has(checkpoint / mid, name) for mid, files in manifest["members"].items() for name in files
+    )
+
+
+def list_checkpoints(run_dir: Path, warn: bool = False) -> list[Path]:
+    """Complete checkpoints, oldest first; incomplete ones are skipped (with a warning when `warn`: on resume)."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    for d in root.glob("step-*") if root.is_dir() else []:
+        m = _STEP_DIR.fullmatch(d.name)
+        if not m:
+            continue
+        if is_complete(d):
+            found.append((int(m.group(1)), d))
+        elif warn:
+            log.warning("checkpoint %s is incomplete (a member's files or the manifest are missing): skipped", d)
+    return [d for _, d in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path, warn: bool = False) -> Path | None:
+    """The newest complete checkpoint, or None (`warn`: log the incomplete ones passed over)."""
+    found = list_checkpoints(run_dir, warn)
+    return found[-1] if found else None
+
+
+class CheckpointError(UserError):
+    """A checkpoint file that cannot be read (names the file and how to go on)."""
+
+
+def read_state(path: Path, weights_only: bool = True) -> dict:
+    """torch.load of a state file we wrote; a truncated or corrupt one is a CheckpointError naming it."""
+    try:
+        return torch.load(path, weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001 - pickle/zip/OS errors all mean "this file is unusable"
+        if isinstance(err, MemoryError):
+            raise
+        checkpoint = path.parent if path.parent.name.startswith("step-") else path.parent.parent
+        detail = (str(err).splitlines() or [""])[0].split(". ")[0][:120]
+        raise CheckpointError(
+            f"{path} cannot be read ({type(err).__name__}: {detail}); the file is truncated or "
+            f"corrupt. Move {checkpoint} out of checkpoints/ to resume from the one before "
+            "it"
+        ) from err
+
+
+def load_cohort_state(checkpoint: Path) -> dict:
+    """The cohort-level state (step, RNG states, data position, …) of a checkpoint."""
+    # weights_only=False: the file holds RNG tuples and numpy state we wrote ourselves.
+    return read_state(Path(checkpoint) / STATE_FILE, weights_only=False)
+
+
+def restore_rng(states: list[dict], world: World) -> None:
+    """Set this rank's RNG states from a checkpoint's (one entry per rank of the run that saved it)."""
+    if len(states) != world.size:
+        log.warning(
+            "the checkpoint was taken with %d processes, this run has %d: RNG states are not restored "
+            "(sampling seeds are derived from the step, so only other random draws differ)",
+            len(states),
+            world.size,
+        )
+        return
+    set_rng_states(states[world.rank])

@@ -1,1 +1,0 @@
-"""Rollout engines behind `vlm_corl.rollout.RolloutEngine`: `hf` (Hugging Face generate) and `vllm` (lazy)."""

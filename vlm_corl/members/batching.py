@@ -1,0 +1,225 @@
+"""Collate per-prompt processor outputs into model batches, for generation and for the policy forward pass.
+
+Each prompt is processed once, alone (batch dim 1), at render time; images are never re-preprocessed.
+Batches put prompts left-padded to a common length and, for the update, the response tokens after them,
+right-padded, so the last T+1 logits cover every response (`logits_to_keep`).
+
+A prompt shared by K responses is run through the model once (`prefill`): its KV cache (vision and
+cross-attention states included) is then repeated to one row per response, and the responses continue from it
+(`continuation`). Rollout and update both work this way, so neither encodes a prompt or its images K times.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Processor outputs laid out along the token axis (dim 1); everything else is per image and is concatenated
+# along dim 0 (flattened patches for Qwen-VL, …), except a family's batch-aligned keys (Mllama's
+# (1, images, tiles, …) pixel tensors), which get one row per prompt.
+SEQ_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "cross_attention_mask")
+
+
+@functools.cache
+def _aligned_for(model_type: str) -> tuple[str, ...]:
+    from vlm_corl.members.families import family_for_model_type
+
+    try:
+        return family_for_model_type(model_type).batch_aligned_keys
+    except ValueError:  # a member whose family was set by hand: per-image inputs, the common layout
+        return ()
+
+
+def aligned_keys(model: torch.nn.Module) -> tuple[str, ...]:
+    """The batch-aligned image inputs of `model`'s family (see Family.batch_aligned_keys)."""
+    config = getattr(getattr(model, "module", model), "config", None)  # a DeepSpeed engine wraps the model
+    return _aligned_for(getattr(config, "model_type", ""))
+
+
+def _pad_value(key: str, pad_id: int) -> int:
+    return pad_id if key == "input_ids" else 0
+
+
+def collate(
+    prompts: list[dict[str, Tensor]],
+    pad_id: int,
+    responses: list[list[int]] | None = None,
+    aligned: tuple[str, ...] = (),
+) -> tuple[dict[str, Tensor], Tensor | None]:
+    """Stack prompts (optionally each followed by its response) into one batch.
+
+    prompts[i]: processor output of one prompt (batch dim 1); the same dict may appear K times, once per
+    response. Returns (inputs, response_mask): inputs hold (B, L + T) token tensors with prompts left-padded
+    to L and responses right-padded to T; response_mask is (B, T) with 1 on real response tokens (None when
+    no responses are given). Prompts may differ in their image inputs (some have none): per-image inputs are
+    concatenated over the prompts that have them; `aligned` keys (one row per prompt) are zero-filled for
+    prompts without images and zero-padded to the largest image and tile counts, as the processor pads a batch.
+    """
+    longest = max(p["input_ids"].shape[1] for p in prompts)
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    t_max = max((len(r) for r in responses), default=0) if responses is not None else 0
+    out: dict[str, Tensor] = {}
+    for key in dict.fromkeys(k for p in prompts for k in p):  # every key, in first-seen order
+        values = [p.get(key) for p in prompts]
+        if key in aligned:
+            values = _aligned_rows(values, key, lengths)
+        elif key in SEQ_KEYS:  # a token-axis key only some prompts have (token types): absent is plain text, 0
+            values = [
+                p["input_ids"].new_zeros(p["input_ids"].shape) if v is None else v for p, v in zip(prompts, values)
+            ]
+        else:
+            values = [v for v in values if v is not None]
+        if key not in SEQ_KEYS:
+            out[key] = torch.cat(values, dim=0)
+            continue
+        rows = []
+        for i, v in enumerate(values):
+            left = longest - v.shape[1]
+            pad = v.new_full((1, left, *v.shape[2:]), _pad_value(key, pad_id))
+            parts = [pad, v]
+            if responses is not None:
+                parts.append(_response_part(key, v, responses[i], t_max, pad_id))
+            rows.append(torch.cat(parts, dim=1))
+        out[key] = torch.cat(rows, dim=0)
+    if responses is None:
+        return out, None
+    return out, response_mask(responses, out["input_ids"].device)
+
+
+def _aligned_rows(values: list[Tensor | None], key: str, lengths: list[int]) -> list[Tensor]:
+    """One row per prompt of a batch-aligned image input: zeros where a prompt has none, and every row
+    zero-padded to the largest size of each image axis (the token axis of a SEQ key stays the prompt's own)."""
+    present = [v for v in values if v is not None]
+    first = 2 if key in SEQ_KEYS else 1
+    sizes = [max(v.shape[d] for v in present) for d in range(first, present[0].dim())]
+    rows = []
+    for v, n in zip(values, lengths):
+        row = present[0].new_zeros((1, n, *sizes) if key in SEQ_KEYS else (1, *sizes))
+        if v is not None:
+            row[tuple(slice(0, s) for s in v.shape)] = v
+        rows.append(row)
+    return rows
+
+
+def _response_part(key: str, prompt_value: Tensor, response: list[int], t_max: int, pad_id: int) -> Tensor:
+    """The (1, t_max, …) continuation of one token-axis tensor over a response and its right padding."""
+    n = len(response)
+    if key == "input_ids":
+        ids = response + [pad_id] * (t_max - n)
+        return torch.tensor([ids], dtype=prompt_value.dtype, device=prompt_value.device)
+    if key == "attention_mask":
+        return torch.tensor([[1] * n + [0] * (t_max - n)], dtype=prompt_value.dtype, device=prompt_value.device)
+    if key == "cross_attention_mask":
+        # Generated tokens attend to the same images as the last prompt token (as Mllama's generate does).
+        return prompt_value[:, -1:].expand(1, t_max, *prompt_value.shape[2:])
+    return prompt_value.new_zeros((1, t_max, *prompt_value.shape[2:]))  # token-type ids: text tokens
+
+
+def response_mask(responses: list[list[int]], device: torch.device) -> Tensor:
+    """(B, T) 1 on each response's tokens, 0 on the right padding up to the longest."""
+    lengths = torch.tensor([len(r) for r in responses], device=device)
+    return (torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]).long()
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding, matching what `generate` uses, so training and rollout agree."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The KV cache's name, as forward argument and output field: transformers renamed `past_key_values` to
+    `cache` after 5.19 (the old name warns, and goes in 5.40); the project admits both sides of the rename."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def model_positions(model: torch.nn.Module, inputs: dict[str, Tensor], mrope: bool) -> tuple[Tensor, Tensor | None]:
+    """Position ids of a collated batch, and for M-RoPE models (Qwen-VL) each row's (B, 1) text offset.
+
+    M-RoPE positions come from the model's own `get_rope_index` (3-D for image tokens, padding skipped), as
+    `generate` computes them; text-only rows get plain positions there too (the model left alone would count
+    the left padding).
+    """
+    if not mrope:
+        return position_ids(inputs["attention_mask"]), None
+    return model.model.get_rope_index(**{k: v for k, v in inputs.items() if not k.startswith("pixel_values")})
+
+
+@dataclass
+class Prefix:
+    """Prompts after one forward pass, expanded to R rows (one per continuation); see `prefill`."""
+
+    cache: object  # the model's KV cache, R rows
+    last_logits: Tensor  # (R, V) logits at each prompt's last token: the distribution of the first response token
+    attention_mask: Tensor  # (R, L) left-padded prompt mask
+    rope_delta: Tensor | None  # (R, 1) M-RoPE offset of text after the prompt (Qwen-VL), None for 1-D positions
+    cross_attention_mask: Tensor | None  # (R, 1, images, tiles) what response tokens attend to (Mllama)
+    cache_arg: str  # the name of the forward argument that takes the cache (see `cache_argument`)
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only `rows` (e.g. the continuations still decoding), cache included."""
+        self.cache.batch_select_indices(rows)
+        self.last_logits, self.attention_mask = self.last_logits[rows], self.attention_mask[rows]
+        if self.rope_delta is not None:
+            self.rope_delta = self.rope_delta[rows]
+        if self.cross_attention_mask is not None:
+            self.cross_attention_mask = self.cross_attention_mask[rows]
+
+
+def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: int, mrope: bool) -> Prefix:
+    """Run each distinct prompt once and repeat its cache, logits and masks to one row per entry of `prompts`.
+
+    prompts: processor outputs, one per row; the same dict object K times means K rows continue one prompt
+    (repeated rows need not be adjacent). The prompt pass keeps its autograd graph when gradients are on, so a
+    loss on the continuations back-propagates through the shared prompt (and vision) computation.
+    Positions are explicit, as `generate` makes them: left padding skipped; for M-RoPE, the model's own
+    `get_rope_index`, whose per-row offset also places every later text token.
+    """
+    index: dict[int, int] = {}
+    rows = torch.tensor([index.setdefault(id(p), len(index)) for p in prompts], device=prompts[0]["input_ids"].device)
+    unique = list({id(p): p for p in prompts}.values())
+    inputs, _ = collate(unique, pad_id, aligned=aligned_keys(model))
+    inputs["position_ids"], rope_delta = model_positions(model, inputs, mrope)
+    out = model(**inputs, use_cache=True, logits_to_keep=1)
+    cache_arg = cache_argument(type(model))
+    cache = getattr(out, cache_arg)
+    cache.batch_select_indices(rows)
+    cross = inputs.get("cross_attention_mask")
+    return Prefix(
+        cache,
+        out.logits[rows, -1],
+        inputs["attention_mask"][rows],
+        None if rope_delta is None else rope_delta[rows],
+        None if cross is None else cross[rows, -1:],
+        cache_arg,
+    )
+
+
+def continuation(prefix: Prefix, token_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
+    """Model inputs that feed (R, T) new tokens after `prefix` and whatever its cache already holds past the prompt.
+
+    attention_mask: (R, D + T), 0 on right padding, over every token after the prompt: the D already in the
+    cache (decoding) and the T new ones. Matches a forward pass over prompt + tokens, and `generate`'s decoding
+    steps: the full attention mask, positions counted from each prompt's real length, M-RoPE offsets, the
+    cross-attention mask of the prompt's last token. Token-type ids are left out: new tokens are text, their
+    default.
+    """
+    mask = torch.cat([prefix.attention_mask, attention_mask.to(prefix.attention_mask.dtype)], dim=1)
+    pos = position_ids(mask)[:, -token_ids.shape[1] :]  # (R, T)
+    if prefix.rope_delta is not None:
+        pos = (pos + prefix.rope_delta).unsqueeze(0).expand(3, -1, -1)  # (3, R, T): t, h, w all advance as text
+    inputs = {
+        "input_ids": token_ids,
+        "attention_mask": mask,
+        "position_ids": pos,
+        prefix.cache_arg: prefix.cache,
+        "use_cache": True,
+    }
+    if prefix.cross_attention_mask is not None:
+        cross = prefix.cross_attention_mask
+        inputs["cross_attention_mask"] = cross.expand(-1, token_ids.shape[1], *cross.shape[2:])
+    return inputs

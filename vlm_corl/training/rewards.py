@@ -1,0 +1,242 @@
+"""Cohort rewards: votes, pseudo-label topologies and reward modes, as plain functions over the cohort batch.
+
+A reward function takes the whole cohort batch (every member's extracted answers, after the exchange phase)
+and returns, per member, example and response, an overall score plus named parts, and the label that
+supervised each member (for diagnostics). Label-free modes never see gold answers: the loop fills
+`CohortBatch.gold` only for a mode registered with `uses_gold=True`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from vlm_corl.data.answers import answers_equivalent, group_equivalent
+from vlm_corl.registry import REWARDS
+
+if TYPE_CHECKING:
+    from vlm_corl.config.schema import RewardConfig
+
+Answers = list[list[list[str | None]]]  # (N members, B examples, K responses)
+
+
+@dataclass(frozen=True)
+class CohortBatch:
+    """What the reward phase sees: answers of every member on the same B examples, K responses each."""
+
+    member_ids: tuple[str, ...]
+    answers: Answers  # (N, B, K) extracted answers; None = unparseable
+    texts: list[list[list[str]]]  # (N, B, K) response texts (for custom and format rewards)
+    format_ok: list[list[list[bool]]]  # (N, B, K) response follows the member's prompt format
+    choices: list[tuple[str, ...] | None]  # (B,) multiple-choice options, if any
+    gold: list[str | None]  # (B,) gold answers; all None unless the mode uses gold
+    scores: dict[str, Tensor] = field(default_factory=dict)  # per-response statistics (N, B, K), e.g. entropy
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.answers), len(self.answers[0]), len(self.answers[0][0])
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """rewards = sum of weighted parts; labels[n][b] is member n's pseudo-label (None = abstain / none)."""
+
+    rewards: Tensor  # (N, B, K)
+    parts: dict[str, Tensor]  # name -> (N, B, K), unweighted
+    labels: list[list[str | None]]  # (N, B)
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A registered reward mode: its function, whether it may read gold answers, whether it needs per-response
+    sampling statistics (`CohortBatch.scores`), and the cohort layout it runs on (`vlm_corl.training.slots`):
+    "members" (one slot per member), "two_views" (one member, original + its view), "ema_teacher" (one member
+    and its EMA teacher)."""
+
+    fn: Callable[..., RewardOutput]
+    uses_gold: bool = False
+    needs_scores: bool = False
+    layout: str = "members"
+
+
+def resolve_reward(cfg: RewardConfig) -> RewardSpec:
+    """The reward of a `RewardConfig`: `custom` ("module:function", never given gold) or the registered mode."""
+    if cfg.custom:
+        # A custom reward that reads `CohortBatch.scores` (entropy, self-certainty) says so with an attribute:
+        # `fn.needs_scores = True`; it is never given gold.
+        fn = REWARDS.get(cfg.custom)
+        return RewardSpec(fn, uses_gold=False, needs_scores=bool(getattr(fn, "needs_scores", False)))
+    return REWARDS.get(cfg.mode)
+
+
+def reward_mode(
+    name: str, uses_gold: bool = False, needs_scores: bool = False
+) -> Callable[[Callable[..., RewardOutput]], Callable[..., RewardOutput]]:
+    """Register a cohort reward function `fn(batch, cfg) -> RewardOutput` under `name`."""
+
+    def add(fn: Callable[..., RewardOutput]) -> Callable[..., RewardOutput]:
+        REWARDS.register(name)(RewardSpec(fn, uses_gold, needs_scores))
+        return fn
+
+    return add
+
+
+# ---- votes ---------------------------------------------------------------------------------------------
+
+
+def plurality_vote(
+    answers: Sequence[str | None], threshold: float = 0.0, choices: Sequence[str] | None = None
+) -> str | None:
+    """The most frequent answer under equivalence, or None (abstain).
+
+    Ties go to the answer seen first (as in TTRL's majority vote). `threshold` is the self-consistency τ:
+    the winner's count over ALL responses (unparseable ones included, since they are not a vote of
+    confidence) must reach τ, else the member abstains.
+    """
+    classes = group_equivalent(answers, choices)
+    counts = Counter(c for c in classes if c is not None)
+    if not counts:
+        return None
+    winner, count = counts.most_common(1)[0]  # most_common keeps first-seen order among ties
+    if count / len(answers) < threshold:
+        return None
+    return answers[classes.index(winner)]
+
+
+def consensus(votes: Sequence[str | None], choices: Sequence[str] | None = None) -> str | None:
+    """Plurality over other members' votes, abstentions ignored; a tie between classes abstains."""
+    classes = group_equivalent(votes, choices)
+    counts = Counter(c for c in classes if c is not None).most_common()
+    if not counts or (len(counts) > 1 and counts[0][1] == counts[1][1]):
+        return None
+    return votes[classes.index(counts[0][0])]
+
+
+def member_votes(batch: CohortBatch, threshold: float) -> list[list[str | None]]:
+    """(N, B) each member's own plurality vote per example."""
+    return [
+        [plurality_vote(group, threshold, batch.choices[b]) for b, group in enumerate(member)]
+        for member in batch.answers
+    ]
+
+
+def peer_consensus(votes: list[list[str | None]], batch: CohortBatch) -> list[list[str | None]]:
+    """(N, B) for each member, the consensus of the OTHER members' votes (its own never counts)."""
+    n, b = len(votes), len(votes[0])
+    return [
+        [consensus([votes[m][j] for m in range(n) if m != i], batch.choices[j]) for j in range(b)] for i in range(n)
+    ]
+
+
+# ---- labels -> rewards ---------------------------------------------------------------------------------
+
+
+def _match(labels: list[list[str | None]], batch: CohortBatch) -> Tensor:
+    """(N, B, K) 1.0 where the response's answer is equivalent to its member's label (label read as gold)."""
+    n, b, k = batch.shape
+    out = torch.zeros(n, b, k)
+    for i in range(n):
+        for j in range(b):
+            if labels[i][j] is None:
+                continue
+            for r, ans in enumerate(batch.answers[i][j]):
+                out[i, j, r] = float(answers_equivalent(labels[i][j], ans, batch.choices[j]))
+    return out
+
+
+def combine(
+    agreement: Tensor, batch: CohortBatch, cfg: RewardConfig, labelled: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Overall score = agreement + format_weight * format; groups without a label (labelled False) get 0."""
+    fmt = torch.tensor(batch.format_ok, dtype=torch.float32)
+    total = (agreement + cfg.format_weight * fmt) * labelled.unsqueeze(-1)
+    return total, {"agreement": agreement, "format": fmt}
+
+
+def _label_reward(labels: list[list[str | None]], batch: CohortBatch, cfg) -> RewardOutput:
+    labelled = torch.tensor([[lab is not None for lab in row] for row in labels], dtype=torch.float32)
+    total, parts = combine(_match(labels, batch), batch, cfg, labelled)
+    return RewardOutput(total, parts, labels)
+
+
+@reward_mode("ring")
+def ring_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Co-RL ring: member n is supervised by the vote of member n-1 (mod N); N=2 is mutual supervision."""
+    votes = member_votes(batch, cfg.vote_threshold)
+    n = len(votes)
+    return _label_reward([votes[(i - 1) % n] for i in range(n)], batch, cfg)
+
+
+@reward_mode("peers")
+def peers_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Co-RL peers: member n's label is the plurality of all other members' votes (a tie abstains)."""
+    return _label_reward(peer_consensus(member_votes(batch, cfg.vote_threshold), batch), batch, cfg)
+
+
+@reward_mode("soft")
+def soft_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Co-RL soft: a response earns the fraction of other members whose vote equals its answer.
+
+    The logged label is the others' consensus (diagnostic only: it does not set the reward).
+    """
+    votes = member_votes(batch, cfg.vote_threshold)
+    n, b, k = batch.shape
+    agreement = torch.zeros(n, b, k)
+    for i in range(n):
+        others = [m for m in range(n) if m != i]
+        for j in range(b):
+            for r, ans in enumerate(batch.answers[i][j]):
+                agreeing = sum(answers_equivalent(votes[m][j], ans, batch.choices[j]) for m in others)
+                agreement[i, j, r] = agreeing / len(others)
+    total, parts = combine(agreement, batch, cfg, torch.ones(n, b))
+    return RewardOutput(total, parts, peer_consensus(votes, batch))
+
+
+@reward_mode("self_vote")
+def self_vote_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """TTRL baseline: each member is supervised by its own plurality vote."""
+    return _label_reward(member_votes(batch, cfg.vote_threshold), batch, cfg)
+
+
+@reward_mode("gt", uses_gold=True)
+def gt_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Reference upper bound: GRPO with the gold answer (the only mode that reads labels for reward)."""
+    n = len(batch.answers)
+    return _label_reward([list(batch.gold) for _ in range(n)], batch, cfg)
+
+
+@reward_mode("self_certainty", needs_scores=True)
+def self_certainty_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Intuitor-style baseline: reward = the response's mean per-token KL(uniform || p), its self-certainty."""
+    return _intrinsic(batch, "self_certainty", sign=1.0)
+
+
+@reward_mode("entropy", needs_scores=True)
+def entropy_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Entropy-minimisation baseline (RENT): reward = minus the response's mean per-token entropy."""
+    return _intrinsic(batch, "entropy", sign=-1.0)
+
+
+def _intrinsic(batch: CohortBatch, stat: str, sign: float) -> RewardOutput:
+    n, b, _ = batch.shape
+    score = batch.scores[stat]  # (N, B, K)
+    return RewardOutput(sign * score, {stat: score}, [[None] * b for _ in range(n)])
+
+
+def paired_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Slots come in pairs (2k, 2k+1) that are two sides of one model; each is labelled by its partner's vote.
+
+    co_rewarding_1: responses to the original wording are labelled by the vote on the member's paraphrase, and
+    vice versa; co_rewarding_2: the member is labelled by the vote of its EMA teacher's K answers (the teacher's
+    own labels are never used: it does not train). See `vlm_corl.training.slots` for the layouts.
+    """
+    votes = member_votes(batch, cfg.vote_threshold)
+    return _label_reward([votes[i ^ 1] for i in range(len(votes))], batch, cfg)
+
+
+REWARDS.register("co_rewarding_1")(RewardSpec(paired_reward, layout="two_views"))
+REWARDS.register("co_rewarding_2")(RewardSpec(paired_reward, layout="ema_teacher"))
