@@ -152,14 +152,10 @@ def rewrite(
     """
     sampling = {
         "samples": params.n,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "max_new_tokens": params.max_new_tokens,
-        "seed": params.seed,
+        **{k: getattr(params, k) for k in ("temperature", "top_p", "max_new_tokens", "seed")},
     }
     totals = {"rewritten": 0, "prompt_too_long": 0, "responses": 0, "kept": 0, "surplus": 0}
-    dropped: Counter = Counter()
-    per_example: Counter = Counter()
+    dropped, per_example = Counter(), Counter()  # drops by reason; examples by paraphrases kept
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as handle:
         for start in range(0, len(examples), batch_size):
@@ -169,29 +165,15 @@ def rewrite(
             totals["prompt_too_long"] += len(examples[start : start + batch_size]) - len(batch)
             if not prompts:
                 continue
+            provenance = {"rewriter": rewriter, "prompt": template, "mode": mode, "sampling": sampling}
             lines = []
             for ex, group in zip(batch, engine.generate(prompts, params)):
-                kept, drops, surplus = select_paraphrases(
-                    ((r.text, r.finish_reason == "length") for r in group.responses),
-                    ex.question,
-                    n,
-                    ex.choices,
-                    min_ratio,
-                    max_ratio,
-                )
+                record = _cache_record(ex, group, n, (min_ratio, max_ratio), provenance)
                 totals["responses"] += len(group.responses)
-                totals["kept"] += len(kept)
-                totals["surplus"] += surplus
-                dropped.update(drops)
-                per_example[len(kept)] += 1
-                record = CacheRecord(
-                    id=ex.id,
-                    source_question=ex.question,
-                    paraphrases=tuple(kept),
-                    rewriter=rewriter,
-                    prompt=template,
-                    metadata={"mode": mode, "dropped": dict(drops), "surplus": surplus, "sampling": sampling},
-                )
+                totals["kept"] += len(record.paraphrases)
+                totals["surplus"] += record.metadata["surplus"]
+                dropped.update(record.metadata["dropped"])
+                per_example[len(record.paraphrases)] += 1
                 lines.append(record.to_json() + "\n")
             handle.write("".join(lines))
             handle.flush()
@@ -203,6 +185,27 @@ def rewrite(
         "dropped": dict(dropped.most_common()),
         "paraphrases_per_example": {str(k): v for k, v in sorted(per_example.items())},
     }
+
+
+def _cache_record(ex: Example, group, n: int, ratios: tuple[float, float], provenance: dict) -> CacheRecord:
+    """One example's cache line: the paraphrases kept from its rewriter's responses, what was dropped and why,
+    and the surplus beyond `n`; `provenance`: rewriter, prompt, mode and sampling."""
+    kept, drops, surplus = select_paraphrases(
+        ((r.text, r.finish_reason == "length") for r in group.responses), ex.question, n, ex.choices, *ratios
+    )
+    return CacheRecord(
+        id=ex.id,
+        source_question=ex.question,
+        paraphrases=tuple(kept),
+        rewriter=provenance["rewriter"],
+        prompt=provenance["prompt"],
+        metadata={
+            "mode": provenance["mode"],
+            "dropped": dict(drops),
+            "surplus": surplus,
+            "sampling": provenance["sampling"],
+        },
+    )
 
 
 def _rendered(

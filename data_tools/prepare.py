@@ -6,7 +6,7 @@ Formats: math (Hendrycks MATH), dapo_math_17k, geometry3k (hiyouga's parquet or 
 multimodal_open_r1_8k_verified, mmr1_math_rl; their schemas, and where they were verified, are in
 data_tools/sources.py. Nothing is downloaded.
 
-Output, what the "jsonl" loader reads (`vlm_corl.data.load_examples("jsonl", DIR, split=...)`):
+Output, what the "jsonl" loader reads (`vlm_corl.data.loaders.load_examples("jsonl", DIR, split=...)`):
 
     DIR/<split>.jsonl   {"id", "question", "images": ["images/<file>", ...] (relative to the file), "answer",
                          "choices": [...] or null, "paraphrases": [...], <the release's other fields>}

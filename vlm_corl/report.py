@@ -436,6 +436,36 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def collapse_section(run) -> tuple[list[str], str]:
+    """The report's collapse warnings (from summary.json, or recomputed from the metrics when the run has no
+    summary yet), the guard's stop if it stopped the run, and where the warnings came from."""
+    md = ["", "## Collapse warnings", ""]
+    if "collapse_warnings" in run.summary:
+        warnings, source = run.summary["collapse_warnings"], "summary.json"
+    else:
+        warnings, source = collapse_warnings(run.rows), "recomputed from metrics.jsonl"
+    if warnings:
+        md += [
+            f"- **{w['slot']}**"
+            + (f" in category {w['category']!r}" if w.get("category") is not None else "")
+            + f" at step {w['step']}: {describe(w)}"
+            for w in warnings
+        ]
+    else:
+        md.append(
+            "None: no slot's answer diversity fell while its agreement rose (and, with gold diagnostics, "
+            "its pseudo-label accuracy fell), in the batch or inside a category."
+        )
+    if run.summary.get("stopped_by_guard"):
+        stop = run.summary["stopped_by_guard"]
+        md += [
+            "",
+            f"**The run was stopped by the collapse guard** (train.on_collapse={stop['action']}) at step "
+            f"{stop['warning']['step']}.",
+        ]
+    return md, source
+
+
 def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Path:
     """Write report.md and the PNGs of the run in `run_dir` into `out` (default: the run directory)."""
     run = load_run(run_dir)
@@ -453,30 +483,8 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
         + (f" of {s['steps']}" if s.get("steps") else "")
     )
     md.append(f"- slots: {', '.join(by_member(run.rows)) or '–'}")
-    md += ["", "## Collapse warnings", ""]
-    if "collapse_warnings" in s:
-        warnings, source = s["collapse_warnings"], "summary.json"
-    else:
-        warnings, source = collapse_warnings(run.rows), "recomputed from metrics.jsonl"
-    if warnings:
-        md += [
-            f"- **{w['slot']}**"
-            + (f" in category {w['category']!r}" if w.get("category") is not None else "")
-            + f" at step {w['step']}: {describe(w)}"
-            for w in warnings
-        ]
-    else:
-        md.append(
-            "None: no slot's answer diversity fell while its agreement rose (and, with gold diagnostics, "
-            "its pseudo-label accuracy fell), in the batch or inside a category."
-        )
-    if s.get("stopped_by_guard"):
-        stop = s["stopped_by_guard"]
-        md += [
-            "",
-            f"**The run was stopped by the collapse guard** (train.on_collapse={stop['action']}) at step "
-            f"{stop['warning']['step']}.",
-        ]
+    warning_lines, source = collapse_section(run)
+    md += warning_lines
     md += ["", f"_Source: {source}; rule in `vlm_corl.training.collapse`._", ""]
     n = len(steps)
     md += [

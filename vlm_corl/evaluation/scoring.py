@@ -95,27 +95,7 @@ def evaluate_member(
         chunk = examples[start : start + EVAL_BATCH]
         bar.update(len(chunk))
         groups = engine.generate([render(ex) for ex in chunk], params)
-        for ex, group in zip(chunk, groups):
-            texts = [r.text for r in group.responses]
-            preds = [extract_answer(t, member.prompt_style, ex.choices) for t in texts]  # shown in the records
-            if bench.grade is not None:  # the whole response is graded (its own rules, or code run against tests)
-                right = [bench.grade(ex, t) for t in texts]
-            else:
-                right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
-            record = {
-                "id": ex.id,
-                "type": ex.metadata.get(key) if key else None,
-                "pred": preds[0],
-                "gold": ex.answer,
-                "correct": sum(right) / len(right),
-                "response": texts[0],
-            }
-            if bench.samples > 1:
-                record.update(preds=preds, n_correct=sum(right))
-                if bench.grade is None:  # a majority needs extracted answers to vote on
-                    vote = plurality_vote(preds, choices=ex.choices)
-                    record["maj_correct"] = grade_answer(ex.answer, vote, ex.choices, bench.answer_type)
-            records.append(record)
+        records += [grade_record(ex, group, bench, member.prompt_style, key) for ex, group in zip(chunk, groups)]
     bar.close()
     result = {
         "accuracy": _acc(records),
@@ -127,15 +107,46 @@ def evaluate_member(
         "decoding": {"temperature": bench.temperature, "top_p": bench.top_p, "max_new_tokens": bench.max_new_tokens},
     }
     if bench.samples > 1:
-        k = bench.samples
-        result[f"avg@{k}"] = result["accuracy"]
-        if bench.grade is None:
-            result[f"maj@{k}"] = sum(r["maj_correct"] for r in records) / max(len(records), 1)
-        result[f"pass@{k}"] = sum(pass_at_k(k, r["n_correct"], k) for r in records) / max(len(records), 1)
+        result.update(sampled_metrics(records, bench))
     result["score"] = result.get(bench.metric, result["accuracy"])
     if bench.aggregate is not None:
         result["aggregate"] = bench.aggregate(records, examples)
     return result
+
+
+def grade_record(ex: Example, group, bench: Benchmark, prompt_style: str, key: str | None) -> dict:
+    """One question's record: its first prediction and response, the share of its samples graded right, and
+    with K samples every prediction, the number right and whether their plurality vote is right."""
+    texts = [r.text for r in group.responses]
+    preds = [extract_answer(t, prompt_style, ex.choices) for t in texts]  # shown in the records
+    if bench.grade is not None:  # the whole response is graded (its own rules, or code run against tests)
+        right = [bench.grade(ex, t) for t in texts]
+    else:
+        right = [grade_answer(ex.answer, p, ex.choices, bench.answer_type) for p in preds]
+    record = {
+        "id": ex.id,
+        "type": ex.metadata.get(key) if key else None,
+        "pred": preds[0],
+        "gold": ex.answer,
+        "correct": sum(right) / len(right),
+        "response": texts[0],
+    }
+    if bench.samples > 1:
+        record.update(preds=preds, n_correct=sum(right))
+        if bench.grade is None:  # a majority needs extracted answers to vote on
+            vote = plurality_vote(preds, choices=ex.choices)
+            record["maj_correct"] = grade_answer(ex.answer, vote, ex.choices, bench.answer_type)
+    return record
+
+
+def sampled_metrics(records: list[dict], bench: Benchmark) -> dict[str, float]:
+    """avg@K, maj@K (where answers are extracted) and pass@K (unbiased, with n = k = K) over the records."""
+    k, n = bench.samples, max(len(records), 1)
+    metrics = {f"avg@{k}": _acc(records)}
+    if bench.grade is None:
+        metrics[f"maj@{k}"] = sum(r["maj_correct"] for r in records) / n
+    metrics[f"pass@{k}"] = sum(pass_at_k(k, r["n_correct"], k) for r in records) / n
+    return metrics
 
 
 def grade_answer(gold: str | None, pred: str | None, choices: Sequence[str] | None, answer_type: str) -> bool:

@@ -171,6 +171,21 @@ def mean_ci_or_none(values: Sequence[float]) -> dict | None:
     return mean_ci(values) if values else None
 
 
+def diversity_claim(results: Mapping, comp: str, self_vote: str) -> tuple:
+    """Claim (e): the change of the batch answer entropy over training of self_vote, of Co-RL (`comp`) and
+    their paired difference (mean_ci over seeds, or None), and the verdict: supported when self_vote's falls
+    and Co-RL's stays above it."""
+    e_self, e_comp = entropy_change(results, self_vote), entropy_change(results, comp)
+    d_self, d_comp = mean_ci_or_none(list(e_self.values())), mean_ci_or_none(list(e_comp.values()))
+    d_pair = mean_ci_or_none([e_comp[s] - e_self[s] for s in sorted(set(e_self) & set(e_comp))])
+    if d_self is None or d_pair is None:
+        return d_self, d_comp, d_pair, "inconclusive"
+    falls, apart = verdict(d_self, 0.0, above=False), verdict(d_pair, 0.0, above=True)
+    if falls == apart == "supported":
+        return d_self, d_comp, d_pair, "supported"
+    return d_self, d_comp, d_pair, "not supported" if "not supported" in (falls, apart) else "inconclusive"
+
+
 def claims(results: Mapping, seeded: Mapping, pg: Mapping, names: Mapping[str, str]) -> list[dict]:
     """The issue's claims (a)-(f) against the data. `names`: {"complementary", "homogeneous", "self_vote",
     "gt"} -> method names."""
@@ -179,20 +194,7 @@ def claims(results: Mapping, seeded: Mapping, pg: Mapping, names: Mapping[str, s
     vs_self = paired(seeded, comp, names["self_vote"])
     gap = paired(seeded, names["gt"], comp)
     vs_homog = paired(seeded, comp, names["homogeneous"])
-    e_self, e_comp = entropy_change(results, names["self_vote"]), entropy_change(results, comp)
-    d_self, d_comp = mean_ci_or_none(list(e_self.values())), mean_ci_or_none(list(e_comp.values()))
-    d_pair = mean_ci_or_none([e_comp[s] - e_self[s] for s in sorted(set(e_self) & set(e_comp))])
-    if d_self is None or d_pair is None:
-        collapse = "inconclusive"
-    else:
-        falls, apart = verdict(d_self, 0.0, above=False), verdict(d_pair, 0.0, above=True)
-        collapse = (
-            "supported"
-            if falls == apart == "supported"
-            else "not supported"
-            if "not supported" in (falls, apart)
-            else "inconclusive"
-        )
+    d_self, d_comp, d_pair, collapse = diversity_claim(results, comp, names["self_vote"])
     k, s = pg["spearman"]["kappa"], pg["spearman"]["acc_sum"]
     predicts = "supported" if k["significant"] and k["rho"] < 0 else "not supported"
 
@@ -249,13 +251,20 @@ def _num(v: float | None, signed: bool = False) -> str:
     return "n/a" if v is None else f"{v:{'+' if signed else ''}.3f}"
 
 
+ORDER = ("yes/no", "shape", "color")  # question types, in table order
+
+
 def markdown(results: Mapping) -> str:
     """results.md: setup, the base models, every cohort's probe, the method table, probe vs gain, the claims."""
+    sections = (_setup_md, _bases_md, _probe_md, _methods_md, _probe_gain_md, _claims_md)
+    return "\n".join(line for section in sections for line in section(results))
+
+
+def _setup_md(results: Mapping) -> list[str]:
     b = results["budget"]
     split = results["split"]
     where = "easy-vqa test" if split == "test" else "validation (a tuning run: train from #35000, not test)"
-    order = ("yes/no", "shape", "color")
-    lines = [
+    return [
         "# Label-free learning on easy-vqa (tiny models, CPU)",
         "",
         f"Seeds (RL: sampling and data order): {len(results['seeds'])}. Every method: {b['rl_steps']} steps × "
@@ -269,6 +278,12 @@ def markdown(results: Mapping) -> str:
         "before training. Mean ± 95% t-interval over seeds; Δ = change vs the member's own base model; "
         "**cohort** = the mean over the trained members.",
         "",
+    ]
+
+
+def _bases_md(results: Mapping) -> list[str]:
+    split, order = results["split"], ORDER
+    lines = [
         f"## Base models ({split})",
         "",
         "| base | balanced | yes/no | shape | colour |",
@@ -284,7 +299,12 @@ def markdown(results: Mapping) -> str:
         f"| {bid} | {r['accuracy']:.3f} | " + " | ".join(f"{r[t]:.3f}" for t in order) + " |"
         for bid, r in results["base_table"].items()
     ]
-    lines += [
+    return lines
+
+
+def _probe_md(results: Mapping) -> list[str]:
+    order = ORDER
+    lines = [
         "",
         "## Every cohort's probe before training (validation; a cohort of three: the mean of its pairs)",
         "",
@@ -294,7 +314,12 @@ def markdown(results: Mapping) -> str:
     for method, p in results["cohort_probe"].items():
         cells = [_num(p[t]["kappa"]) for t in ("all", *order)] + [_num(p[t]["acc_sum"]) for t in ("all", *order)]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += [
+    return lines
+
+
+def _methods_md(results: Mapping) -> list[str]:
+    split, order = results["split"], ORDER
+    lines = [
         "",
         f"## Methods ({split})",
         "",
@@ -310,8 +335,13 @@ def markdown(results: Mapping) -> str:
                 *(ci_text(r[f"d_{t}"], True) for t in order),
             ]
             lines.append(f"| {method} | {'**cohort**' if who == 'cohort' else who} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _probe_gain_md(results: Mapping) -> list[str]:
+    split = results["split"]
     pg = results["probe_gain"]
-    lines += [
+    lines = [
         "",
         f"## Does the probe predict the gain? (ring cohorts: the probe on validation before training, the "
         f"gain on {split} after)",
@@ -336,7 +366,11 @@ def markdown(results: Mapping) -> str:
         )
         for x, t in pg["spearman"].items()
     ]
-    lines += ["", "## Claims", "", "| claim | evidence | verdict |", "|---|---|---|"]
+    return lines
+
+
+def _claims_md(results: Mapping) -> list[str]:
+    lines = ["", "## Claims", "", "| claim | evidence | verdict |", "|---|---|---|"]
     lines += [f"| {c['claim']} | {c['evidence']} | {c['verdict']} |" for c in results["claims"]]
     lines += [
         "",
@@ -348,7 +382,7 @@ def markdown(results: Mapping) -> str:
         "thread each). Plots: " + ", ".join(f"`{p}`" for p in results["plots"]),
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 # ---- plots ----------------------------------------------------------------------------------------------------

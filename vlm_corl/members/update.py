@@ -163,12 +163,8 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in trained), len(trained))
     need_all = algo.kl_beta > 0 or algo.updates_per_batch > 1
     work = trained if need_all else [s for s in trained if s.advantage != 0.0]
-    micro = [work[i : i + train.micro_batch_size] for i in range(0, len(work), train.micro_batch_size)]
-    real = len(micro)
-    # DeepSpeed: every rank of the member runs as many passes; the extra ones are zero-loss fillers.
-    micro += [[replace(seqs[0], advantage=0.0)]] * (member.micro_batch_count(real) - real)
-    model = member.model
-    model.train()
+    micro, real = _micro_batches(member, work, seqs[0], train.micro_batch_size)
+    member.model.train()
     old = None
     if algo.updates_per_batch > 1:
         with torch.no_grad():
@@ -191,7 +187,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
             loss_sum += loss.item()
             clipped_tokens += float((clipped * mask).sum())
         grad_norm = member.step(train.grad_clip)
-    totals_over_ranks = member.sum_over_ranks(
+    summed = member.sum_over_ranks(
         {
             "loss": loss_sum,
             "clipped": clipped_tokens,
@@ -200,15 +196,23 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
         }
     )
     stats = {
-        "loss": totals_over_ranks["loss"] / algo.updates_per_batch,
+        "loss": summed["loss"] / algo.updates_per_batch,
         "grad_norm": grad_norm,
         "lr": lr,
-        "clip_frac": totals_over_ranks["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
-        "trained_seqs": int(totals_over_ranks["trained"]),
+        "clip_frac": summed["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
+        "trained_seqs": int(summed["trained"]),
     }
     if algo.rollout_is != "none":
-        stats.update(rollout_mismatch({k[3:]: v for k, v in totals_over_ranks.items() if k.startswith("is_")}))
+        stats.update(rollout_mismatch({k[3:]: v for k, v in summed.items() if k.startswith("is_")}))
     return stats
+
+
+def _micro_batches(member, work: list[Sequence], any_seq: Sequence, size: int) -> tuple[list[list[Sequence]], int]:
+    """`work` in micro-batches of `size`, and how many of them are real: under DeepSpeed every rank of the
+    member runs as many passes, so ranks with fewer get zero-loss fillers (a copy of `any_seq`)."""
+    micro = [work[i : i + size] for i in range(0, len(work), size)]
+    real = len(micro)
+    return micro + [[replace(any_seq, advantage=0.0)]] * (member.micro_batch_count(real) - real), real
 
 
 def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy, norm: tuple[int, int, int]):

@@ -155,7 +155,7 @@ class CohortRun:
     reward_spec: RewardSpec
     start: int
     history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
-    data_report: object = None  # vlm_corl.data.LoadReport: records kept and skipped (into summary.json)
+    data_report: object = None  # vlm_corl.data.loaders.LoadReport: records kept and skipped (into summary.json)
     eval_history: list[dict] = field(default_factory=list)  # in-loop evaluation rows so far (rank 0)
     best: dict = field(default_factory=dict)  # member id -> {step, benchmark, score} of its kept best model
 
@@ -439,11 +439,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         log.info("placement over %d process(es): %s", world.size, describe(placement))
     torch.manual_seed(cfg.seed)
     reward_spec = resolve_reward(cfg.reward)
-    examples, data_report = load_training_examples(cfg.data.train)
-    if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
-        examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
-        log.info("paraphrases: %s", report.summary())
-    _check_members_read_the_data(cfg, examples, resume_from)
+    examples, data_report = _load_data(cfg, resume_from)
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
     specs = slot_specs(cfg.members, reward_spec.layout)
     lacking = check_views(examples, specs, cfg.data.view_fallback)
@@ -455,36 +451,40 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     slots = build_slots(cfg, members, specs, max_images, resume_from)
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
     sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
-    start, history, eval_history = 0, [], []
+    start, history, eval_history = _restore(state, sampler, world, sink)
     if state is not None:
-        start = state["step"]
-        sampler.load_state_dict(state["sampler"])
-        restore_rng(state["rng"], world)
-        if sink is not None:
-            history, eval_history = sink.truncate_after(start)
-            if not any(row["step"] == start for row in history):  # killed between checkpoint and metrics write
-                sink.write(state.get("rows", []))
-                history += state.get("rows", [])
         log.info("resumed from %s (step %d)", resume_from, start)
-    return CohortRun(
-        cfg,
-        run_dir,
-        world,
-        placement,
-        examples,
-        sampler,
-        members,
-        specs,
-        slots,
-        shards,
-        sink,
-        reward_spec,
-        start,
-        history,
-        data_report,
-        eval_history,
-        read_best(run_dir),
-    )
+    # fmt: off
+    return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
+                     reward_spec, start, history, data_report, eval_history, read_best(run_dir))
+    # fmt: on
+
+
+def _load_data(cfg: CohortConfig, resume_from: Path | None) -> tuple[list[Example], object]:
+    """The training examples (with their paraphrases, when configured) and the loader's report, after checking
+    that every member can read them."""
+    examples, data_report = load_training_examples(cfg.data.train)
+    if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
+        examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
+        log.info("paraphrases: %s", report.summary())
+    _check_members_read_the_data(cfg, examples, resume_from)
+    return examples, data_report
+
+
+def _restore(state: dict | None, sampler: LockstepSampler, world: World, sink) -> tuple[int, list, list]:
+    """(start step, metrics history, eval history) of a resumed run, with the sampler and random streams
+    restored, and the metrics rows after the checkpoint dropped; (0, [], []) for a new run."""
+    if state is None:
+        return 0, [], []
+    start, history, eval_history = state["step"], [], []
+    sampler.load_state_dict(state["sampler"])
+    restore_rng(state["rng"], world)
+    if sink is not None:
+        history, eval_history = sink.truncate_after(start)
+        if not any(row["step"] == start for row in history):  # killed between checkpoint and metrics write
+            sink.write(state.get("rows", []))
+            history += state.get("rows", [])
+    return start, history, eval_history
 
 
 def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume_from: Path | None) -> list:

@@ -90,14 +90,10 @@ def sample(
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
-    choose = Chooser(params)
-    samplable = torch.ones(vocab, dtype=torch.bool, device=device)
-    samplable[list(policy.suppressed)] = False
-    samplable = samplable.nonzero().squeeze(1)  # (V',) token ids the policy can emit
-    eos = torch.tensor(eos_ids, device=device)
+    choose, eos = Chooser(params), torch.tensor(eos_ids, device=device)
+    samplable = _samplable(vocab, policy.suppressed, device)  # (V',) token ids the policy can emit
     tokens = torch.full((rows, params.max_new_tokens), policy.pad_id, dtype=torch.long, device=device)
-    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
-    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    stopped, lengths = (torch.zeros(rows, dtype=kind, device=device) for kind in (torch.bool, torch.long))
     sums = {name: torch.zeros(rows, device=device) for name in ("logprob", "entropy", "self_certainty")}
     token_logp = torch.zeros(rows, params.max_new_tokens, device=device)
     texts = [""] * rows  # decoded responses so far, only when stop strings are checked
@@ -113,14 +109,9 @@ def sample(
         probs = logp.exp()
         choice = choose(scores, probs, uniforms[active, t])
         next_tokens = samplable[choice]  # (A,)
-        # token_entropy / token_self_certainty of vlm_corl.training.grpo, from this one log-softmax over the V' tokens
-        chosen = logp.gather(-1, choice[:, None]).squeeze(-1)
-        token_logp[active, t] = chosen
-        for name, value in (
-            ("logprob", chosen),
-            ("entropy", -(probs * logp).sum(dim=-1)),
-            ("self_certainty", -logp.mean(dim=-1) - math.log(len(samplable))),
-        ):
+        stats = _chosen_token_stats(logp, probs, choice)
+        token_logp[active, t] = stats["logprob"]
+        for name, value in stats.items():
             sums[name][active] += value
         tokens[active, t] = next_tokens
         lengths[active] += 1
@@ -136,9 +127,31 @@ def sample(
             active, next_tokens = active[keep], next_tokens[keep]
         inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
         logits = model(**inputs).logits[:, -1]
-    rows_tokens = [ids[:n] for ids, n in zip(tokens.tolist(), lengths.tolist())]
-    rows_logp = [lp[:n] for lp, n in zip(token_logp.tolist(), lengths.tolist())]
+    n_tokens = lengths.tolist()
+    rows_tokens, rows_logp = (_cut(rows.tolist(), n_tokens) for rows in (tokens, token_logp))
     return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}, rows_logp
+
+
+def _cut(rows: list[list], lengths: list[int]) -> list[list]:
+    """Each row's first `lengths[i]` entries (the rest is padding past its end)."""
+    return [row[:n] for row, n in zip(rows, lengths)]
+
+
+def _samplable(vocab: int, suppressed, device) -> torch.Tensor:
+    """The token ids (ascending) a policy with these suppressed ids can emit."""
+    mask = torch.ones(vocab, dtype=torch.bool, device=device)
+    mask[list(suppressed)] = False
+    return mask.nonzero().squeeze(1)
+
+
+def _chosen_token_stats(logp: torch.Tensor, probs: torch.Tensor, choice: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per row: the log-prob of the chosen token, and the entropy and self-certainty of the distribution
+    (token_entropy / token_self_certainty of vlm_corl.training.grpo), from one log-softmax over the V' tokens."""
+    return {
+        "logprob": logp.gather(-1, choice[:, None]).squeeze(-1),
+        "entropy": -(probs * logp).sum(dim=-1),
+        "self_certainty": -logp.mean(dim=-1) - math.log(logp.shape[-1]),
+    }
 
 
 class Chooser:

