@@ -215,7 +215,7 @@ def run(args) -> dict:
 def report(args, device: torch.device, peaks: dict, results: dict) -> dict:
     """The JSON: settings, each pass's peak (bytes, and in units of one bf16 copy of a micro-batch's logits),
     the new/old ratio and the target, and how closely the two implementations agree."""
-    from vlm_corl import grpo
+    from vlm_corl.training import grpo
 
     bf16_logits = args.batch * args.tokens * args.vocab * 2
     out = {
@@ -287,7 +287,7 @@ def main() -> int:
     args.score_responses = args.score_responses or args.batch
     args.suppressed = [args.vocab - 3, args.vocab - 2, args.vocab - 1]  # control tokens; the last one pads
     if args.chunk_elements:
-        from vlm_corl import grpo
+        from vlm_corl.training import grpo
 
         grpo.CHUNK_ELEMENTS = args.chunk_elements
     torch.set_num_threads(1)

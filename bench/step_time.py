@@ -319,7 +319,7 @@ def main() -> int:
 
     anchor = load_anchor(args.anchor)
     if args.prompt == "question":
-        from vlm_corl import render
+        from vlm_corl.members import render
 
         # Bench only: the member's prompt style becomes the bare question, so both trainers see the same tokens.
         render.PROMPT_STYLES = {style: "{question}" for style in render.PROMPT_STYLES}

@@ -15,6 +15,7 @@ from vlm_corl import eval as ev
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.images import load_image
 from vlm_corl.data.loaders import DataError, load_examples
+from vlm_corl.evaluation import scoring
 from vlm_corl.evaluation.benchmarks.common import grade_response
 from vlm_corl.evaluation.benchmarks.mathverse import MATHVERSE
 from vlm_corl.evaluation.benchmarks.mathvision import MATHVISION
@@ -217,8 +218,8 @@ def _evaluate(member, monkeypatch, bench, exs, right_ids) -> dict:
     answers = {
         i: f"<answer>{ex.answer}</answer>" if i in right_ids else "<answer>none</answer>" for i, ex in exs.items()
     }
-    monkeypatch.setattr(ev, "make_engine", lambda name, m: CannedEngine(answers))
-    return ev.evaluate_member(member, list(exs.values()), bench)
+    monkeypatch.setattr(scoring, "make_engine", lambda name, m: CannedEngine(answers))
+    return scoring.evaluate_member(member, list(exs.values()), bench)
 
 
 def test_breakdowns_by_task_skill_version_subject_and_level(member, monkeypatch):
@@ -254,7 +255,7 @@ def test_breakdowns_by_task_skill_version_subject_and_level(member, monkeypatch)
         {"arithmetic": 0.5, "counting": 1.0, "logic": 0.5, "solid geometry": 0.0, "topology": 0.5}
     )
     assert vision["aggregate"]["by_level"] == pytest.approx({"1": 1.0, "2": 0.5, "3": 0.5, "4": 0.0, "5": 0.5})
-    markdown = ev.results_markdown({"m": {"mathvision": vision}})
+    markdown = scoring.results_markdown({"m": {"mathvision": vision}})
     assert "- m / mathvision: by_level: 1 1.000, 2 0.500, 3 0.500, 4 0.000, 5 0.500" in markdown
 
 
