@@ -51,6 +51,11 @@ def test_spearman_by_hand():
 
 
 def test_verdicts_by_hand():
+    sig = {"rho": -0.9, "significant": True}
+    weak = {"rho": 0.2, "significant": False}
+    assert analysis.prediction_verdict(sig, {"rho": 0.8, "significant": True}) == "supported"
+    assert analysis.prediction_verdict(weak, {"rho": 0.8, "significant": True}).startswith("partly supported (p_A")
+    assert analysis.prediction_verdict({"rho": 0.9, "significant": True}, weak) == "not supported"  # wrong sign
     assert analysis.verdict({"mean": 0.08, "ci": 0.02}, 0.05, above=True) == "supported"
     assert analysis.verdict({"mean": 0.06, "ci": 0.02}, 0.05, above=True) == "inconclusive"
     assert analysis.verdict({"mean": 0.02, "ci": 0.02}, 0.05, above=True) == "not supported"
