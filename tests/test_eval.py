@@ -19,6 +19,12 @@ def test_eval_writes_results_for_a_vision_and_a_text_benchmark(tiny_zoo, tmp_pat
     )
     vision = json.loads((tmp_path / "v" / "results.json").read_text())[str(tiny_zoo["qwen2_vl"])]["easyvqa"]
     assert vision["n"] == 6 and set(vision["by_type"]) == {"yes/no", "shape", "color"}
+    # the numbers are those of the records: accuracy their mean, each type's the mean of its 2 (balanced)
+    records = vision["records"]
+    assert vision["accuracy"] == pytest.approx(sum(r["correct"] for r in records) / 6)
+    for qtype, acc in vision["by_type"].items():
+        mine = [r["correct"] for r in records if r["type"] == qtype]
+        assert len(mine) == 2 and acc == pytest.approx(sum(mine) / 2)
     assert "| easyvqa | 6 |" in (tmp_path / "v" / "results.md").read_text()
     main(
         [
