@@ -26,8 +26,9 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 ## The default test suite, after the lint (CI runs exactly this).
+TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist load
 
 ## Slower suites, excluded from the default run.
 test-slow: setup

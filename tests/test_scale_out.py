@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -119,6 +120,12 @@ def test_data_parallel_ranks_of_a_member_stay_identical_and_match_one_process(tw
     assert worst < 1e-6, worst
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_accelerate_launch_two_processes_writes_rows_and_a_loadable_checkpoint(two_members, tmp_path):
     from transformers import AutoModelForImageTextToText
 
@@ -130,6 +137,8 @@ def test_accelerate_launch_two_processes_writes_rows_and_a_loadable_checkpoint(t
             "accelerate.commands.launch",
             "--config_file",
             str(ROOT / "configs/accelerate/cpu_2proc.yaml"),
+            "--main_process_port",  # a free port: another test may run a launch beside this one (pytest -n)
+            str(_free_port()),
             "-m",
             "vlm_corl.train",
             "--config",
