@@ -5,7 +5,7 @@ SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo lint test test-slow test-vllm
+.PHONY: setup demo lint test test-scale test-slow test-vllm
 
 # torch/torchvision first, by exact pins (an unpinned torch pulls a multi-GB build from the index).
 $(SETUP): pyproject.toml
@@ -29,6 +29,10 @@ lint: setup
 TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist load
+
+## DeepSpeed ZeRO-2/3 members on rank groups (4 gloo processes, exact resume): slow, run by CI after `make test`.
+test-scale: setup
+	$(PY) -m pytest -m slow tests/test_scale_out.py
 
 ## Slower suites, excluded from the default run.
 test-slow: setup
