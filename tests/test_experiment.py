@@ -1,6 +1,7 @@
 """The easy-vqa experiment: its statistics and verdicts against numbers worked by hand, its data (wording-based
 question types, skill-weighted warm-start slices), and `--quick` end to end (every method and seed in
-results.json, the table's intervals recomputed from the seeds, the probe-vs-gain table)."""
+results.json, the table's intervals recomputed from the seeds, the probe-vs-gain table), then one method re-run
+on its base models with `easyvqa_try`, and that command's mistakes."""
 
 import json
 import math
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from vlm_corl.data.loaders import DataError, easyvqa_question_type, load_easyvqa
+from vlm_corl import cli
 from vlm_corl.data.records import Example
 from vlm_corl.experiments import easyvqa_analysis as analysis
+from vlm_corl.experiments import easyvqa_try
 from vlm_corl.experiments.easyvqa import METHODS, RING_COHORTS
 from vlm_corl.experiments.easyvqa_data import asked_type, skill_mix
 from vlm_corl.experiments.stats import mean_ci, pearson, ranks, spearman, t975
@@ -165,3 +168,58 @@ def test_quick_experiment_end_to_end(tmp_path):
         "answer_entropy_batch",
     ):
         assert (out / f"{plot}.png").stat().st_size > 1000
+    # one method again on the same base models, with overrides, scored on validation
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlm_corl.experiments.easyvqa_try",
+            "--bases",
+            str(out / "base"),
+            "--method",
+            "gt-labels",
+            "--limit",
+            "15",
+            "--out",
+            str(tmp_path / "try"),
+            "train.max_steps=2",
+            "data.batch_size=4",
+            "rollout.n=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tried = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(tried["members"]) == {"A", "B"} and tried["overrides"][-1] == "rollout.n=2"
+    for mid, m in tried["members"].items():
+        # the base's validation score is the probe's: the same 15 balanced validation questions
+        probe = json.loads((out / "base" / mid / "probe_records.json").read_text())
+        assert m["base"]["balanced"] == pytest.approx(sum(r["correct"] for r in probe) / len(probe))
+        assert m["change_points"] == pytest.approx(100 * (m["after"]["balanced"] - m["base"]["balanced"]), abs=0.01)
+    assert tried["cohort_change_points"] == pytest.approx(
+        sum(m["change_points"] for m in tried["members"].values()) / 2, abs=0.01
+    )
+    summary = json.loads((tmp_path / "try" / "runs" / "gt-labels-seed0" / "summary.json").read_text())
+    assert summary["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "nope"], "is not a method of the experiment; one of: ring-complementary-a-b"),
+        (["--method", "gt-labels"], "no base model A, B there"),
+        (["--method", "gt-labels", "rollout.nn=3"], "unknown key 'rollout.nn'"),
+    ],
+)
+def test_easyvqa_try_names_the_mistake(tmp_path, capsys, args, message):
+    bases = tmp_path / "base"
+    if "rollout.nn=3" in args:  # base models present: the override is what is wrong
+        for b in ("A", "B"):
+            (bases / b).mkdir(parents=True)
+            (bases / b / "config.json").write_text("{}")
+    argv = ["--bases", str(bases), "--out", str(tmp_path / "o"), *args]
+    assert cli.run(easyvqa_try.main, argv) == 2
+    assert message in capsys.readouterr().err
