@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vlm_corl.data.loaders import DataError, easyvqa_question_type, load_easyvqa
 from vlm_corl import cli
+from vlm_corl.data.loaders import DataError, easyvqa_question_type, load_easyvqa
 from vlm_corl.data.records import Example
 from vlm_corl.experiments import easyvqa_analysis as analysis
 from vlm_corl.experiments import easyvqa_try
