@@ -1,12 +1,31 @@
-"""Helpers shared by the end-to-end training tests: small cohort configs and reading a run's outputs."""
+"""Helpers shared by the end-to-end tests: small cohort configs, reading a run's outputs, running a command through
+`python -m`."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def python_m(module: str, *args, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m module args...` in the repository (one OpenMP thread), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:

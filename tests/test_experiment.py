@@ -5,11 +5,9 @@ on its base models with `easyvqa_try`, and that command's mistakes."""
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cohort_helpers import python_m
 
 from vlm_corl import cli
 from vlm_corl.data.loaders import DataError, easyvqa_question_type, load_easyvqa
@@ -20,8 +18,6 @@ from vlm_corl.experiments.easyvqa import METHODS, RING_COHORTS
 from vlm_corl.experiments.easyvqa_data import asked_type, skill_mix
 from vlm_corl.experiments.stats import mean_ci, pearson, ranks, spearman, t975
 from vlm_corl.warmstart import mixed_by
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_t_interval_by_hand():
@@ -125,13 +121,7 @@ def test_skill_weighted_slices():
 
 def test_quick_experiment_end_to_end(tmp_path):
     out = tmp_path / "x"
-    proc = subprocess.run(
-        [sys.executable, "-m", "vlm_corl.experiments.easyvqa", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = python_m("vlm_corl.experiments.easyvqa", "--quick", "--out", out, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["split"] == "test" and set(results["seeds"]) == {"0", "1"}
@@ -169,26 +159,10 @@ def test_quick_experiment_end_to_end(tmp_path):
     ):
         assert (out / f"{plot}.png").stat().st_size > 1000
     # one method again on the same base models, with overrides, scored on validation
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vlm_corl.experiments.easyvqa_try",
-            "--bases",
-            str(out / "base"),
-            "--method",
-            "gt-labels",
-            "--limit",
-            "15",
-            "--out",
-            str(tmp_path / "try"),
-            "train.max_steps=2",
-            "data.batch_size=4",
-            "rollout.n=2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    proc = python_m(
+        "vlm_corl.experiments.easyvqa_try",
+        *("--bases", out / "base", "--method", "gt-labels", "--limit", 15, "--out", tmp_path / "try"),
+        *("train.max_steps=2", "data.batch_size=4", "rollout.n=2"),
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
