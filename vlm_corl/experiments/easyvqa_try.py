@@ -41,7 +41,6 @@ def try_config(method: str, bases: Path, seed: int, out: Path, overrides: list[s
     cfg = method_config(method, seed, FULL, out)
     for member in cfg["members"]:
         member["model"] = str(bases / Path(member["model"]).name)
-    cfg["output_dir"] = str(out / "runs" / cfg["name"])
     problems = Problems()
     for text in overrides:
         apply_override(cfg, text, problems)
