@@ -121,16 +121,17 @@ def test_skill_weighted_slices():
 
 def test_quick_experiment_end_to_end(tmp_path):
     out = tmp_path / "x"
-    proc = python_m("vlm_corl.experiments.easyvqa", "--quick", "--out", out, timeout=900)
+    proc = python_m("vlm_corl.experiments.easyvqa", "--quick", "--rl-steps", 3, "--out", out, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["split"] == "test" and set(results["seeds"]) == {"0", "1"}
+    assert results["budget"]["rl_steps"] == 3 and "3 steps" in (out / "results.md").read_text()
     for methods in results["seeds"].values():
         assert list(methods) == list(METHODS)
         for method, run in methods.items():
             trained = {mid for mid, _, extra in METHODS[method][0] if extra.get("trainable", True)}
             assert set(run["eval"]) == trained, method
-            assert (out / run["run_dir"] / "summary.json").exists()
+            assert json.loads((out / run["run_dir"] / "summary.json").read_text())["steps"] == 3
     # the table's intervals come from the seeds: recompute one member's Δ balanced by hand
     deltas = [
         results["seeds"][s]["ring, complementary A+B"]["eval"]["B"]["accuracy"]
