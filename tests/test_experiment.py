@@ -177,8 +177,8 @@ def test_quick_experiment_end_to_end(tmp_path):
     assert tried["cohort_change_points"] == pytest.approx(
         sum(m["change_points"] for m in tried["members"].values()) / 2, abs=0.01
     )
-    summary = json.loads((tmp_path / "try" / "runs" / "gt-labels-seed0" / "summary.json").read_text())
-    assert summary["steps"] == 2
+    rows = (tmp_path / "try" / "runs" / "gt-labels-seed0" / "metrics.jsonl").read_text().splitlines()
+    assert {json.loads(r)["step"] for r in rows} == {1, 2}  # the override trained 2 steps, not the budget's 120
 
 
 @pytest.mark.parametrize(
@@ -187,11 +187,12 @@ def test_quick_experiment_end_to_end(tmp_path):
         (["--method", "nope"], "is not a method of the experiment; one of: ring-complementary-a-b"),
         (["--method", "gt-labels"], "no base model A, B there"),
         (["--method", "gt-labels", "rollout.nn=3"], "unknown key 'rollout.nn'"),
+        (["--method", "gt-labels", "train.lr=abc"], "train.lr: expected a number"),
     ],
 )
 def test_easyvqa_try_names_the_mistake(tmp_path, capsys, args, message):
     bases = tmp_path / "base"
-    if "rollout.nn=3" in args:  # base models present: the override is what is wrong
+    if len(args) > 2:  # base models present: the override is what is wrong
         for b in ("A", "B"):
             (bases / b).mkdir(parents=True)
             (bases / b / "config.json").write_text("{}")

@@ -202,7 +202,6 @@ def test_scale_benchmark_runs_at_its_smallest_size():
     assert {"rollout", "update", "exchange"} <= out["phase_median_s"]["2p"].keys()
 
 
-# ZeRO-3 (weights partitioned too, the harder path) runs in the default suite; ZeRO-2 with `make test-slow`.
 # slow (about 2 min each on 2 cores): `make test-scale`, which CI runs after `make test`; ZeRO-3's partitioned
 # member stays in the default suite through tests/test_zero3_stream.py
 @pytest.mark.parametrize(
