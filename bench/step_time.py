@@ -231,7 +231,7 @@ def prompt_tokens(model_dir: str, data_file: str | None, args) -> tuple[int, int
     from vlm_corl.config import MemberConfig
     from vlm_corl.members.member import load_member
     from vlm_corl.members.render import Renderer
-    from vlm_corl.training.loop import load_training_examples
+    from vlm_corl.training.setup import load_training_examples
 
     cfg = cohort_config(args, model_dir, data_file, 1, Path("."))
     member = load_member(MemberConfig(id="probe", model=model_dir))

@@ -190,7 +190,7 @@ def test_empty_section_means_defaults(models):
         ({"reward": {"mode": "rign"}}, "reward.mode: 'rign' is not valid; choose one of: ring, peers, soft, gt,"),
         ({"algo": {"kl_estimator": "k2"}}, "algo.kl_estimator: 'k2' is not valid; choose one of: k1, k3"),
         ({"train": {"resume": "maybe"}}, "train.resume: expected true or false or auto, got string 'maybe'"),
-        ({"train": {"mixed_precision": "bf32"}}, "choose one of: no, bf16"),
+        ({"train": {"mixed_precision": "bf32"}}, "choose one of: auto, no, bf16"),
         ({"rollout": {"engine": "sglang"}}, "rollout.engine: 'sglang' is not valid; choose one of: hf, vllm"),
         ({"data": {"view_fallback": "skip"}}, "choose one of: error, original"),
     ],

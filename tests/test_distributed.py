@@ -15,7 +15,8 @@ from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.distributed.exchange import LockstepError, exchange
 from vlm_corl.distributed.world import PlacementError, World, describe, place_members, shard, sum_over
 from vlm_corl.members.member import load_member
-from vlm_corl.training.loop import _check_shards, batch_totals, run_cohort
+from vlm_corl.training.loop import batch_totals, run_cohort
+from vlm_corl.training.setup import _check_shards
 
 
 def _members(*ids, ranks=None):

@@ -68,7 +68,7 @@ MISTAKES = {  # name: (overrides, a piece of the first line of the message)
     ),
     "prompt too long": (
         ["rollout.max_prompt_tokens=5"],
-        "over the longest prompt allowed (5 tokens: rollout.max_prompt_tokens",
+        "training examples fit rollout.max_prompt_tokens",
     ),
     "output_dir is a file": (["output_dir={tmp}/a_file"], "is a file; choose a directory"),
     "resume without a checkpoint": (["train.resume=true"], "train.resume=true but"),

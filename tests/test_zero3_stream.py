@@ -1,7 +1,10 @@
 """ZeRO-3 without a full copy of the weights (`rollout.engine: vllm`): the weights stream a bucket at a time
 (`Member.full_weights`) into checkpoints, checksums, EMA teachers and the vLLM sync, and scoring passes run
-through the engine in lockstep. tests/zero3_stream_worker.py checks each against a twin member that keeps the
-copy, over 2 gloo processes; in the vLLM lane the synced engine must also decode what the saved weights decode."""
+through the engine in lockstep. Both members are partitioned before DeepSpeed sees them (no rank ever holds the
+whole model plus gradients: the start-up peak that would OOM an 11B member on an 80 GB card, whose size only a
+GPU shows), and the HF engine's copy is refreshed a bucket at a time. tests/zero3_stream_worker.py checks each
+against a twin member that keeps the copy, over 2 gloo processes; in the vLLM lane the synced engine must also
+decode what the saved weights decode."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 CHECKS = (
     "initial_equal",
+    "partitioned_before_initialize",
+    "refresh_in_buckets",
     "updated",
     "stream_equals_copy",
     "stream_names",

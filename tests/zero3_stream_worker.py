@@ -23,7 +23,7 @@ from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig, VllmConfig
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.distributed.world import build_groups, launch_world, weights_checksum
-from vlm_corl.members.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
+from vlm_corl.members.deepspeed_update import attach_deepspeed
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams, make_engine
@@ -31,29 +31,50 @@ from vlm_corl.members.update import Sequence, policy_update, response_token_stat
 from vlm_corl.training.slots import ema_update
 
 ROOT = Path(__file__).resolve().parents[1]
+BUCKET = 64 << 10  # a small bucket so that the stream gathers in several rounds
+SEEN = {"initialize": [], "gathers": []}
+
+
+def record_deepspeed() -> None:
+    """What DeepSpeed is handed: the module at initialize (partitioned already? gradients?) and the bytes of
+    every GatheredParameters call."""
+    import deepspeed
+
+    initialize, gathered = deepspeed.initialize, deepspeed.zero.GatheredParameters
+
+    def init(**kwargs):
+        params = list(kwargs["model"].parameters())
+        SEEN["initialize"].append(all(hasattr(p, "ds_id") and p.grad is None for p in params))
+        return initialize(**kwargs)
+
+    def gather(params, *args, **kwargs):
+        SEEN["gathers"].append(sum(p.ds_numel * p.element_size() for p in params))
+        return gathered(params, *args, **kwargs)
+
+    deepspeed.initialize, deepspeed.zero.GatheredParameters = init, gather
 
 
 def member(cfg_id: str, model: str, world, train: TrainConfig, keep_full_copy: bool):
-    m = load_member(MemberConfig(id=cfg_id, model=model), device=world.device)
+    m = load_member(MemberConfig(id=cfg_id, model=model), device=world.device, stage_on_cpu=True)
     m.group = world.group((0, 1))
-    m.setup_optimizer(train, 4)
-    ds = load_deepspeed_config(ROOT / "configs" / "deepspeed" / "zero3.json", train.grad_clip, 2)
-    # a small bucket so that the stream gathers in several rounds
-    m.deepspeed = DeepSpeedUpdate(
-        m, ds, m.group, world.singles[world.rank], keep_full_copy=keep_full_copy, bucket_bytes=64 << 10
-    )
+    attach_deepspeed(m, train, 4, m.group, world.singles[world.rank], keep_full_copy, bucket_bytes=BUCKET)
     return m
 
 
 def main() -> None:
     model, out, use_vllm = sys.argv[1], Path(sys.argv[2]), "--vllm" in sys.argv
     world = launch_world(600, need_group=True)
+    record_deepspeed()
     build_groups(world, {"p": (0, 1), "c": (0, 1)}, every=True)
-    train = TrainConfig(lr=1e-2, warmup_ratio=0.0, micro_batch_size=2)
+    train = TrainConfig(
+        lr=1e-2, warmup_ratio=0.0, micro_batch_size=2, deepspeed=str(ROOT / "configs" / "deepspeed" / "zero3.json")
+    )
     original = {k: v.clone() for k, v in load_member(MemberConfig(id="o", model=model)).model.state_dict().items()}
     part, twin = member("p", model, world, train, False), member("c", model, world, train, True)
     assert part.partitioned and not twin.partitioned
     result = {"initial_equal": all(torch.equal(original[k], t) for k, t in part.full_weights())}
+    # ZeRO-3 weights are partitioned before DeepSpeed sees the module, and no gradient is allocated first
+    result["partitioned_before_initialize"] = SEEN["initialize"] == [True, True]
 
     render = Renderer(part, "original", 10**6, 10**6)
     examples = load_examples(
@@ -66,8 +87,11 @@ def main() -> None:
         Sequence(g.prompt.inputs, r.token_ids, advantage=(-1.0) ** k) for g in groups for k, r in enumerate(g.responses)
     ]
     totals = (2 * sum(len(s.token_ids) for s in seqs), 2 * len(seqs))  # both ranks' shares (same sizes here)
-    for m in (part, twin):
-        policy_update(m, seqs, AlgoConfig(), train, RolloutConfig(max_new_tokens=8), totals)
+    policy_update(part, seqs, AlgoConfig(), train, RolloutConfig(max_new_tokens=8), totals)
+    SEEN["gathers"].clear()
+    policy_update(twin, seqs, AlgoConfig(), train, RolloutConfig(max_new_tokens=8), totals)  # refreshes its copy
+    largest = max(p.ds_numel * p.element_size() for p in twin.model.parameters())
+    result["refresh_in_buckets"] = len(SEEN["gathers"]) > 1 and max(SEEN["gathers"]) <= max(BUCKET, largest)
 
     streamed = {k: t.clone() for k, t in part.full_weights()}
     copy = dict(twin.deepspeed.full_copy.state_dict())

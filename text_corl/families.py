@@ -42,6 +42,9 @@ QWEN3 = Family(
     chat_template=chatml_template(None),  # Qwen3 inserts no default system message
     tokens=CHATML_TOKENS,
     build_config=_qwen3_config,
+    # Hybrid-thinking checkpoints write long <think> traces unless told not to: answers then get cut off at
+    # max_new_tokens and rewards collapse to 0. members[i].chat_template_kwargs turns it back on.
+    chat_template_kwargs=(("enable_thinking", False),),
 )
 
 QWEN2 = Family(

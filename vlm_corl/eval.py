@@ -17,8 +17,10 @@ from vlm_corl import cli
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import RolloutConfig, VllmConfig
 from vlm_corl.distributed.checkpoint import MANIFEST, is_complete, latest_checkpoint
+from vlm_corl.distributed.world import default_device
 from vlm_corl.errors import UserError
 from vlm_corl.evaluation.scoring import (
+    EVAL_IMAGE_PIXELS,
     Benchmark,
     benchmark_examples,
     check_models,
@@ -105,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     engines = []  # vLLM engines live as long as the process (closing one tears down vLLM's shared state)
     for model_dir in dirs:
-        member = load_member(MemberConfig(id=model_dir.name, model=str(model_dir), trainable=False))
+        member = load_member(
+            MemberConfig(id=model_dir.name, model=str(model_dir), trainable=False), device=default_device()
+        )
         engine, room = _engine(args, member, list(benches.values()), examples, share=1 / len(dirs))
         engines.append(engine if args.engine == "vllm" else None)
         for name, bench in benches.items():
@@ -149,7 +153,7 @@ def _engine(args, member: Member, benches: list[Benchmark], examples: dict, shar
         vllm=budget,
     )
     images = max(len(ex.images) for exs in examples.values() for ex in exs)
-    return make_engine("vllm", member, rollout, images, share), args.max_prompt_tokens
+    return make_engine("vllm", member, rollout, images, share, EVAL_IMAGE_PIXELS), args.max_prompt_tokens
 
 
 def benchmark_list() -> str:

@@ -23,6 +23,7 @@ from vlm_corl import cli
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import DataError, balance_by, load_examples
 from vlm_corl.data.records import Example
+from vlm_corl.distributed.world import default_device
 from vlm_corl.members.member import Member, check_modality, load_member, member_family
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.update import response_logprobs
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
         raise DataError(f"the warm start needs gold answers; {len(missing)} examples have none (e.g. {missing[0]})")
     cfg = MemberConfig(id=out.name, model=args.model)
     check_modality(member_family(cfg, args.model), examples, f"--model {args.model}")
-    member = load_member(cfg)
+    member = load_member(cfg, device=default_device())
     losses = []
     with tqdm(total=args.steps, desc=f"warm start {out.name}", unit="step", disable=None) as bar:
 

@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from vlm_corl.cli import positive_int
 from vlm_corl.config.loading import ConfigError, dump_config, load_config
 from vlm_corl.config.parse import explain
 
@@ -20,6 +21,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("file", nargs="?", help="cohort YAML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=8 members.0.view=paraphrase:1")
     parser.add_argument("--explain", action="store_true", help="list every field with its type, default and doc")
+    parser.add_argument(
+        "--processes",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="also check the placement and vLLM engine layout for a launch of N processes (default: only when "
+        "every member states its ranks)",
+    )
     args = parser.parse_args(argv)
     if args.explain:
         print(explain())
@@ -27,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.file is None:
         parser.error("a config FILE is required (or --explain)")
     try:
-        cfg = load_config(args.file, args.overrides)
+        cfg = load_config(args.file, args.overrides, processes=args.processes)
     except ConfigError as err:
         n = len(err.problems)
         print(f"{args.file}: invalid cohort config ({n} problem{'s' * (n != 1)}):", file=sys.stderr)

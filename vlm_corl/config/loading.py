@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from vlm_corl.config.engine_layout import VLLM_UNSUPPORTED, engine_layout_problems, member_engine, model_type
 from vlm_corl.config.parse import (
     ConfigError,
     Problems,
@@ -24,13 +25,38 @@ from vlm_corl.errors import UserError
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 
 
-def validate(cfg: CohortConfig) -> None:
-    """Cross-field checks (the per-field ones run while parsing); raises ConfigError listing every problem."""
+def validate(cfg: CohortConfig, processes: int | None = None) -> None:
+    """Cross-field checks (the per-field ones run while parsing); raises ConfigError listing every problem.
+
+    The engine layout (vLLM engines per rank, sleep mode) is checked for a launch of `processes`, or, when every
+    member states its ranks, for the launch those ranks make; otherwise `train` checks it at start."""
     problems = Problems()
     _member_problems(cfg, problems)
     _run_problems(cfg, problems)
+    if not problems.items:
+        _layout_problems(cfg, problems, processes)
     if problems.items:
         raise problems.error()
+
+
+def _layout_problems(cfg: CohortConfig, problems: Problems, processes: int | None) -> None:
+    """Placement and engine-layout problems of the launch, when its size is known (see `validate`)."""
+    from vlm_corl.distributed.world import PlacementError, place_members
+
+    given = processes is not None
+    if not given:
+        if not cfg.members or not all(m.ranks for m in cfg.members):
+            return
+        processes = max(r for m in cfg.members for r in m.ranks) + 1  # what the ranks imply
+    try:
+        placement = place_members(cfg.members, processes)
+    except PlacementError as err:
+        if given:  # otherwise `train` reports it against the launch it gets
+            problems.add("members", str(err))
+        return
+    teachers = cfg.reward.custom is None and cfg.reward.mode == "co_rewarding_2"
+    for path, message in engine_layout_problems(cfg, placement, teachers):
+        problems.add(path, message)
 
 
 def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
@@ -53,6 +79,14 @@ def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
                 f"{m.model!r} {state}; it must be a local model directory with a config.json. Build tiny test models"
                 f" with `python -m vlm_corl.zoo --out DIR` (then use DIR/<family>) or download one with"
                 f" `huggingface-cli download ORG/NAME --local-dir DIR`",
+            )
+        kind = model_type(model)
+        if member_engine(cfg, m) == "vllm" and kind in VLLM_UNSUPPORTED:
+            problems.add(
+                f"members[{i}].engine",
+                f"member {m.id!r} is a {VLLM_UNSUPPORTED[kind]} model, which vLLM cannot run (it dropped "
+                f"encoder-decoder models in 0.10.2): set members[{i}].engine: hf for this member (the others may "
+                "stay on vLLM)",
             )
         if m.trainable and m.dtype == "float16":
             problems.add(
@@ -165,12 +199,13 @@ def check_registered(cfg: CohortConfig) -> None:
         raise problems.error()
 
 
-def config_from_dict(d: Any) -> CohortConfig:
-    """Build and validate a CohortConfig from plain data (a parsed YAML mapping); raises ConfigError."""
+def config_from_dict(d: Any, processes: int | None = None) -> CohortConfig:
+    """Build and validate a CohortConfig from plain data (a parsed YAML mapping), for a launch of `processes`
+    when given (see `validate`); raises ConfigError."""
     problems = Problems()
     cfg = parse_value(CohortConfig, d, "", problems)
     try:
-        validate(cfg)
+        validate(cfg, processes)
     except ConfigError as err:
         for path, message in zip(err.fields, err.problems):
             if not problems.covers(path):
@@ -180,8 +215,9 @@ def config_from_dict(d: Any) -> CohortConfig:
     return cfg
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> CohortConfig:
-    """Read a cohort YAML file, apply dotted `key=value` overrides, and return the validated config.
+def load_config(path: str | Path, overrides: Sequence[str] = (), processes: int | None = None) -> CohortConfig:
+    """Read a cohort YAML file, apply dotted `key=value` overrides, and return the validated config (for a launch
+    of `processes` when given: the placement and engine layout too).
 
     Raises ConfigError naming every problem: unreadable or invalid YAML (with line and column), a top level that
     is not a mapping, bad overrides, and everything `config_from_dict` reports.
@@ -189,7 +225,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> CohortConfig
     problems = Problems()
     raw = read_raw_config(path, overrides, problems)
     try:
-        cfg = config_from_dict(raw)
+        cfg = config_from_dict(raw, processes)
     except ConfigError as err:
         problems.items += list(zip(err.fields, err.problems))
     if problems.items:

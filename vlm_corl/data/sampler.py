@@ -12,9 +12,9 @@ class LockstepSampler:
 
     A batch never crosses an epoch boundary: when fewer than `batch_size` examples are left in the epoch, they
     are dropped and the next epoch starts (a new permutation, so no example is left out for good when
-    shuffling). A batch therefore never holds one example twice. The whole state is (epoch, position): it goes
-    into checkpoints, and a restored sampler continues with exactly the batches the interrupted run would
-    have drawn.
+    shuffling). A batch therefore never holds one example twice. Excluded examples (`exclude`: prompts too long
+    for a member) are passed over. The whole state is (epoch, position, excluded): it goes into checkpoints,
+    and a restored sampler continues with exactly the batches the interrupted run would have drawn.
     """
 
     def __init__(self, num_examples: int, batch_size: int, seed: int, shuffle: bool = True):
@@ -30,6 +30,7 @@ class LockstepSampler:
             )
         self.num_examples, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
+        self.excluded: set[int] = set()
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -38,12 +39,36 @@ class LockstepSampler:
         return torch.randperm(self.num_examples, generator=gen).tolist()
 
     def next_batch(self) -> list[int]:
-        """The next `batch_size` indices, all distinct; advances the state."""
-        if self.position + self.batch_size > self.num_examples:
+        """The next `batch_size` indices, all distinct and none excluded; advances the state."""
+        return self._take(self.batch_size, set())
+
+    def _take(self, n: int, avoid: set[int]) -> list[int]:
+        """The next `n` indices of this epoch (or, when fewer are left, of the next) that are neither excluded
+        nor in `avoid`; advances the state past them."""
+        for _ in range(2):
+            order, found, position = self._order(self.epoch), [], self.position
+            while len(found) < n and position < self.num_examples:
+                if order[position] not in self.excluded and order[position] not in avoid:
+                    found.append(order[position])
+                position += 1
+            if len(found) == n:
+                self.position = position
+                return found
             self.epoch, self.position = self.epoch + 1, 0
-        batch = self._order(self.epoch)[self.position : self.position + self.batch_size]
-        self.position += self.batch_size
-        return batch
+        raise ConfigError(
+            [
+                f"only {self.num_examples - len(self.excluded)} of the {self.num_examples} training examples fit "
+                f"rollout.max_prompt_tokens, fewer than data.batch_size={self.batch_size}: raise "
+                "rollout.max_prompt_tokens or lower data.max_image_pixels"
+            ],
+            ["rollout.max_prompt_tokens"],
+        )
+
+    def exclude(self, batch: list[int], dropped: set[int]) -> list[int]:
+        """Never draw `dropped` again, and `batch` with them replaced by the next indices of the stream."""
+        self.excluded |= dropped
+        kept = [i for i in batch if i not in dropped]
+        return kept + self._take(len(batch) - len(kept), set(kept))
 
     def peek_batch(self) -> list[int]:
         """The batch `next_batch` will return, without advancing (for prefetching its rendering)."""
@@ -53,7 +78,12 @@ class LockstepSampler:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "num_examples": self.num_examples}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_examples": self.num_examples,
+            "excluded": sorted(self.excluded),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_examples"] != self.num_examples:
@@ -62,3 +92,4 @@ class LockstepSampler:
                 f"{self.num_examples}: resume with the same data (data.train.*) or start a new output_dir"
             )
         self.epoch, self.position = state["epoch"], state["position"]
+        self.excluded = set(state.get("excluded", ()))

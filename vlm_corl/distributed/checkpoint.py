@@ -139,9 +139,11 @@ class CheckpointError(UserError):
 
 
 def read_state(path: Path, weights_only: bool = True) -> dict:
-    """torch.load of a state file we wrote; a truncated or corrupt one is a CheckpointError naming it."""
+    """torch.load of a state file we wrote, onto the host (its tensors were saved from the writer's GPU: every
+    rank of a member reads the same file, and `load_state_dict` moves each tensor to its parameter's device);
+    a truncated or corrupt one is a CheckpointError naming it."""
     try:
-        return torch.load(path, weights_only=weights_only)
+        return torch.load(path, weights_only=weights_only, map_location="cpu")
     except Exception as err:  # noqa: BLE001 - pickle/zip/OS errors all mean "this file is unusable"
         if isinstance(err, MemoryError):
             raise

@@ -19,8 +19,9 @@ from vlm_corl.data.answers import answers_equivalent, extract_answer
 from vlm_corl.data.answers.normalize import normalize_answer
 from vlm_corl.data.loaders import balance_by, load_examples
 from vlm_corl.data.records import Example
+from vlm_corl.distributed.world import default_device
 from vlm_corl.members.member import Member, check_modality, load_member, member_family
-from vlm_corl.members.render import Renderer
+from vlm_corl.members.render import PromptTooLong, Renderer
 from vlm_corl.members.rollout import RolloutEngine, SamplingParams, make_engine
 from vlm_corl.training.rewards import plurality_vote
 
@@ -80,23 +81,54 @@ def evaluate_member(
     question avg@K, maj@K and pass@K; `progress` shows a bar (with ETA) on a terminal.
 
     `engine` samples the answers (default: the HF engine on the member's module; a vLLM engine must leave room
-    for `max_prompt_tokens` + the benchmark's max_new_tokens)."""
+    for `max_prompt_tokens` + the benchmark's max_new_tokens). A question whose prompt is longer is left out of
+    the scores and counted (`skipped_too_long`)."""
+    records, answered = sample_records(member, examples, bench, progress, engine, max_prompt_tokens)
+    result = score_records(records, [examples[i] for i in answered], bench)
+    result["skipped_too_long"] = len(examples) - len(answered)
+    return result
+
+
+def sample_records(
+    member: Member,
+    examples: list[Example],
+    bench: Benchmark,
+    progress: bool = False,
+    engine: RolloutEngine | None = None,
+    max_prompt_tokens: int = 1 << 30,
+) -> tuple[list[dict], list[int]]:
+    """The graded record of every question `member` answered (`grade_record`) and its position in `examples`
+    (see `evaluate_member`); the records of several shards of a benchmark join into one `score_records`."""
     render = Renderer(member, "original", EVAL_IMAGE_PIXELS, max_prompt_tokens, style=bench.prompt_style)
     engine = engine or make_engine("hf", member)
     params = SamplingParams(
         n=bench.samples, temperature=bench.temperature, top_p=bench.top_p, max_new_tokens=bench.max_new_tokens
     )
     key = bench.category or bench.balance_by
-    records = []
+    records, answered = [], []
     bar = tqdm(
         total=len(examples), desc=f"eval {member.id} on {bench.name}", unit="q", disable=None if progress else True
     )
     for start in range(0, len(examples), EVAL_BATCH):
-        chunk = examples[start : start + EVAL_BATCH]
-        bar.update(len(chunk))
-        groups = engine.generate([render(ex) for ex in chunk], params)
-        records += [grade_record(ex, group, bench, member.prompt_style, key) for ex, group in zip(chunk, groups)]
+        prompts, kept = [], []
+        for i in range(start, min(start + EVAL_BATCH, len(examples))):
+            try:
+                prompts.append(render(examples[i]))
+                kept.append(i)
+            except PromptTooLong:
+                pass
+        bar.update(min(EVAL_BATCH, len(examples) - start))
+        if prompts:
+            groups = engine.generate(prompts, params)
+            records += [grade_record(examples[i], g, bench, member.prompt_style, key) for i, g in zip(kept, groups)]
+            answered += kept
     bar.close()
+    return records, answered
+
+
+def score_records(records: list[dict], examples: list[Example], bench: Benchmark) -> dict:
+    """The scores of a benchmark's records (`examples`: theirs, in order): accuracy overall and per category,
+    the sampled metrics with K samples, the headline score, the benchmark's own aggregate."""
     result = {
         "accuracy": _acc(records),
         "by_type": _by_type(records),
@@ -190,7 +222,7 @@ def evaluate_dir(
 ) -> dict:
     """Load a saved model (zoo member or checkpoint) as a frozen member and evaluate it."""
     cfg = MemberConfig(id=name or Path(model_dir).name, model=str(model_dir), trainable=False)
-    return evaluate_member(load_member(cfg), examples, bench, progress=progress)
+    return evaluate_member(load_member(cfg, device=default_device()), examples, bench, progress=progress)
 
 
 def results_markdown(results: dict) -> str:

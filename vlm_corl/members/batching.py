@@ -1,8 +1,10 @@
 """Collate per-prompt processor outputs into model batches, for generation and for the policy forward pass.
 
-Each prompt is processed once, alone (batch dim 1), at render time; images are never re-preprocessed.
-Batches put prompts left-padded to a common length and, for the update, the response tokens after them,
-right-padded, so the last T+1 logits cover every response (`logits_to_keep`).
+Each prompt is processed once, alone (batch dim 1), at render time; images are never re-preprocessed. Rendered
+prompts live on the host (a Qwen2.5-VL image is ~24 MB of fp32 pixels): a batch is collated there and moved to
+the model's device as a whole, only while a rollout or a micro-batch uses it (`on_device`). Batches put prompts
+left-padded to a common length and, for the update, the response tokens after them, right-padded, so the last
+T+1 logits cover every response (`logits_to_keep`).
 
 A prompt shared by K responses is run through the model once (`prefill`): its KV cache (vision and
 cross-attention states included) is then repeated to one row per response, and the responses continue from it
@@ -34,10 +36,25 @@ def _aligned_for(model_type: str) -> tuple[str, ...]:
         return ()
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model itself (a DeepSpeed engine wraps it as `.module`)."""
+    return getattr(model, "module", model)
+
+
 def aligned_keys(model: torch.nn.Module) -> tuple[str, ...]:
     """The batch-aligned image inputs of `model`'s family (see Family.batch_aligned_keys)."""
-    config = getattr(getattr(model, "module", model), "config", None)  # a DeepSpeed engine wraps the model
-    return _aligned_for(getattr(config, "model_type", ""))
+    return _aligned_for(getattr(getattr(unwrapped(model), "config", None), "model_type", ""))
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: a DeepSpeed engine's device, else its parameters' (ZeRO-3 placeholders included)."""
+    device = getattr(model, "device", None)
+    return device if isinstance(device, torch.device) else next(model.parameters()).device
+
+
+def on_device(inputs: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """A collated batch moved to `device` (a no-op for tensors already there)."""
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def _pad_value(key: str, pad_id: int) -> int:
@@ -146,7 +163,9 @@ def model_positions(model: torch.nn.Module, inputs: dict[str, Tensor], mrope: bo
     """
     if not mrope:
         return position_ids(inputs["attention_mask"]), None
-    return model.model.get_rope_index(**{k: v for k, v in inputs.items() if not k.startswith("pixel_values")})
+    return unwrapped(model).model.get_rope_index(
+        **{k: v for k, v in inputs.items() if not k.startswith("pixel_values")}
+    )
 
 
 @dataclass
@@ -180,12 +199,13 @@ def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: in
     `get_rope_index`, whose per-row offset also places every later text token.
     """
     index: dict[int, int] = {}
-    rows = torch.tensor([index.setdefault(id(p), len(index)) for p in prompts], device=prompts[0]["input_ids"].device)
+    device = model_device(model)
+    rows = torch.tensor([index.setdefault(id(p), len(index)) for p in prompts], device=device)
     unique = list({id(p): p for p in prompts}.values())
-    inputs, _ = collate(unique, pad_id, aligned=aligned_keys(model))
+    inputs = on_device(collate(unique, pad_id, aligned=aligned_keys(model))[0], device)
     inputs["position_ids"], rope_delta = model_positions(model, inputs, mrope)
     out = model(**inputs, use_cache=True, logits_to_keep=1)
-    cache_arg = cache_argument(type(model))
+    cache_arg = cache_argument(type(unwrapped(model)))
     cache = getattr(out, cache_arg)
     cache.batch_select_indices(rows)
     cross = inputs.get("cross_attention_mask")

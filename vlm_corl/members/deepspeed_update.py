@@ -13,13 +13,16 @@ How the update is driven (measured with deepspeed 0.19.8, torch 2.14.1, CPU/gloo
   multiplied by the group size to get the sum;
 - every rank of a group must run the same number of forward/backward passes (ZeRO-2 reduces inside
   backward, ZeRO-3 gathers inside forward): `lockstep_count` pads with zero-loss micro-batches;
-- ZeRO-3 weights are partitioned. Whatever reads the full weights (the vLLM weight sync, an EMA teacher, a
-  checkpoint, the replica checksum) streams them (`full_weights`): parameters are gathered over the group a
-  bucket at a time (`train.gather_bucket_mb`) and released before the next bucket, so no rank ever holds a
-  second full copy. The HF rollout engine is the exception: it decodes with the module's own forward, and
-  ranks decoding different lengths would mismatch ZeRO-3's per-layer gathers, so with `rollout.engine: hf` a
-  ZeRO-3 member keeps a full, hook-free copy that is refreshed after every step (one full fp32 copy per rank);
-  scoring passes then run on it too, while without it they run through the engine in lockstep;
+- ZeRO-3 weights are partitioned before DeepSpeed sees the module (`partition_zero3`): the member is loaded on
+  the host and each parameter moves to its GPU only to be cut into its rank's share, so no GPU ever holds the
+  whole model (an 11B member in fp32 is 43 GB, with gradients 86 GB). Whatever reads the full weights (the vLLM
+  weight sync, an EMA teacher, a checkpoint, the replica checksum) streams them (`full_weights`): parameters
+  are gathered over the group a bucket at a time (`train.gather_bucket_mb`) and released before the next
+  bucket, so no rank ever holds a second full copy. The HF rollout engine is the exception: it decodes with the
+  module's own forward, and ranks decoding different lengths would mismatch ZeRO-3's per-layer gathers, so
+  with the HF engine a ZeRO-3 member keeps a full, hook-free copy in its rollout dtype (bf16 on CUDA), made
+  from the host copy before partitioning and refreshed a bucket at a time after every step; scoring passes
+  then run on it too, while without it they run through the engine in lockstep;
 - `engine.save_checkpoint` synchronises the whole world, not the member's group, so each rank saves its own
   partition of the optimizer state (`deepspeed_state.<group rank>.pt`) with no collective at all.
 """
@@ -132,12 +135,74 @@ def _patch_zero3_trace_check() -> None:
     coordinator.assert_ints_same_as_other_ranks = _check_trace_within_group
 
 
-class DeepSpeedUpdate:
-    """A trainable member's DeepSpeed engine over its group: backward, step, lockstep, state save/load."""
+def zero_stage(path: str | Path) -> int:
+    """The ZeRO stage a DeepSpeed JSON config asks for (2 unless it says otherwise)."""
+    return json.loads(Path(path).read_text()).get("zero_optimization", {"stage": 2}).get("stage", 0)
 
-    def __init__(
-        self, member, ds_config: dict, dp_group, mp_group, keep_full_copy: bool = False, bucket_bytes: int = 512 << 20
-    ):
+
+def attach_deepspeed(
+    member,
+    train,
+    total_updates: int,
+    dp_group,
+    mp_group,
+    keep_full_copy: bool,
+    bucket_bytes: int | None = None,
+) -> None:
+    """Give a loaded trainable member its AdamW, schedule and DeepSpeed engine over its ranks (`train`: a
+    TrainConfig whose `deepspeed` names the JSON config).
+
+    ZeRO-3 members are loaded on the host (`load_member(stage_on_cpu=True)`): with `keep_full_copy` (the HF
+    rollout engine) their copy is made there, then the weights are partitioned onto the device before the
+    optimizer and DeepSpeed see them. Nothing allocates gradients or Adam state before DeepSpeed does."""
+    ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, dist.get_world_size(dp_group))
+    full_copy = None
+    if ds_config["zero_optimization"]["stage"] == 3:
+        if keep_full_copy:
+            full_copy = hf_copy(member.model, member.device, member.rollout_dtype)
+        partition_zero3(member.model, ds_config, dp_group, mp_group, member.device)
+    else:
+        member.model.to(member.device)
+    member.setup_optimizer(train, total_updates, deepspeed=True)
+    bucket = bucket_bytes if bucket_bytes is not None else int(train.gather_bucket_mb * (1 << 20))
+    member.deepspeed = DeepSpeedUpdate(member, ds_config, dp_group, mp_group, full_copy, bucket)
+
+
+def hf_copy(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A frozen copy of a (host) model for HF rollouts beside its ZeRO-3 partitions, in the rollout dtype on
+    the member's device (cast a tensor at a time by `Module.to`)."""
+    return copy.deepcopy(model).eval().requires_grad_(False).to(device=device, dtype=dtype)
+
+
+def partition_zero3(model: torch.nn.Module, ds_config: dict, dp_group, mp_group, device: torch.device) -> None:
+    """Cut a host model's parameters into ZeRO-3 partitions over `dp_group`, one parameter at a time (each is
+    moved to the device, split, and only its rank's share kept), then move its buffers to the device.
+
+    `deepspeed.initialize` on an unpartitioned module would first move all of it to the GPU."""
+    import deepspeed
+
+    deepspeed.init_distributed()  # adopts the launch's process group (zero.Init reads its config before doing so)
+    offload = ds_config["zero_optimization"].get("offload_param") or {}
+    deepspeed.zero.Init(
+        module=model,
+        data_parallel_group=dp_group,
+        config_dict_or_path=ds_config,
+        remote_device=offload.get("device"),
+        pin_memory=offload.get("pin_memory", False),
+        mpu=GroupMPU(dp_group, mp_group),
+    )
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
+class DeepSpeedUpdate:
+    """A trainable member's DeepSpeed engine over its group: backward, step, lockstep, state save/load.
+
+    Built by `attach_deepspeed` (weights partitioned first under ZeRO-3, `full_copy` the HF engine's copy)."""
+
+    def __init__(self, member, ds_config: dict, dp_group, mp_group, full_copy=None, bucket_bytes: int = 512 << 20):
         import deepspeed  # optional dependency: the `deepspeed` extra
 
         self.stage = ds_config["zero_optimization"]["stage"]
@@ -146,9 +211,7 @@ class DeepSpeedUpdate:
         self.size = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
         self.bucket_bytes = bucket_bytes
-        # ZeRO-3 partitions the module's weights in place: the HF rollout engine needs a full copy (see above).
-        keep = self.stage == 3 and keep_full_copy
-        self.full_copy = copy.deepcopy(member.model).eval().requires_grad_(False) if keep else None
+        self.full_copy = full_copy
         for p in member.model.parameters():
             p.grad = None  # DeepSpeed keeps gradients in its own buffers
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -186,14 +249,15 @@ class DeepSpeedUpdate:
         return self.full_copy if self.full_copy is not None else self.module
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(state-dict name, full tensor) of every parameter and persistent buffer; a collective over the group
-        under partitioned ZeRO-3 (every rank of the member iterates to the end, in the same order).
+        """(state-dict name, full fp32 tensor) of every parameter and persistent buffer; under ZeRO-3 a
+        collective over the group (every rank of the member iterates to the end, in the same order), also when
+        the HF engine's copy exists (it holds the rollout dtype, not the masters).
 
-        Partitioned: parameters are gathered a bucket of `bucket_bytes` at a time; a yielded tensor is valid
-        until the next one of another bucket is asked for (consumers copy it: vLLM's loader, the EMA lerp,
-        the checkpoint writer's host copy)."""
-        if not self.partitioned:
-            yield from named_tensors(self.full_model)
+        ZeRO-3: parameters are gathered a bucket of `bucket_bytes` at a time; a yielded tensor is valid until
+        the next one of another bucket is asked for (consumers copy it: vLLM's loader, the EMA lerp, the
+        checkpoint writer's host copy)."""
+        if self.stage != 3:
+            yield from named_tensors(self.module)
             return
         import deepspeed
 
@@ -216,15 +280,14 @@ class DeepSpeedUpdate:
 
     @torch.no_grad()
     def refresh_full_copy(self) -> None:
-        """ZeRO-3: gather the partitioned weights over the group into the full copy (every rank of the group)."""
+        """ZeRO-3: copy the updated weights into the HF engine's copy (every rank of the group), gathered a bucket
+        at a time like `full_weights`, so the refresh never holds a second full model beside the copy."""
         if self.full_copy is None:
             return
-        import deepspeed
-
-        params = list(self.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            for src, dst in zip(params, self.full_copy.parameters()):
-                dst.copy_(src)
+        copies = dict(self.full_copy.named_parameters())
+        for name, weight in self.full_weights():
+            if name in copies:
+                copies[name].copy_(weight)
 
     def lockstep_count(self, n: int) -> int:
         """The number of micro-batches every rank of the group runs this step: the largest `n` among them,

@@ -7,6 +7,8 @@ shared between two members.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,10 +18,11 @@ from transformers import AutoProcessor, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from vlm_corl.distributed.checkpoint import TRAINER_STATE, read_state
-from vlm_corl.distributed.world import sum_over
+from vlm_corl.distributed.world import default_device, sum_over
 from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import named_tensors
 from vlm_corl.members.families import Family, detect_family
+from vlm_corl.members.precision import DTYPES, rollout_dtype, update_autocast_dtype
 from vlm_corl.members.rollout import Policy
 from vlm_corl.registry import FAMILIES
 
@@ -27,15 +30,29 @@ if TYPE_CHECKING:
     from vlm_corl.config.schema import MemberConfig, TrainConfig
     from vlm_corl.data.records import Example
 
-_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class Member:
-    """One model of the cohort with everything needed to render for it, sample from it and update it."""
+    """One model of the cohort with everything needed to render for it, sample from it and update it.
 
-    def __init__(self, cfg, family: Family, model, processor, tokenizer, device: torch.device):
+    `checkpoint_dtype` is the dtype its weights were loaded in (what checkpoints are saved in, whatever the fp32
+    masters of a trainable member); `rollout_dtype` the one rollouts and evaluation compute in
+    (vlm_corl.members.precision)."""
+
+    def __init__(
+        self,
+        cfg,
+        family: Family,
+        model,
+        processor,
+        tokenizer,
+        device: torch.device,
+        checkpoint_dtype: torch.dtype | None = None,
+        rollout_dtype: torch.dtype | None = None,
+    ):
         self.cfg, self.family, self.model, self.processor, self.tokenizer = cfg, family, model, processor, tokenizer
         self.device = device
+        self.checkpoint_dtype = checkpoint_dtype or model.dtype
+        self.rollout_dtype = rollout_dtype or self.checkpoint_dtype
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.reference = None  # frozen initial weights, only when the KL penalty is on
@@ -71,11 +88,16 @@ class Member:
         """DeepSpeed ZeRO-3 without a full copy: the weights exist whole only while streamed (`full_weights`)."""
         return self.deepspeed is not None and self.deepspeed.partitioned
 
+    @property
+    def streams_weights(self) -> bool:
+        """ZeRO-3 (with or without the HF engine's copy): `full_weights` is a collective over the member's ranks."""
+        return self.deepspeed is not None and self.deepspeed.stage == 3
+
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(state-dict name, tensor) of the member's full weights, each parameter once, then the persistent
-        buffers: what the vLLM sync, an EMA teacher, a checkpoint and the replica checksum read. For a
-        partitioned member it is a collective over its ranks (every rank iterates to the end) that gathers a
-        bucket of parameters at a time, never a second full copy."""
+        """(state-dict name, tensor) of the member's full weights (the fp32 masters of a trainable member), each
+        parameter once, then the persistent buffers: what the vLLM sync, an EMA teacher, a checkpoint and the
+        replica checksum read. Under ZeRO-3 it is a collective over the member's ranks (every rank iterates to
+        the end) that gathers a bucket of parameters at a time, never a second full copy."""
         if self.deepspeed is not None:
             return self.deepspeed.full_weights()
         return named_tensors(self.model)
@@ -94,13 +116,26 @@ class Member:
 
     @property
     def eos_token_ids(self) -> list[int]:
+        """Ids that end a response: the generation config's, then the tokenizer's and the family's end-of-turn
+        tokens (a base checkpoint's generation config may name only <|endoftext|>, or nothing)."""
         eos = self.model.generation_config.eos_token_id
-        return [eos] if isinstance(eos, int) else list(eos)
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+        ids += [self.tokenizer.eos_token_id] + self._family_ids[0]
+        return list(dict.fromkeys(i for i in ids if i is not None))
 
     @property
     def suppressed_ids(self) -> list[int]:
-        """Tokens generation never samples (control/vision tokens); the policy's log-probs exclude them too."""
-        return list(self.model.generation_config.suppress_tokens or [])
+        """Tokens generation never samples (control/vision tokens: the generation config's and the family's,
+        stop tokens excepted); the policy's log-probs exclude them too."""
+        listed = list(self.model.generation_config.suppress_tokens or [])
+        stop = set(self.eos_token_ids)
+        return sorted({*listed, *(i for i in self._family_ids[1] if i not in stop)})
+
+    @functools.cached_property
+    def _family_ids(self) -> tuple[list[int], list[int]]:
+        """(stop, control) token ids of the member's family in its tokenizer (looked up once: a real
+        vocabulary has 150k entries)."""
+        return self.family.eos_token_ids(self.tokenizer), self.family.suppressed_token_ids(self.tokenizer)
 
     def policy(self, temperature: float = 1.0) -> Policy:
         """The member's policy facts at a sampling temperature (vlm_corl.members.rollout.Policy)."""
@@ -126,36 +161,67 @@ class Member:
                 )
             content, system, templater = text, system_prompt, self.tokenizer
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-        return templater.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return templater.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+        )
+
+    @property
+    def chat_template_kwargs(self) -> dict:
+        """Variables the chat template renders with: members[i].chat_template_kwargs, else the family's defaults."""
+        own = self.cfg.chat_template_kwargs
+        return dict(self.family.chat_template_kwargs) if own is None else dict(own)
+
+    def prepare_image(self, image, max_pixels: int):
+        """A loaded picture at the size this member's model reads (`Family.prepare_image`; else unchanged)."""
+        return self.family.prepare_image(image, self.processor, max_pixels) if self.family.prepare_image else image
 
     def process(self, chat_text: str, images: list) -> dict[str, torch.Tensor]:
-        """Processor tensors for one prompt (batch dim 1). The template already holds any BOS token."""
+        """Processor tensors for one prompt (batch dim 1), on the host: a rendered prompt is cached and moved to
+        the device only while a rollout or an update uses it (`batching.on_device`). The template already holds
+        any BOS token."""
         if self.is_vision:
             out = self.processor(
                 text=[chat_text], images=[images] if images else None, return_tensors="pt", add_special_tokens=False
             )
         else:
             out = self.tokenizer([chat_text], return_tensors="pt", add_special_tokens=False)
-        return {k: v.to(self.device) for k, v in out.items() if isinstance(v, torch.Tensor)}
+        return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+    def rollout_autocast(self) -> torch.autocast:
+        """Autocast to the rollout dtype around HF rollouts and evaluation, when it is below the weights' (fp32
+        masters sampled in bf16). Weight casts are cached for the whole context: a rollout casts each weight
+        once, not once per decoded token."""
+        weights = next(self.generation_module.parameters()).dtype
+        lower = self.rollout_dtype != weights and self.rollout_dtype in (torch.bfloat16, torch.float16)
+        return torch.autocast(self.device.type, dtype=self.rollout_dtype if lower else torch.bfloat16, enabled=lower)
 
     # ---- optimisation -----------------------------------------------------------------------------------
 
-    def setup_optimizer(self, train: TrainConfig, total_updates: int) -> None:
-        """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr (and gradient checkpointing)."""
+    def setup_optimizer(self, train: TrainConfig, total_updates: int, deepspeed: bool = False) -> None:
+        """AdamW with a warmup + cosine schedule down to train.min_lr_ratio × lr (and gradient checkpointing).
+
+        Without DeepSpeed the gradients and Adam's moments exist from here on (torch allocates the moments at the
+        first step), so a vLLM engine built after this measures free memory with them already taken. Under
+        DeepSpeed (`deepspeed`) the engine keeps gradients and moments in its own buffers, allocated when it is
+        built: nothing is allocated here."""
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.autocast_dtype = torch.bfloat16 if train.mixed_precision == "bf16" else None
+        self.autocast_dtype = update_autocast_dtype(train.mixed_precision, self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
             lr=self.cfg.lr or train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.weight_decay,
+            # one kernel for the whole step, without foreach's full-size temporaries (CUDA only)
+            fused=self.device.type == "cuda" and not deepspeed,
         )
-        # Zero (not None) gradients: a step whose every sequence has zero advantage then updates exactly as
-        # if the zero-gradient backward had run (Adam moments still advance).
-        for p in params:
-            p.grad = torch.zeros_like(p)
+        if not deepspeed:
+            # Zero (not None) gradients: a step whose every sequence has zero advantage then updates exactly as
+            # if the zero-gradient backward had run (Adam moments still advance).
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            allocate_adam_state(self.optimizer)
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             self.optimizer,
             num_warmup_steps=round(train.warmup_ratio * total_updates),
@@ -213,20 +279,24 @@ class Member:
             self.deepspeed.save_state(directory)
         self.save_weights(directory, write)
         if write and self.optimizer is not None and self.deepspeed is None:
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                directory / TRAINER_STATE,
-            )
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            if self.checkpoint_dtype != torch.float32:  # the weights are saved rounded: keep the masters exact
+                state["masters"] = {n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
+            torch.save(state, directory / TRAINER_STATE)
 
     def save_weights(self, directory: Path, write: bool = True) -> None:
-        """HF-format weights + processor only (a best-so-far model); every rank of the member calls it (a
-        partitioned member's weights are gathered over its ranks), the one with `write` writes."""
+        """HF-format weights + processor only (a best-so-far model); every rank of the member calls it (under
+        ZeRO-3 the weights are gathered over its ranks), the one with `write` writes. A trained member's weights
+        are saved in the dtype it was loaded in (its fp32 masters go to the trainer state: `save`), a frozen
+        one's as they are."""
+        dtype = self.checkpoint_dtype if self.cfg.trainable else None
         state = None
-        if self.partitioned:  # the writer keeps a host copy of each gathered bucket; the others only take part
-            state = {name: t.detach().to("cpu", copy=True) for name, t in self.full_weights() if write}
+        if self.streams_weights or dtype not in (None, torch.float32):
+            # the writer keeps a host copy of each (gathered) tensor, in the saved dtype; the others only take part
+            state = {name: _saved(t, dtype) for name, t in self.full_weights() if write}
         if not write:
             return
-        model = self.model if self.partitioned else self.generation_module
+        model = self.model if self.streams_weights else self.generation_module
         # transformers 5 writes only on world rank 0 once torch.distributed is up (`should_save_on_this_rank`);
         # a member's writer is its own first rank, so that decision is ours (the instance attribute wins).
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
@@ -234,6 +304,8 @@ class Member:
             model.save_pretrained(directory, safe_serialization=True, state_dict=state)
         finally:
             del model.should_save_on_this_rank
+        if dtype is not None:
+            _record_dtype(Path(directory) / "config.json", dtype)
         (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
 
     def sum_over_ranks(self, value: float | dict[str, float]) -> float | dict[str, float]:
@@ -254,6 +326,44 @@ class Member:
         state = read_state(Path(directory) / TRAINER_STATE)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        with torch.no_grad():
+            params = dict(self.model.named_parameters())
+            for name, master in state.get("masters", {}).items():
+                params[name].copy_(master)
+
+
+def allocate_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam's moments now, exactly as its first step would: a step at learning rate 0 on zero gradients
+    leaves the weights and the (zero) moments unchanged, and its step count is reset, so the first real step is
+    bit-identical to one on a lazily initialised optimizer."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+    for state in optimizer.state.values():
+        state["step"].zero_()
+
+
+def _saved(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A host copy of one weight, floating ones in `dtype` (None: as they are); one tensor at a time, so a
+    checkpoint never needs a second copy of the model on the device."""
+    keep = dtype is None or not t.is_floating_point()
+    return t.detach().to("cpu", dtype=t.dtype if keep else dtype, copy=True)
+
+
+def _record_dtype(config_path: Path, dtype: torch.dtype) -> None:
+    """Write the saved weights' dtype into config.json (save_pretrained records the module's, fp32 for the
+    masters): a later `from_pretrained(dtype="auto")` or vLLM engine then loads them as saved."""
+    config = json.loads(config_path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    if config.get("dtype") == name:
+        return
+    for part in [config] + [v for v in config.values() if isinstance(v, dict) and "dtype" in v]:
+        if "dtype" in part:
+            part["dtype"] = name
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.model.v3")
@@ -293,9 +403,18 @@ def check_modality(family: Family, examples: Iterable[Example], who: str) -> Non
         )
 
 
-def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: torch.device | None = None) -> Member:
-    """Load member `cfg` from `model_dir` (default: cfg.model; a checkpoint directory when resuming).
+def load_member(
+    cfg: MemberConfig,
+    model_dir: str | Path | None = None,
+    device: torch.device | None = None,
+    rollout: str = "auto",
+    stage_on_cpu: bool = False,
+) -> Member:
+    """Load member `cfg` from `model_dir` (default: cfg.model; a checkpoint directory when resuming) onto `device`
+    (default: `cuda:LOCAL_RANK` where CUDA is, else the CPU), its rollouts in the `rollout` dtype (`rollout.dtype`).
 
+    The weights load straight onto the device. With `stage_on_cpu` they stay on the host (the member's device is
+    still `device`): a ZeRO-3 member is partitioned onto its device from there, never whole on one GPU.
     A directory that cannot be loaded (missing or corrupt weights, tokenizer files, config) raises
     MemberLoadError naming the member and the directory."""
     path = str(model_dir or cfg.model)
@@ -306,14 +425,17 @@ def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: 
             f"member {cfg.id!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)});"
             " save the tokenizer/processor beside the weights (save_pretrained)"
         )
-    device = device or torch.device("cpu")
+    device = device or default_device()
+    target = torch.device("cpu") if stage_on_cpu else device
     try:
         model = family.model_class.from_pretrained(
             path,
-            dtype=_DTYPES[cfg.dtype],
+            dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
-        ).to(device)
+            # read straight into the device's memory, not through one host copy per rank
+            **({"device_map": {"": target}} if target.type != "cpu" else {}),
+        )
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         processor = tokenizer
         if family.modality == "vision":
@@ -336,13 +458,15 @@ def load_member(cfg: MemberConfig, model_dir: str | Path | None = None, device: 
             "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
             "writes them"
         ) from err
+    checkpoint_dtype = model.dtype
     if cfg.trainable:
         # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
-        # every update to rounding. Compute runs in bf16 under train.mixed_precision=bf16 (autocast).
+        # every update to rounding. Compute runs in bf16 under autocast (vlm_corl.members.precision).
         model.float()
     if not cfg.trainable:
         model.requires_grad_(False)
-    return Member(cfg, family, model, processor, tokenizer, device)
+    serving = rollout_dtype(rollout, device, checkpoint_dtype)
+    return Member(cfg, family, model, processor, tokenizer, device, checkpoint_dtype, serving)
 
 
 def _brief(err: BaseException) -> str:

@@ -1,7 +1,9 @@
 """The render phase: one example, in one member's view, through its prompt style, chat template and processor.
 
-Images are decoded and preprocessed once per (member, example) and cached, so later epochs and the update's
-forward pass reuse the processor's tensors instead of preprocessing again.
+Images are decoded, brought to the size the model reads (`Member.prepare_image`: Qwen-VL's patch grid) and
+preprocessed once per (member, example), and the processor's tensors are cached on the host, up to a byte
+budget (a Qwen2.5-VL image at the default cap is ~24 MB of fp32 pixels), so later epochs and the update's
+forward pass reuse them instead of preprocessing again.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ PROMPT_STYLES = {
 
 
 class PromptTooLong(UserError, ValueError):
-    """A rendered prompt exceeds rollout.max_prompt_tokens."""
+    """A rendered prompt exceeds rollout.max_prompt_tokens (`tokens`: its length, `member`: whose prompt)."""
+
+    def __init__(self, message: str, example_id: str = "", member: str = "", tokens: int = 0):
+        super().__init__(message)
+        self.example_id, self.member, self.tokens = example_id, member, tokens
 
 
 class Renderer:
-    """Renders examples for one member; keeps an LRU cache of rendered prompts keyed by example id."""
-
-    CACHE_SIZE = 8192  # rendered prompts kept (least recently used dropped)
+    """Renders examples for one member; keeps an LRU cache of rendered prompts keyed by example id, holding at
+    most `cache_bytes` of processor tensors (on the host: `Member.process`)."""
 
     def __init__(
         self,
@@ -42,6 +47,7 @@ class Renderer:
         max_prompt_tokens: int,
         view: str | None = None,
         style: str | None = None,
+        cache_bytes: int = 4 << 30,
     ):
         self.member = member
         self.style = style or member.prompt_style  # the instruction after the question (PROMPT_STYLES)
@@ -49,18 +55,28 @@ class Renderer:
         self.view_fallback = view_fallback
         self.max_image_pixels = max_image_pixels
         self.max_prompt_tokens = max_prompt_tokens
-        self._cache: OrderedDict[str, Prompt] = OrderedDict()
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, tuple[Prompt, int]] = OrderedDict()
+        self._cached_bytes = 0
         self.view_fallbacks = 0
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of processor tensors the cache holds now."""
+        return self._cached_bytes
 
     def __call__(self, example: Example) -> Prompt:
         hit = self._cache.get(example.id)
         if hit is not None:
             self._cache.move_to_end(example.id)
-            return hit
+            return hit[0]
         prompt = self.render(example)
-        self._cache[example.id] = prompt
-        if len(self._cache) > self.CACHE_SIZE:
-            self._cache.popitem(last=False)
+        size = sum(t.numel() * t.element_size() for t in prompt.inputs.values())
+        self._cache[example.id] = (prompt, size)
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+            _, (_, dropped) = self._cache.popitem(last=False)
+            self._cached_bytes -= dropped
         return prompt
 
     def render(self, example: Example) -> Prompt:
@@ -74,7 +90,10 @@ class Renderer:
             question = example.question
             self.view_fallbacks += 1  # counted in the run log (data.view_fallback=original)
         text = PROMPT_STYLES[self.style].format(question=question)
-        images = [load_image(src, max_pixels=self.max_image_pixels) for src in example.images]
+        images = [
+            member.prepare_image(load_image(src, max_pixels=self.max_image_pixels), self.max_image_pixels)
+            for src in example.images
+        ]
         chat_text = member.apply_chat_template(text, len(images), member.cfg.system_prompt)
         inputs = member.process(chat_text, images)
         length = inputs["input_ids"].shape[1]
@@ -83,6 +102,9 @@ class Renderer:
                 f"example {example.id!r} renders to {length} tokens for member {member.id!r}, over "
                 f"the longest prompt allowed ({self.max_prompt_tokens} tokens: rollout.max_prompt_tokens in "
                 "training, --max-prompt-tokens when evaluating with vLLM): raise it"
-                + (" or lower data.max_image_pixels" if example.images else "")
+                + (" or lower data.max_image_pixels" if example.images else ""),
+                example.id,
+                member.id,
+                length,
             )
         return Prompt(example.id, chat_text, images, inputs)

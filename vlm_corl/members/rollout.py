@@ -98,12 +98,18 @@ class RolloutEngine(Protocol):
 
 
 def make_engine(
-    name: str, member: Member, rollout: RolloutConfig | None = None, max_images_per_prompt: int = 1, share: float = 1.0
+    name: str,
+    member: Member,
+    rollout: RolloutConfig | None = None,
+    max_images_per_prompt: int = 1,
+    share: float = 1.0,
+    max_image_pixels: int | None = None,
 ) -> RolloutEngine:
     """Build the rollout engine `name` ("hf" or "vllm") for a loaded member; vLLM is imported only here.
 
-    `rollout` (a RolloutConfig) carries the vLLM settings; `max_images_per_prompt` sizes its image budget;
-    `share` is this engine's part of the process's vLLM memory budget (several engines on one device).
+    `rollout` (a RolloutConfig) carries the vLLM settings; `max_images_per_prompt` sizes its image budget and
+    `max_image_pixels` the pictures it profiles; `share` is this engine's part of the process's vLLM memory
+    budget (several engines on one device).
     """
     if name == "hf":
         from vlm_corl.members.engines.hf import HFEngine
@@ -112,7 +118,13 @@ def make_engine(
     if name == "vllm":
         from vlm_corl.members.engines.vllm import VLLMEngine
 
-        return VLLMEngine(member, rollout, max_images_per_prompt=max(max_images_per_prompt, 1), share=share)
+        return VLLMEngine(
+            member,
+            rollout,
+            max_images_per_prompt=max(max_images_per_prompt, 1),
+            share=share,
+            max_image_pixels=max_image_pixels,
+        )
     raise ValueError(f"unknown rollout engine {name!r}; use 'hf' or 'vllm'")
 
 

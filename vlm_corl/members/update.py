@@ -10,7 +10,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlm_corl.members.batching import aligned_keys, collate, continuation, model_positions, prefill, response_mask
+from vlm_corl.members.batching import (
+    aligned_keys,
+    collate,
+    continuation,
+    model_device,
+    model_positions,
+    on_device,
+    prefill,
+    response_mask,
+)
 from vlm_corl.members.rollout import Policy
 from vlm_corl.training.grpo import (
     aggregate_loss,
@@ -109,7 +118,9 @@ def _per_position(model, prompt_inputs, responses, policy: Policy, fn):
 
 def _full_logprobs(model, prompt_inputs, responses, policy: Policy, policy_logp):
     """One pass over prompt + response; only the T positions that predict response tokens become logits."""
+    device = model_device(model)
     inputs, mask = collate(prompt_inputs, policy.pad_id, responses, aligned_keys(model))
+    inputs, mask = on_device(inputs, device), mask.to(device)
     t, length = mask.shape[1], inputs["input_ids"].shape[1]
     inputs["position_ids"], _ = model_positions(model, inputs, policy.mrope)
     # Positions by index, not the last T+1 then [:, :-1]: slicing the logits would make the backward allocate

@@ -5,84 +5,68 @@ sample → render → rollout → extract → exchange → reward → advantage 
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import NoReturn
 
 import torch
 from tqdm import tqdm
 
-from vlm_corl.config import CohortConfig, ConfigError, save_config
-from vlm_corl.config.schema import DatasetConfig, EvalConfig
+from vlm_corl.config import CohortConfig
+from vlm_corl.config.engine_layout import member_engine
+from vlm_corl.config.schema import EvalConfig
 from vlm_corl.data.answers import extract_answer
-from vlm_corl.data.loaders import DataError, load_examples
-from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.data.records import Example
-from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.distributed.checkpoint import (
     latest_checkpoint,
-    load_cohort_state,
     required_files,
-    restore_rng,
     save_checkpoint,
 )
 from vlm_corl.distributed.exchange import exchange
 from vlm_corl.distributed.world import (
     CollectiveError,
     World,
-    build_groups,
-    describe,
     failure_report,
-    launch_world,
-    place_members,
     shard,
     weights_checksum,
 )
 from vlm_corl.errors import Interrupted
-from vlm_corl.evaluation.scoring import benchmark_examples, evaluate_member
+from vlm_corl.evaluation.scoring import benchmark_examples, sample_records, score_records
 from vlm_corl.members.deepspeed_update import state_files
-from vlm_corl.members.member import Member, check_modality, load_member, member_family
+from vlm_corl.members.render import PromptTooLong
 from vlm_corl.members.rollout import Prompt, RolloutGroup, SamplingParams
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.training.category_metrics import category_step_stats, window_metrics
-from vlm_corl.training.collapse import collapse_warnings, eval_drops, flag_step
 from vlm_corl.training.collapse import describe as describe_collapse
+from vlm_corl.training.collapse import eval_drops, flag_step
 from vlm_corl.training.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.training.guard import (
-    BEST_DIR,
     CollapseStopped,
     improved,
-    read_best,
     roll_back,
     save_best,
     stop_message,
     write_best,
 )
-from vlm_corl.training.metrics import MetricsSink, cohort_unanimity, member_metrics, unanimity
-from vlm_corl.training.rewards import CohortBatch, RewardSpec, resolve_reward
+from vlm_corl.training.metrics import cohort_unanimity, member_metrics, unanimity
+from vlm_corl.training.rewards import CohortBatch
+from vlm_corl.training.setup import CohortRun, start_run
 from vlm_corl.training.slots import (
     Slot,
-    SlotSpec,
-    build_slots,
-    check_views,
     ema_update,
     models_to_save,
-    slot_specs,
     teacher_decay,
 )
+from vlm_corl.training.summary import finish_run
 
 log = logging.getLogger("vlm_corl")
 
@@ -135,29 +119,6 @@ def sampling_params(
 def format_ok(text: str, style: str) -> bool:
     """Does a response use the member's answer format (a format reward's input)?"""
     return FORMAT_PATTERNS[style] in text
-
-
-@dataclass
-class CohortRun:
-    """Everything a run holds between steps: data order, placement, this process's members and slots, sinks."""
-
-    cfg: CohortConfig
-    run_dir: Path
-    world: World
-    placement: dict[str, tuple[int, ...]]  # member id -> its ranks (vlm_corl.distributed.world)
-    examples: list
-    sampler: LockstepSampler
-    members: list  # the configured members this process hosts (trained, or frozen peers)
-    specs: list[SlotSpec]  # every slot of the cohort, in exchange order
-    slots: list[Slot]  # the slots this process hosts (vlm_corl.training.slots)
-    shards: dict[str, range]  # member id -> the batch positions this process rolls out and trains on
-    sink: MetricsSink | None  # world rank 0 only
-    reward_spec: RewardSpec
-    start: int
-    history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
-    data_report: object = None  # vlm_corl.data.loaders.LoadReport: records kept and skipped (into summary.json)
-    eval_history: list[dict] = field(default_factory=list)  # in-loop evaluation rows so far (rank 0)
-    best: dict = field(default_factory=dict)  # member id -> {step, benchmark, score} of its kept best model
 
 
 class RankFailure(RuntimeError):
@@ -247,9 +208,9 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
     warnings they raised (empty on the other ranks)."""
     cfg = run.cfg
     with timer("sample"):
-        batch = [run.examples[i] for i in run.sampler.next_batch()]
+        indices = run.sampler.next_batch()
     with timer("render"):
-        prompts = renders.prompts(batch, step)
+        batch, prompts = renders.prompts(indices, step)
     with timer("rollout"):
         groups, rollout_s = rollout_phase(run, prompts, step)
     with timer("extract"):
@@ -289,21 +250,36 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
 
 class RenderAhead:
     """The render phase with the next batch rendered (images decoded and preprocessed) in a background thread
-    while this step rolls out and updates; collecting it then only reads the renderers' caches."""
+    while this step rolls out and updates.
+
+    An example whose prompt is longer than rollout.max_prompt_tokens for any member is skipped for every member
+    (the cohort stays in lockstep): the ranks agree on such examples in the main thread, the sampler never draws
+    them again and replaces them in this batch, and each is logged once and counted in summary.json."""
 
     def __init__(self, run: CohortRun):
-        self.run, self.pending = run, None
+        self.run, self.pending = run, None  # pending: (example indices, future of their render_phase)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
 
-    def prompts(self, batch: list[Example], step: int) -> list[list]:
-        """This step's prompts (`render_phase`), and the next step's started in the background."""
+    def prompts(self, indices: list[int], step: int) -> tuple[list[Example], list[list]]:
+        """This step's examples and prompts (`render_phase`), and the next step's started in the background."""
+        run, ready = self.run, None
         if self.pending is not None:
-            self.pending.result()
-        prompts = render_phase(self.run, batch)
-        if step + 1 < self.run.cfg.train.max_steps:
-            upcoming = [self.run.examples[i] for i in self.run.sampler.peek_batch()]
-            self.pending = self.pool.submit(render_phase, self.run, upcoming)
-        return prompts
+            upcoming, future = self.pending
+            rendered = future.result()  # the renderers are not thread-safe: the background render ends first
+            ready = rendered if upcoming == indices else None  # stale when the sampler skipped examples since
+        while True:
+            batch = [run.examples[i] for i in indices]
+            prompts, too_long = ready if ready is not None else render_phase(run, batch)
+            ready = None
+            dropped = _agree_too_long(run, [(indices[p], *rest) for p, *rest in too_long])
+            if not dropped:
+                break
+            indices = run.sampler.exclude(indices, dropped)
+        self.pending = None
+        if step + 1 < run.cfg.train.max_steps:
+            upcoming = run.sampler.peek_batch()
+            self.pending = (upcoming, self.pool.submit(render_phase, run, [run.examples[i] for i in upcoming]))
+        return batch, prompts
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -327,28 +303,6 @@ def cohort_batch(run: CohortRun, batch: list[Example], exchanged: list[list]) ->
         gold=gold,
         scores=scores,
     )
-
-
-def finish_run(run: CohortRun, stopped: dict | None) -> dict:
-    """The run's summary (written by rank 0 to summary.json): last metrics per member, collapse warnings, the
-    guard's stop, best models, data records kept and skipped, and the environment."""
-    fallbacks = {
-        sid: n
-        for part in run.world.all_gather({s.id: s.renderer.view_fallbacks for s in run.slots})
-        for sid, n in part.items()
-    }
-    summary = _summary(run.cfg, run.history, run.run_dir, fallbacks)
-    if run.cfg.eval.max_category_drop:
-        summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
-    summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning")}
-    summary["best"] = run.best or None
-    report = run.data_report
-    summary["data"] = {"kept": report.kept, "skipped": report.skipped, "skipped_examples": report.samples}
-    summary["environment"] = environment(run.world)
-    if run.sink is not None:
-        run.sink.close()
-        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def guard_phase(run: CohortRun, warnings: list[dict]) -> dict | None:
@@ -412,162 +366,43 @@ def categories(batch: list[Example], key: str | None) -> list[str | None]:
     """Each example's category (its metadata[logging.category_key], as a string), or None."""
     return [None if key is None or ex.metadata.get(key) is None else str(ex.metadata[key]) for ex in batch]
 
-
-def start_run(cfg: CohortConfig) -> CohortRun:
-    """Join the launch, place members on ranks, load data and this process's members, build their slots
-    (engines, renderers), and restore the newest checkpoint if resuming."""
-    world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)
-    placement = place_members(cfg.members, world.size)
-    build_groups(world, placement, every=cfg.train.deepspeed is not None)
-    run_dir = Path(cfg.output_dir)
-    resume_from = _resume_point(cfg, run_dir)
-    state = load_cohort_state(resume_from) if resume_from else None
-    if state is not None and state["step"] >= cfg.train.max_steps:  # before anything expensive is loaded
-        raise ConfigError(
-            [
-                f"train.max_steps={cfg.train.max_steps} but {resume_from} is already at step "
-                f"{state['step']}: raise train.max_steps to train further, or start a new output_dir"
-            ],
-            ["train.max_steps"],
-        )
-    if resume_from is None:
-        _claim_run_dir(cfg, run_dir, clear=world.is_main)
-    world.barrier()  # every rank has looked at the run directory before anything new is written
-    if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-        log.info("placement over %d process(es): %s", world.size, describe(placement))
-    torch.manual_seed(cfg.seed)
-    reward_spec = resolve_reward(cfg.reward)
-    examples, data_report = _load_data(cfg, resume_from)
-    sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
-    specs = slot_specs(cfg.members, reward_spec.layout)
-    lacking = check_views(examples, specs, cfg.data.view_fallback)
-    if lacking and world.is_main:
-        log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
-    _check_shards(cfg, placement)
-    members = load_hosted_members(cfg, world, placement, resume_from)
-    max_images = max(len(ex.images) for ex in examples)
-    slots = build_slots(cfg, members, specs, max_images, resume_from)
-    shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
-    sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
-    start, history, eval_history = _restore(state, sampler, world, sink)
-    if state is not None:
-        log.info("resumed from %s (step %d)", resume_from, start)
-    # fmt: off
-    return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
-                     reward_spec, start, history, data_report, eval_history, read_best(run_dir))
     # fmt: on
 
 
-def _load_data(cfg: CohortConfig, resume_from: Path | None) -> tuple[list[Example], object]:
-    """The training examples (with their paraphrases, when configured) and the loader's report, after checking
-    that every member can read them."""
-    examples, data_report = load_training_examples(cfg.data.train)
-    if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
-        examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
-        log.info("paraphrases: %s", report.summary())
-    _check_members_read_the_data(cfg, examples, resume_from)
-    return examples, data_report
+def render_phase(run: CohortRun, batch: list[Example]) -> tuple[list[list], list[tuple[int, str, int]]]:
+    """Each hosted slot's prompts for its member's shard of the batch, and (batch position, member, tokens) of
+    those longer than rollout.max_prompt_tokens (their place in the prompts holds None)."""
+    prompts, too_long = [], []
+    for s in run.slots:
+        mine = []
+        for p in run.shards[_owner(s)]:
+            try:
+                mine.append(s.renderer(batch[p]))
+            except PromptTooLong as err:
+                mine.append(None)
+                too_long.append((p, err.member, err.tokens))
+        prompts.append(mine)
+    return prompts, too_long
 
 
-def _restore(state: dict | None, sampler: LockstepSampler, world: World, sink) -> tuple[int, list, list]:
-    """(start step, metrics history, eval history) of a resumed run, with the sampler and random streams
-    restored, and the metrics rows after the checkpoint dropped; (0, [], []) for a new run."""
-    if state is None:
-        return 0, [], []
-    start, history, eval_history = state["step"], [], []
-    sampler.load_state_dict(state["sampler"])
-    restore_rng(state["rng"], world)
-    if sink is not None:
-        history, eval_history = sink.truncate_after(start)
-        if not any(row["step"] == start for row in history):  # killed between checkpoint and metrics write
-            sink.write(state.get("rows", []))
-            history += state.get("rows", [])
-    return start, history, eval_history
-
-
-def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume_from: Path | None) -> list:
-    """The members placed on this rank, loaded (from the checkpoint when resuming) with their group, and the
-    trainable ones with their optimizer and schedule (restored when resuming), DeepSpeed engine and KL anchor."""
-    mine = [m for m in cfg.members if world.rank in placement[m.id]]
-    members = [load_member(m, resume_from / m.id if resume_from else None, world.device) for m in mine]
-    for m in members:
-        m.group = world.group(placement[m.id])
-        if not m.cfg.trainable:
-            continue
-        # one optimizer step per pass over a rollout batch: the schedule spans all of them
-        m.setup_optimizer(cfg.train, cfg.train.max_steps * cfg.algo.updates_per_batch)
-        if cfg.train.deepspeed:
-            attach_deepspeed(m, cfg, world, placement[m.id])
-        if resume_from:
-            m.load_trainer_state(resume_from / m.id)
-        if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
-            m.reference = load_member(replace(m.cfg, trainable=False), device=world.device).model.eval()
-    return members
-
-
-def attach_deepspeed(member: Member, cfg: CohortConfig, world: World, ranks: tuple[int, ...]) -> None:
-    """Give a trainable member a DeepSpeed engine over its ranks (its AdamW and schedule are already built).
-    Under ZeRO-3 only the HF rollout engine needs a full copy of the weights beside the partitions."""
-    from vlm_corl.members.deepspeed_update import DeepSpeedUpdate, load_deepspeed_config
-
-    train = cfg.train
-    ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, len(ranks))
-    member.deepspeed = DeepSpeedUpdate(
-        member,
-        ds_config,
-        world.group(ranks),
-        world.singles[world.rank],
-        keep_full_copy=cfg.rollout.engine == "hf",
-        bucket_bytes=int(train.gather_bucket_mb * (1 << 20)),
-    )
-    if member.deepspeed.full_copy is not None and world.rank == ranks[0]:
-        log.info(
-            "ZeRO-3 member %s keeps a full fp32 copy of its weights for HF rollouts (rollout.engine=vllm "
-            "streams them instead)",
-            member.id,
-        )
-
-
-def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path | None) -> None:
-    """Before any model is loaded: every member's directory names a family (agreeing with members[i].family),
-    and text-only members get no images."""
-    if resume_from is not None:
-        held = sorted(p.name for p in resume_from.iterdir() if p.is_dir())
-        renamed = [m.id for m in cfg.members if m.id not in held]
-        if renamed:
-            raise ConfigError(
-                [
-                    f"the checkpoint to resume, {resume_from}, holds members {held} but the config has "
-                    f"{renamed}: members are matched by id, so use the ids of the run you resume (or "
-                    "start a new run in another output_dir)"
-                ],
-                ["members"],
+def _agree_too_long(run: CohortRun, found: list[tuple[int, str, int]]) -> set[int]:
+    """The example indices some rank found too long for one of its members ((index, member, tokens) here),
+    the same set on every rank; new ones are logged and kept for summary.json."""
+    merged = {i: (member, tokens) for part in run.world.all_gather(found) for i, member, tokens in part}
+    for i, (member, tokens) in sorted(merged.items()):
+        if run.world.is_main and run.examples[i].id not in run.too_long:
+            log.warning(
+                "example %r renders to %d tokens for member %s, over rollout.max_prompt_tokens=%d: skipped for "
+                "every member (%d so far; raise rollout.max_prompt_tokens or lower data.max_image_pixels to keep "
+                "such examples)",
+                run.examples[i].id,
+                tokens,
+                member,
+                run.cfg.rollout.max_prompt_tokens,
+                len(run.too_long) + 1,
             )
-    for i, m in enumerate(cfg.members):
-        check_modality(
-            member_family(m, resume_from / m.id if resume_from else m.model),
-            examples,
-            f"members[{i}] ({m.id!r}, {m.model})",
-        )
-
-
-def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> None:
-    widest = max(len(r) for r in placement.values())
-    if cfg.data.batch_size < widest:
-        raise ConfigError(
-            [
-                f"data.batch_size={cfg.data.batch_size} is smaller than the {widest} ranks of a member: "
-                "every rank needs at least one example per step; raise data.batch_size"
-            ],
-            ["data.batch_size"],
-        )
-
-
-def render_phase(run: CohortRun, batch: list[Example]) -> list[list]:
-    """Each hosted slot's prompts for its member's shard of the batch."""
-    return [[s.renderer(batch[p]) for p in run.shards[_owner(s)]] for s in run.slots]
+        run.too_long[run.examples[i].id] = {"member": member, "tokens": tokens}
+    return set(merged)
 
 
 def rollout_phase(run: CohortRun, prompts: list[list[Prompt]], step: int) -> tuple[list, dict[str, float]]:
@@ -767,24 +602,10 @@ def _gather_step_facts(world: World, updates: dict, rollout_s: dict) -> tuple[di
     return updates_all, seconds
 
 
-def load_training_examples(spec: DatasetConfig) -> tuple[list, object]:
-    """The training examples of a `DatasetConfig` (`skip` first ones dropped, then at most `limit`) and the
-    loader's report of the records it kept and skipped (by reason)."""
-    stop = spec.skip + spec.limit if spec.limit else None
-    data = load_examples(spec.loader, spec.path, split=spec.split, limit=stop, **spec.options)
-    log.info("data: %s", data.report.summary())
-    kept = data.examples[spec.skip :]
-    if not kept:
-        raise DataError(
-            f"data.train: no training examples left ({len(data.examples)} loaded, skip={spec.skip}; "
-            f"{data.report.summary()}): check data.train.path, split, skip and limit"
-        )
-    return kept, data.report
-
-
 def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dict]:
-    """The eval hook: every member on every configured benchmark, by the member's first rank (one row per
-    member and benchmark, gathered on every rank)."""
+    """The eval hook: every member on every configured benchmark, the questions split over the member's ranks
+    (each rank answers its contiguous share, so no rank waits idle in a collective for a whole evaluation);
+    one row per member and benchmark, from all its ranks' records, gathered on every rank."""
     rows = []
     for name in eval_cfg.benchmarks:
         bench = BENCHMARKS.get(name)
@@ -792,25 +613,37 @@ def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dic
             bench = replace(bench, max_new_tokens=eval_cfg.max_new_tokens)
         bench = replace(bench, temperature=eval_cfg.temperature)
         examples = benchmark_examples(bench, eval_cfg.limit)
+        shares = {}
         for m in run.members:
-            if run.world.rank != run.placement[m.id][0]:
-                continue
             engine, room = _eval_engine(run, m, bench)
-            result = evaluate_member(m, examples, bench, engine=engine, max_prompt_tokens=room)
-            counts = Counter(r["type"] for r in result["records"] if r["type"] is not None)
+            mine = shard(len(examples), run.placement[m.id], run.world.rank)
+            records, answered = sample_records(
+                m, examples[mine.start : mine.stop], bench, engine=engine, max_prompt_tokens=room
+            )
+            shares[m.id] = (records, [mine.start + i for i in answered])
+        merged: dict[str, tuple[list, list]] = {}
+        for part in run.world.all_gather(shares):  # rank order: a member's shards in question order
+            for mid, (records, answered) in part.items():
+                merged.setdefault(mid, ([], []))
+                merged[mid][0].extend(records)
+                merged[mid][1].extend(answered)
+        for mid, (records, answered) in merged.items():
+            result = score_records(records, [examples[i] for i in answered], bench)
+            counts = Counter(r["type"] for r in records if r["type"] is not None)
             rows.append(
                 {
                     "step": step,
-                    "member": m.id,
+                    "member": mid,
                     "benchmark": bench.name,
                     "score": result["score"],
                     "accuracy": result["accuracy"],
                     "n": result["n"],
+                    "skipped_too_long": len(examples) - len(answered),
                     **{f"accuracy_{t}": a for t, a in result["by_type"].items()},
                     **{f"n_{t}": counts[t] for t in result["by_type"]},
                 }
             )
-    return [row for part in run.world.all_gather(rows) for row in part]
+    return rows
 
 
 def _eval_engine(run: CohortRun, member, bench):
@@ -818,53 +651,11 @@ def _eval_engine(run: CohortRun, member, bench):
     every update; a partitioned ZeRO-3 member has no module the HF engine could run) with what its sequence
     length leaves after the benchmark's answer, or the HF engine (None: evaluate_member's default)."""
     r = run.cfg.rollout
-    if r.engine != "vllm":
+    if member_engine(run.cfg, member.cfg) != "vllm":
         return None, 1 << 30
     return next(
         s.engine for s in run.slots if s.member is member
     ), r.max_prompt_tokens + r.max_new_tokens - bench.max_new_tokens
-
-
-RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard", BEST_DIR)
-
-
-def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
-    """A fresh run needs a run directory without another run in it: appending to its metrics and pruning its
-    checkpoints would mix two runs. With train.overwrite the old run's files are removed (by `clear`: rank 0)."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError([f"output_dir={str(run_dir)!r} is a file; choose a directory"], ["output_dir"])
-    found = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not found or found == ["config.yaml"]:
-        return
-    if not cfg.train.overwrite:
-        go_on = "continue it with train.resume=true, " if latest_checkpoint(run_dir) else ""
-        raise ConfigError(
-            [
-                f"output_dir={str(run_dir)!r} already holds a run ({', '.join(found)}): {go_on}replace it "
-                "with train.overwrite=true, or choose another output_dir"
-            ],
-            ["output_dir"],
-        )
-    if clear:
-        log.warning("train.overwrite=true: removing the run in %s (%s)", run_dir, ", ".join(found))
-        for name in found:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
-    if cfg.train.resume is False:
-        return None
-    found = latest_checkpoint(run_dir, warn=True)
-    if found is None and cfg.train.resume is True:
-        raise ConfigError(
-            [
-                f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: use "
-                "train.resume=auto to start fresh when there is none"
-            ],
-            ["train.resume"],
-        )
-    return found
 
 
 @dataclass
@@ -910,55 +701,3 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
         row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
         rows.append(row)
     return rows, flag_step(run.history, rows)
-
-
-def environment(world: World) -> dict:
-    """What a result depends on beyond the config: library versions, torch threads, processes, git commit."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    versions = {}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "vllm"):
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                cwd=Path(__file__).resolve().parent,
-                text=True,
-                capture_output=True,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "torch_threads": torch.get_num_threads(),
-        "processes": world.size,
-        "device": str(world.device),
-        "versions": versions,
-        "git_commit": commit,
-    }
-
-
-def _summary(cfg, history: list[dict], run_dir: Path, view_fallbacks: dict[str, int]) -> dict:
-    last = {}
-    for row in history:
-        last[row["member"]] = row
-    newest = latest_checkpoint(run_dir)
-    return {
-        "run_dir": str(run_dir),
-        "steps": cfg.train.max_steps,
-        "reward_mode": cfg.reward.custom or cfg.reward.mode,
-        "members": {
-            mid: {k: row.get(k) for k in ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc")}
-            for mid, row in last.items()
-        },
-        "view_fallbacks": view_fallbacks,
-        # each slot's first detection of "diversity falls while agreement rises" (vlm_corl.training.collapse)
-        "collapse_warnings": collapse_warnings(history),
-        "checkpoint": str(newest) if newest else None,
-    }

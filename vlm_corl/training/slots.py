@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.data.records import ViewError, parse_view
 from vlm_corl.members.member import Member, load_member
 from vlm_corl.members.render import Renderer
@@ -72,12 +73,19 @@ def slot_specs(member_cfgs: Sequence[MemberConfig], layout: str) -> list[SlotSpe
 def build_slots(
     cfg: CohortConfig, members: list[Member], specs: list[SlotSpec], max_images: int, resume_from: Path | None
 ) -> list[Slot]:
-    """The slots of `specs` whose member this process hosts (`members`), with their engines and renderers;
-    builds an EMA teacher where a slot is one."""
+    """The slots of `specs` whose member this process hosts (`members`), with their engines (each member's own:
+    members[i].engine or rollout.engine) and renderers; builds an EMA teacher where a slot is one. Engines are
+    built in the order `config.engine_layout.vllm_engines_by_rank` counts them: members, then teachers."""
     local = {m.id: m for m in members}
-    # The engines of this process share its device: each gets an equal part of the memory budget.
-    share = 1.0 / (len(members) + sum(1 for spec in specs if spec.teacher and spec.member_id in local))
-    engines = {m.id: make_engine(cfg.rollout.engine, m, cfg.rollout, max_images, share) for m in members}
+    kind = {m.id: member_engine(cfg, m.cfg) for m in members}
+    teachers = [spec.member_id for spec in specs if spec.teacher and spec.member_id in local]
+    # The vLLM engines of this process share its device: each gets an equal part of the memory budget.
+    share = 1.0 / max(1, sum(kind[mid] == "vllm" for mid in [*local, *teachers]))
+
+    def engine_for(model: Member, engine_kind: str) -> RolloutEngine:
+        return make_engine(engine_kind, model, cfg.rollout, max_images, share, cfg.data.max_image_pixels)
+
+    engines = {m.id: engine_for(m, kind[m.id]) for m in members}
     slots = []
     for index, spec in enumerate(specs):
         member = local.get(spec.member_id)
@@ -86,9 +94,14 @@ def build_slots(
         model, engine, follows = member, engines[member.id], None
         if spec.teacher:
             model = load_teacher(member, resume_from)
-            engine, follows = make_engine(cfg.rollout.engine, model, cfg.rollout, max_images, share), member
+            engine, follows = engine_for(model, kind[member.id]), member
         renderer = Renderer(
-            model, cfg.data.view_fallback, cfg.data.max_image_pixels, cfg.rollout.max_prompt_tokens, view=spec.view
+            model,
+            cfg.data.view_fallback,
+            cfg.data.max_image_pixels,
+            cfg.rollout.max_prompt_tokens,
+            view=spec.view,
+            cache_bytes=int(cfg.data.prompt_cache_mb * (1 << 20)),
         )
         slots.append(Slot(index, spec.id, model, spec.view, engine, renderer, follows))
     return slots
@@ -118,8 +131,10 @@ def load_teacher(student: Member, resume_from: Path | None) -> Member:
     cfg = replace(student.cfg, id=student.id + TEACHER_SUFFIX, trainable=False)
     source = resume_from / cfg.id if resume_from else student.cfg.model
     teacher = load_member(cfg, source, student.device)
-    # fp32 like its student: an EMA step of (1 - 0.9999) x a small difference vanishes in bf16 rounding.
+    # fp32 like its student: an EMA step of (1 - 0.9999) x a small difference vanishes in bf16 rounding. It
+    # rolls out and is saved like its student (rollout and checkpoint dtypes).
     teacher.model.float().eval()
+    teacher.checkpoint_dtype, teacher.rollout_dtype = student.checkpoint_dtype, student.rollout_dtype
     return teacher
 
 

@@ -46,7 +46,10 @@ class HFEngine:
         model = member.generation_module
         was_training = model.training
         model.eval()
-        with torch.inference_mode():
+        # bf16 compute over fp32 masters on a GPU (member.rollout_dtype); the recorded statistics stay fp32.
+        # no_grad, not inference_mode: autocast caches its weight casts only outside inference mode, so each
+        # weight is cast once per rollout instead of once per decoded token (bench/rollout_precision.py).
+        with member.rollout_autocast(), torch.no_grad():
             tokens, stopped, sums, token_logp = sample(
                 model, [p.inputs for p in prompts], params, member.policy(params.temperature), member.eos_token_ids, tok
             )

@@ -13,6 +13,7 @@ Nothing here imports vllm at module level: importing this module must not load t
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import importlib.util
 import logging
@@ -39,13 +40,19 @@ class VLLMEngine:
     """Rollout engine over an in-process `vllm.LLM` serving one member (see `vlm_corl.members.member.Member`).
 
     `rollout` supplies the engine settings (`rollout.vllm`) and the longest sequence (prompt + response);
-    `max_images_per_prompt` sizes vLLM's multimodal budget; `share` is this engine's part of the process's
-    memory budget (`gpu_memory_utilization`, or `kv_cache_memory_bytes` on a CPU, where the utilisation is a
-    share of the machine's RAM) when several engines share a device (a member and its EMA teacher, or members
-    hosted in turn); `llm_kwargs` go to `vllm.LLM` unchanged.
-    Under torchrun/accelerate every rank runs its own engines (tensor-parallel 1) on its share of the batch.
-    Several engines may share a process, but keep each alive as long as the process: closing one tears down
-    vLLM's process-wide parallel state, and the others then fail on their next step.
+    `max_images_per_prompt` sizes vLLM's multimodal budget and `max_image_pixels` (data.max_image_pixels) the
+    pictures its processor profiles and reads; `share` is this engine's part of the process's memory budget
+    (`gpu_memory_utilization`, or `kv_cache_memory_bytes` on a CPU, where the utilisation is a share of the
+    machine's RAM) when several engines share a device (a member and its EMA teacher, or members hosted in turn);
+    `llm_kwargs` go to `vllm.LLM` unchanged.
+    The engine serves the member in its rollout dtype (`member.rollout_dtype`: bf16 on CUDA), whatever the fp32
+    masters it is synced from. Under torchrun/accelerate every rank runs its own engines (tensor-parallel 1)
+    on its share of the batch, and every rank must build as many engines, in the same order: vLLM's launcher
+    meets all ranks once per engine built (vlm_corl.training.engine_layout). Several engines may share a
+    process, but keep each alive as long as the process: closing one tears down vLLM's process-wide parallel
+    state, and the others then fail on their next step.
+    Sleep mode (CUDA, one engine per process): after a rollout a trained member's engine sleeps at level 2
+    (weights dropped: the next sync writes them anyway), a frozen peer's at level 1 (weights kept in host RAM).
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class VLLMEngine:
         rollout: RolloutConfig | None = None,
         max_images_per_prompt: int = 1,
         share: float = 1.0,
+        max_image_pixels: int | None = None,
         **llm_kwargs,
     ):
         rollout = rollout or RolloutConfig()
@@ -74,11 +82,20 @@ class VLLMEngine:
                 member.id,
             )
         self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
+        self._sleep_level = 2 if member.cfg.trainable else 1
+        self._checked_prompt_ids = not member.is_vision  # vLLM's tokens of the first image prompt vs ours, once
         budget = _memory_budget(settings, share)
+        vision = {}
+        if member.is_vision:
+            vision["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
+            if member.family.prepare_image is not None and max_image_pixels:
+                # Profile and read pictures at the trainer's cap, not the checkpoint's (12.8 M pixels, ~16k tokens
+                # for Qwen2.5-VL), which would reserve encoder memory for images that never come.
+                vision["mm_processor_kwargs"] = {"max_pixels": max_image_pixels}
         try:
             self._llm = LLM(
                 model=str(member.cfg.model),
-                dtype=member.model.dtype,
+                dtype=member.rollout_dtype,
                 trust_remote_code=member.cfg.trust_remote_code,
                 max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
                 tensor_parallel_size=settings.tensor_parallel_size,
@@ -89,7 +106,7 @@ class VLLMEngine:
                 distributed_executor_backend="external_launcher" if distributed else "uni",
                 # Log-probs after the logit bias and temperature: the distribution the update trains.
                 logprobs_mode="processed_logprobs",
-                **({"limit_mm_per_prompt": {"image": max_images_per_prompt, "video": 0}} if member.is_vision else {}),
+                **vision,
                 **llm_kwargs,
             )
         except (ValueError, RuntimeError) as err:
@@ -105,8 +122,7 @@ class VLLMEngine:
         tensor (`Member.full_weights`: references to the live module, or under ZeRO-3 gathered a bucket at a
         time over the member's ranks, which all sync together); vLLM copies each into its own."""
         if "weights" in self._asleep:
-            self._llm.wake_up(["weights"])
-            self._asleep.discard("weights")
+            self._wake(["weights"])
         weights = self.member.full_weights()
         _push_weights(self._llm, weights)
         for _ in weights:  # a partitioned member's gathers are collectives: finish them whatever vLLM read
@@ -114,13 +130,17 @@ class VLLMEngine:
 
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[RolloutGroup]:
         if self._asleep:
-            self._llm.wake_up(sorted(self._asleep))
-            self._asleep.clear()
+            self._wake(sorted(self._asleep))
         requests = [self._request(p) for p in prompts]
         sampling = [self._sampling(params, i) for i in range(len(prompts))]
-        outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        # The chat text already holds the template's BOS: the processor vLLM runs on an image prompt must not
+        # add another (Gemma-3, Llama), or rollouts would come from another prompt than the one trained on.
+        outputs = self._llm.generate(
+            requests, sampling, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}
+        )
+        self._check_prompt_ids(prompts, outputs)
         if self._sleep:
-            self._llm.sleep(level=1)  # level 1 keeps the weights (in CPU memory): frozen peers never re-sync
+            self._llm.sleep(level=self._sleep_level)
             self._asleep = {"weights", "kv_cache"}
         tok = self.member.tokenizer
         groups = []
@@ -140,6 +160,35 @@ class VLLMEngine:
                 )
             groups.append(group)
         return groups
+
+    def _wake(self, tags: list[str]) -> None:
+        """Wake the engine's `tags`. The update's peak stays reserved in PyTorch's caching allocator, where
+        vLLM's allocator cannot reach it: release it first, or the wake-up runs out of memory."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        self._llm.wake_up(tags)
+        self._asleep.difference_update(tags)
+
+    def _check_prompt_ids(self, prompts: list[Prompt], outputs) -> None:
+        """Once, on the first image prompt: vLLM must have read the very tokens the trainer scores (the same
+        template, one BOS, as many image tokens: the same pixels). Text prompts are sent as our token ids."""
+        if self._checked_prompt_ids:
+            return
+        for prompt, out in zip(prompts, outputs):
+            if not prompt.images:
+                continue
+            ours = prompt.inputs["input_ids"][0].tolist()
+            theirs = list(out.prompt_token_ids)
+            if theirs != ours:
+                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                raise RuntimeError(
+                    f"member {self.member.id!r}: vLLM tokenised image prompt {prompt.example_id!r} to "
+                    f"{len(theirs)} tokens, the trainer to {len(ours)} (first difference at token {at}: "
+                    f"{theirs[at : at + 4]} vs {ours[at : at + 4]}): rollouts would come from another prompt "
+                    "than the one trained on"
+                )
+            self._checked_prompt_ids = True
+            return
 
     def _request(self, prompt: Prompt) -> dict:
         if prompt.images:
@@ -213,14 +262,25 @@ def _memory_budget(settings, share: float) -> dict:
 
 
 def _no_room(member_id: str, rollout: RolloutConfig, budget: dict, share: float, err: Exception) -> UserError:
-    """What to do when vLLM cannot fit a member's KV cache in its budget."""
+    """What to do when vLLM cannot fit a member's KV cache in its budget, or when the GPU has less free memory
+    than the budget asks for (the trainer's weights, gradients and optimizer state are already there)."""
+    said = str(err).splitlines()[0][:300]
+    if "free memory on device" in said.lower() or "less than desired" in said.lower():
+        return UserError(
+            f"member {member_id!r}: the GPU has less free memory than vLLM's budget asks for "
+            f"({_budget_text(budget)}, {share:.2g} of the process's): the trainer's weights, gradients and "
+            "optimizer state are already on it. Lower rollout.vllm.gpu_memory_utilization, turn on "
+            "rollout.vllm.enable_sleep_mode, or shrink the trainer's share (train.deepspeed with ZeRO-3, more "
+            f"ranks for the member). vLLM said: {said}"
+        )
     return UserError(
         f"member {member_id!r}: vLLM cannot fit its KV cache for sequences of "
         f"{rollout.max_prompt_tokens + rollout.max_new_tokens} tokens in its memory budget "
         f"({_budget_text(budget)}, {share:.2g} of the process's, shared by the engines on this device): raise "
         "rollout.vllm.gpu_memory_utilization (or kv_cache_memory_bytes on a CPU), lower "
-        f"rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. vLLM said: "
-        f"{str(err).splitlines()[0][:300]}"
+        "rollout.max_prompt_tokens/max_new_tokens, or place fewer members per rank. Under torchrun every rank's "
+        "n-th engine gets the smallest KV cache of all ranks' n-th engines (vLLM's launcher takes the minimum): "
+        f"the member short of memory may be on another rank. vLLM said: {said}"
     )
 
 

@@ -77,6 +77,11 @@ class Family:
     # default per-image inputs concatenated over the batch (Qwen-VL's patches): a batch that mixes prompts with
     # and without images, or with different image counts, pads these with zeros (see batching.collate).
     batch_aligned_keys: tuple[str, ...] = ()
+    # Variables the chat template is rendered with unless the member config sets its own (Qwen3: thinking off).
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    # How a picture is brought to the size the model reads before the processor sees it (Qwen-VL: onto its
+    # patch grid, as qwen-vl-utils does), given the member's processor and the pixel cap; None: as loaded.
+    prepare_image: Callable[[Any, Any, int], Any] | None = None
 
     def build_tokenizer(self) -> PreTrainedTokenizerFast:
         """The zoo tokenizer: the shared offline BPE plus this family's control tokens and chat template."""
@@ -91,9 +96,14 @@ class Family:
         )
 
     def suppressed_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """Control tokens a member must never sample: all but the stop tokens. A random model otherwise emits
-        e.g. <|image_pad|>, and the next forward pass fails on an image placeholder without an image."""
-        return sorted(tokenizer.convert_tokens_to_ids([t for t in self.tokens.tokens if t not in self.tokens.eos]))
+        """Control tokens a member must never sample: all but the stop tokens, those the tokenizer has. A model
+        sampling untruncated at T=1 otherwise emits e.g. <|image_pad|> now and then, and the next forward pass
+        fails on an image placeholder without an image (real checkpoints' generation configs list none)."""
+        return sorted(known_token_ids(tokenizer, [t for t in self.tokens.tokens if t not in self.tokens.eos]))
+
+    def eos_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """The family's stop tokens that the tokenizer has (end of turn first)."""
+        return known_token_ids(tokenizer, list(self.tokens.eos))
 
     def generation_config(self, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
         """Saved with each zoo member: stop and pad ids, and the control tokens `generate` must suppress."""
@@ -114,6 +124,12 @@ class Family:
         model = self.model_class.from_pretrained(path, **model_kwargs)
         loader = transformers.AutoProcessor if self.modality == "vision" else transformers.AutoTokenizer
         return model, loader.from_pretrained(path)
+
+
+def known_token_ids(tokenizer: PreTrainedTokenizerBase, tokens: list[str]) -> list[int]:
+    """The ids of those of `tokens` that are in the tokenizer's vocabulary, in order."""
+    vocab = tokenizer.get_vocab()
+    return [vocab[t] for t in tokens if t in vocab]
 
 
 def register(family: Family) -> Family:

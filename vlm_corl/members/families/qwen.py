@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import transformers as tf
 
+from vlm_corl.data.images import on_patch_grid
 from vlm_corl.members.families.base import (
     VISION_DIMS,
     Family,
@@ -76,6 +77,16 @@ def _qwen_processor(processor_cls: type, video_cls: type, small_patch: int):
         )
 
     return build
+
+
+def qwen_vl_image(image, processor, max_pixels: int):
+    """A picture on the processor's patch grid within its pixel bounds and the cap (`data.max_image_pixels`),
+    as qwen-vl-utils prepares it for Qwen's recipes and vLLM."""
+    ip = processor.image_processor
+    size = getattr(ip, "size", None) or {}
+    lo = size.get("shortest_edge") or getattr(ip, "min_pixels", None) or 56 * 56
+    hi = size.get("longest_edge") or getattr(ip, "max_pixels", None) or max_pixels
+    return on_patch_grid(image, ip.patch_size, ip.merge_size, min(lo, max_pixels), min(hi, max_pixels))
 
 
 def _text(size: str, tokenizer, **extra) -> dict:
@@ -156,6 +167,7 @@ QWEN2_VL = register(
         tokens=QWEN_VL_TOKENS,
         build_config=_qwen2_vl_config,
         build_processor=_qwen_processor(tf.Qwen2VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
+        prepare_image=qwen_vl_image,
     )
 )
 
@@ -170,6 +182,7 @@ QWEN2_5_VL = register(
         tokens=QWEN_VL_TOKENS,
         build_config=_qwen2_5_vl_config,
         build_processor=_qwen_processor(tf.Qwen2_5_VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
+        prepare_image=qwen_vl_image,
     )
 )
 
@@ -184,5 +197,6 @@ QWEN3_VL = register(
         tokens=QWEN_VL_TOKENS,
         build_config=_qwen3_vl_config,
         build_processor=_qwen_processor(tf.Qwen3VLProcessor, tf.Qwen3VLVideoProcessor, small_patch=16),
+        prepare_image=qwen_vl_image,
     )
 )

@@ -1,0 +1,463 @@
+"""The GPU paths' decisions, observed on a CPU: where rendered prompts live, what dtype rollouts, engines and
+checkpoints use, what a vLLM engine is given and asked (a recording stand-in for `vllm`), which device the
+commands choose, what is loaded onto the device and when. What only a GPU can show (real memory, speed,
+CUDA kernels) is measured by bench/gpu_check.sh on a lent GPU; the docstrings say which."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vlm_corl.config import MemberConfig
+from vlm_corl.config.schema import RolloutConfig, TrainConfig, VllmConfig
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.distributed import checkpoint, world
+from vlm_corl.members import member as member_module
+from vlm_corl.members.batching import on_device, prefill, unwrapped
+from vlm_corl.members.member import load_member
+from vlm_corl.members.precision import rollout_dtype, update_autocast_dtype
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.rollout import SamplingParams, make_engine
+
+CUDA0 = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def easyvqa():
+    return load_examples("easyvqa", split="train", limit=6).examples
+
+
+# ---- B1: rendered prompts stay on the host -------------------------------------------------------------------
+
+
+def test_rendered_prompts_are_cached_on_the_host_whatever_the_members_device(tiny_zoo, easyvqa):
+    """A Qwen2.5-VL image is ~24 MB of fp32 pixels: the cache must never hold them on the GPU (the member's
+    device here is one the CPU cannot allocate on, so any move to it would show)."""
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
+    member.device = torch.device("meta")
+    prompt = Renderer(member, "original", 10**6, 10**6)(easyvqa[0])
+    assert prompt.inputs["pixel_values"].numel() > 0
+    assert {t.device.type for t in prompt.inputs.values()} == {"cpu"}
+    assert {t.device.type for t in on_device(prompt.inputs, torch.device("meta")).values()} == {"meta"}
+
+
+def test_the_prompt_cache_is_bounded_by_bytes(tiny_zoo, easyvqa):
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
+    one = Renderer(member, "original", 10**6, 10**6)(easyvqa[0])
+    size = sum(t.numel() * t.element_size() for t in one.inputs.values())
+    render = Renderer(member, "original", 10**6, 10**6, cache_bytes=int(2.5 * size))
+    for ex in easyvqa:
+        render(ex)
+    assert 0 < render.cached_bytes <= 2.5 * size and len(render._cache) <= 2
+    assert easyvqa[-1].id in render._cache and easyvqa[0].id not in render._cache  # least recently used went
+
+
+def test_prefill_reads_the_cache_argument_of_the_wrapped_model(tiny_zoo, easyvqa):
+    """A DeepSpeed engine's forward takes **kwargs: the KV cache's argument name must come from the model it
+    wraps (the deprecated `past_key_values` goes in transformers 5.40)."""
+    from vlm_corl.members.batching import cache_argument
+
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
+
+    class Engine(torch.nn.Module):  # forwards like deepspeed.DeepSpeedEngine
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    prompt = Renderer(member, "original", 10**6, 10**6)(easyvqa[0])
+    engine = Engine(member.model)
+    assert unwrapped(engine) is member.model
+    prefix = prefill(engine, [prompt.inputs], member.tokenizer.pad_token_id, member.mrope)
+    assert prefix.cache_arg == cache_argument(type(member.model))
+
+
+# ---- precision --------------------------------------------------------------------------------------------------
+
+
+def test_precision_defaults_are_bf16_on_cuda_and_the_checkpoints_dtype_elsewhere():
+    assert update_autocast_dtype("auto", CUDA0) is torch.bfloat16
+    assert update_autocast_dtype("auto", torch.device("cpu")) is None
+    assert update_autocast_dtype("no", CUDA0) is None and update_autocast_dtype("bf16", torch.device("cpu"))
+    assert rollout_dtype("auto", CUDA0, torch.float32) is torch.bfloat16
+    assert rollout_dtype("auto", torch.device("cpu"), torch.float32) is torch.float32
+    assert rollout_dtype("auto", torch.device("cpu"), torch.bfloat16) is torch.bfloat16
+    assert rollout_dtype("float32", CUDA0, torch.bfloat16) is torch.float32
+
+
+def _autocast_seen(member, prompts, params) -> set:
+    seen = set()
+
+    def hook(module, args):
+        seen.add((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_inference_mode_enabled()))
+
+    handle = member.model.register_forward_pre_hook(hook)
+    try:
+        make_engine("hf", member).generate(prompts, params)
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_hf_rollouts_of_fp32_masters_run_under_bf16_autocast_with_cached_casts(tiny_zoo, easyvqa):
+    """fp32 rollouts double the KV cache and miss the tensor cores (and flash-attention refuses fp32): a
+    trainable member's HF rollouts autocast to its rollout dtype, under no_grad, where autocast casts each
+    weight once per rollout (under inference_mode it would recast them at every token;
+    bench/rollout_precision.py counts the casts). The speed itself is a GPU measurement (bench/gpu_check.sh)."""
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"])))
+    prompts = [Renderer(member, "original", 10**6, 10**6)(ex) for ex in easyvqa[:2]]
+    params = SamplingParams(n=2, max_new_tokens=3, seed=0)
+    assert _autocast_seen(member, prompts, params) == {(False, torch.bfloat16, False)}  # fp32 on a CPU
+    member.rollout_dtype = rollout_dtype("auto", CUDA0, member.checkpoint_dtype)
+    assert _autocast_seen(member, prompts, params) == {(True, torch.bfloat16, False)}
+
+
+def test_default_device_is_the_local_gpu_with_tf32_on(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        assert world.default_device() == torch.device("cuda", 3)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert world.default_device() == torch.device("cpu")
+
+
+class _Chosen(Exception):
+    pass
+
+
+@pytest.mark.parametrize("command", ["eval", "warmstart", "probe"])
+def test_the_commands_load_models_on_the_local_gpu(tiny_zoo, tmp_path, monkeypatch, command):
+    """eval, warmstart and probe decode on `cuda:LOCAL_RANK` when CUDA is there, not on the CPU."""
+    chosen = []
+
+    def record(cfg, model_dir=None, device=None, **kwargs):
+        chosen.append(device)
+        raise _Chosen
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    model = str(tiny_zoo["qwen2_vl"])
+    if command == "eval":
+        from vlm_corl import eval as cmd
+
+        monkeypatch.setattr(cmd, "load_member", record)
+        argv = ["--models", model, "--benchmarks", "easyvqa", "--limit", "3", "--out", str(tmp_path)]
+    elif command == "warmstart":
+        from vlm_corl import warmstart as cmd
+
+        monkeypatch.setattr(cmd, "load_member", record)
+        argv = ["--model", model, "--out", str(tmp_path / "w"), "--limit", "3", "--steps", "1"]
+    else:
+        from vlm_corl import probe as cmd
+        from vlm_corl.evaluation import scoring
+
+        monkeypatch.setattr(scoring, "load_member", record)
+        argv = ["--models", f"a={model}", f"b={model}", "--benchmark", "easyvqa", "--limit", "3"]
+    with pytest.raises(_Chosen):
+        cmd.main(argv)
+    assert chosen == [torch.device("cuda", 1)]
+
+
+# ---- loading, optimizer, checkpoints -----------------------------------------------------------------------------
+
+
+def test_adam_state_exists_from_the_start_and_the_first_step_is_unchanged(tiny_zoo):
+    """vLLM sizes its share from the memory free when it starts: Adam's moments (8 bytes per parameter) must
+    already be there, not appear at the first step. Allocating them early changes no number."""
+    train = TrainConfig(lr=1e-2, warmup_ratio=0.0)
+    eager = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])))
+    eager.setup_optimizer(train, 4)
+    params = [p for p in eager.model.parameters() if p.requires_grad]
+    assert all(set(eager.optimizer.state[p]) >= {"exp_avg", "exp_avg_sq"} for p in params)
+    assert all(float(eager.optimizer.state[p]["step"]) == 0 for p in params)
+
+    lazy = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])))
+    lazy.optimizer = torch.optim.AdamW(
+        [p for p in lazy.model.parameters() if p.requires_grad],
+        lr=1e-2,
+        betas=(train.adam_beta1, train.adam_beta2),
+        weight_decay=train.weight_decay,
+    )
+    for m in (eager, lazy):
+        torch.manual_seed(0)
+        for p in m.model.parameters():
+            p.grad = torch.randn_like(p)
+        m.optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(eager.model.parameters(), lazy.model.parameters()))
+
+
+def test_deepspeed_members_get_no_gradients_or_adam_state_before_deepspeed(tiny_zoo):
+    """DeepSpeed keeps gradients and moments in its own buffers; a zeros_like per parameter first would be
+    4 more bytes per parameter on the GPU at start-up (the ZeRO-3 peak of the review's B4)."""
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])))
+    m.setup_optimizer(TrainConfig(), 4, deepspeed=True)
+    assert all(p.grad is None for p in m.model.parameters()) and not m.optimizer.state
+
+
+def test_adamw_is_fused_on_cuda(tiny_zoo):
+    """One kernel per step without foreach's full-size temporaries (CUDA; the kernel itself runs on a GPU)."""
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])))
+    m.device = CUDA0  # the parameters stay on the CPU, where torch has a fused AdamW too
+    m.setup_optimizer(TrainConfig(), 4)
+    assert m.optimizer.defaults["fused"] is True
+
+
+def test_zero3_members_load_on_the_host(tiny_zoo, monkeypatch):
+    """A ZeRO-3 member is read into host memory and partitioned onto its GPU from there; every other member
+    is read straight into its device's memory (device_map), not through a host copy per rank."""
+    seen = []
+    real = member_module.FAMILIES.get("qwen3").model_class.from_pretrained
+
+    def record(path, **kwargs):
+        seen.append(kwargs.get("device_map"))
+        return real(path, **{k: v for k, v in kwargs.items() if k != "device_map"})
+
+    cls = member_module.FAMILIES.get("qwen3").model_class
+    monkeypatch.setattr(cls, "from_pretrained", record)
+    staged = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), device=CUDA0, stage_on_cpu=True)
+    assert staged.device == CUDA0 and next(staged.model.parameters()).device.type == "cpu" and seen == [None]
+    load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), device=CUDA0)
+    assert seen[-1] == {"": CUDA0}
+
+
+def test_resume_reads_every_state_file_onto_the_host(tmp_path, monkeypatch):
+    """Every rank of a member reads the trainer state its first rank saved from its own GPU: without
+    map_location all of them would materialise it on that one GPU."""
+    torch.save({"x": torch.ones(2)}, tmp_path / "s.pt")
+    kwargs = {}
+    real = torch.load
+
+    def record(path, **kw):
+        kwargs.update(kw)
+        return real(path, **kw)
+
+    monkeypatch.setattr(checkpoint.torch, "load", record)
+    checkpoint.read_state(tmp_path / "s.pt")
+    assert kwargs["map_location"] == "cpu"
+
+
+def test_a_bf16_members_checkpoint_is_bf16_and_its_masters_resume_exactly(tiny_zoo, tmp_path):
+    """Checkpoints are saved in the dtype the member was loaded in (a bf16 model is half the disk, and later
+    HF/vLLM loads stay bf16); the fp32 masters go into the trainer state, so a resume loses nothing."""
+    bf16 = tmp_path / "bf16"
+    frozen = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"]), trainable=False))
+    frozen.model.to(torch.bfloat16)
+    frozen.save(bf16)
+    m = load_member(MemberConfig(id="q", model=str(bf16)))
+    assert m.checkpoint_dtype is torch.bfloat16 and next(m.model.parameters()).dtype is torch.float32
+    m.setup_optimizer(TrainConfig(lr=1e-3, warmup_ratio=0.0), 4)
+    for p in m.model.parameters():
+        p.grad = torch.randn_like(p)
+    m.optimizer.step()
+    masters = {n: p.detach().clone() for n, p in m.model.named_parameters()}
+    m.save(tmp_path / "ckpt")
+    with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["dtype"] == "bfloat16"
+    resumed = load_member(MemberConfig(id="q", model=str(tmp_path / "ckpt")))
+    resumed.setup_optimizer(TrainConfig(lr=1e-3, warmup_ratio=0.0), 4)
+    assert not all(torch.equal(masters[n], p) for n, p in resumed.model.named_parameters())  # bf16-rounded
+    resumed.load_trainer_state(tmp_path / "ckpt")
+    assert all(torch.equal(masters[n], p) for n, p in resumed.model.named_parameters())
+
+
+def test_family_control_tokens_are_suppressed_and_end_turns_when_the_checkpoint_lists_none(tiny_zoo):
+    """Real checkpoints' generation configs list no suppressed tokens (and base ones may name no end of turn):
+    an untruncated T=1 rollout would then sample <|image_pad|> now and then and break the next forward."""
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
+    listed = set(m.suppressed_ids)
+    m.model.generation_config.suppress_tokens = None
+    m.model.generation_config.eos_token_id = None
+    image_pad, im_end = m.tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|im_end|>"])
+    assert image_pad in m.suppressed_ids and set(m.suppressed_ids) == listed
+    assert m.eos_token_ids[0] == im_end and im_end not in m.suppressed_ids
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_zoo):
+    """Qwen3 renders with thinking off by default (long <think> traces get cut at max_new_tokens and every
+    reward is 0); members[i].chat_template_kwargs turns it back on."""
+    template = (
+        "{% if enable_thinking is defined and not enable_thinking %}NO-THINK {% endif %}{{ messages[-1]['content'] }}"
+    )
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"]), trainable=False))
+    m.tokenizer.chat_template = template
+    assert m.apply_chat_template("2+2?", 0, None) == "NO-THINK 2+2?"
+    m.cfg = replace(m.cfg, chat_template_kwargs={"enable_thinking": True})
+    assert m.apply_chat_template("2+2?", 0, None) == "2+2?"
+    llama = load_member(MemberConfig(id="l", model=str(tiny_zoo["llama"]), trainable=False))
+    llama.tokenizer.chat_template = template
+    assert llama.apply_chat_template("2+2?", 0, None) == "2+2?"  # other families pass nothing
+
+
+# ---- vLLM, through a recording stand-in ----------------------------------------------------------------------
+
+
+class FakeLLM:
+    """Records what the engine asks of vllm.LLM; answers with the prompt tokens it was told to (`prompt_ids`)."""
+
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+        self.prompt_ids = None  # None: echo the request's own ids
+        self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset_encoder"))
+        FakeLLM.instances.append(self)
+
+    def generate(self, requests, sampling, use_tqdm=False, tokenization_kwargs=None):
+        self.calls.append(("generate", tokenization_kwargs))
+        outs = []
+        for req, sp in zip(requests, sampling):
+            completion = types.SimpleNamespace(index=0, token_ids=[5, 6], finish_reason="stop", logprobs=None)
+            ids = self.prompt_ids if self.prompt_ids is not None else req.get("prompt_token_ids", [1, 2])
+            outs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=[completion] * sp.n))
+        return outs
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def apply_model(self, fn):
+        self.calls.append("load_weights")
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append("load_weights")
+        for _ in kwargs["weights_iterator"]:
+            pass
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """`vllm` replaced by a recorder, on a pretend CUDA machine (sleep mode on): the engine's own code runs."""
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeLLM
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: False)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    from vlm_corl.members.engines import vllm as engine_module
+
+    events = []
+    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module.torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    FakeLLM.instances = []
+    return events
+
+
+def _vllm_engine(member, sleep=True):
+    rollout = RolloutConfig(max_prompt_tokens=512, max_new_tokens=8, vllm=VllmConfig(enable_sleep_mode=sleep))
+    return make_engine("vllm", member, rollout, 1, 1.0, max_image_pixels=12345)
+
+
+def test_the_vllm_engine_serves_bf16_and_reads_the_trainers_image_cap(tiny_zoo, fake_vllm):
+    """fp32 engines hold twice the weights and get no FlashAttention (the 11B recipe cannot fit): a trainable
+    member's engine is built in its rollout dtype; Qwen-VL pictures are profiled at data.max_image_pixels, not
+    the checkpoint's 12.8 M pixels."""
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"])), device=CPU)
+    m.rollout_dtype = rollout_dtype("auto", CUDA0, m.checkpoint_dtype)
+    _vllm_engine(m)
+    kwargs = FakeLLM.instances[-1].kwargs
+    assert kwargs["dtype"] is torch.bfloat16 and kwargs["enable_sleep_mode"] is True
+    assert kwargs["mm_processor_kwargs"] == {"max_pixels": 12345}
+    assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
+
+
+@pytest.mark.parametrize("trainable, level", [(True, 2), (False, 1)])
+def test_sleeping_engines_release_the_allocator_before_waking(tiny_zoo, easyvqa, fake_vllm, trainable, level):
+    """After an update PyTorch's caching allocator still holds its peak, out of vLLM's reach: it is emptied
+    before every wake_up (else the wake-up runs out of memory). A trained member sleeps at level 2 (its weights
+    are re-synced anyway; level 1 would copy them to pinned host memory every step), a frozen peer at 1."""
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=trainable), device=CPU)
+    engine = _vllm_engine(m)
+    llm = FakeLLM.instances[-1]
+    prompts = [Renderer(m, "original", 10**6, 10**6)(ex) for ex in easyvqa[:2]]
+    llm.prompt_ids = prompts[0].inputs["input_ids"][0].tolist()  # vLLM read what we did
+    engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
+    engine.sync_weights()
+    engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
+    calls = [c for c in llm.calls if c not in ("reset_prefix", "reset_encoder")]
+    assert ("sleep", level) in calls
+    wakes = [i for i, c in enumerate(calls) if isinstance(c, tuple) and c[0] == "wake_up"]
+    assert wakes and len(fake_vllm) == len(wakes)  # one empty_cache per wake_up
+    assert calls[wakes[0]] == ("wake_up", ("weights",)) and calls[wakes[0] + 1] == "load_weights"
+
+
+def test_vllm_reads_image_prompts_without_a_second_bos_and_must_agree_with_our_tokens(tiny_zoo, easyvqa, fake_vllm):
+    """vLLM re-tokenises an image prompt's chat text with its processor: add_special_tokens=False keeps it to
+    the template's one BOS (Gemma-3, Llama); the first image prompt's tokens must equal the trainer's, or the
+    run stops (rollouts from one prompt, training on another). The real comparison runs in the vLLM lane."""
+    m = load_member(MemberConfig(id="g", model=str(tiny_zoo["gemma3"]), trainable=False), device=CPU)
+    engine = _vllm_engine(m, sleep=False)
+    llm = FakeLLM.instances[-1]
+    prompt = Renderer(m, "original", 10**6, 10**6)(easyvqa[0])
+    ours = prompt.inputs["input_ids"][0].tolist()
+    llm.prompt_ids = [ours[0]] + ours  # what a doubled BOS looks like
+    with pytest.raises(RuntimeError, match="tokenised image prompt .*first difference at token 1:"):
+        engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2))
+    assert llm.calls[-1] == ("generate", {"add_special_tokens": False})
+    llm.prompt_ids = ours
+    engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2))
+
+
+def test_a_vllm_start_without_enough_free_memory_says_to_lower_the_share():
+    from vlm_corl.members.engines.vllm import _no_room
+
+    err = ValueError("Free memory on device (20.1/79.2 GiB) on startup is less than desired GPU memory utilization")
+    message = str(_no_room("qwen", RolloutConfig(), {"gpu_memory_utilization": 0.5}, 1.0, err))
+    assert "Lower rollout.vllm.gpu_memory_utilization" in message
+    message = str(_no_room("qwen", RolloutConfig(), {"gpu_memory_utilization": 0.5}, 1.0, ValueError("no KV cache")))
+    assert "raise rollout.vllm.gpu_memory_utilization" in message and "another rank" in message
+
+
+def test_every_trainer_state_exists_before_the_first_engine_is_built(tiny_zoo, tmp_path, monkeypatch):
+    """The order a GPU run depends on: weights, gradients and Adam moments are all allocated before any rollout
+    engine measures the memory it may take."""
+    from cohort_helpers import cohort
+
+    from vlm_corl.config import config_from_dict
+    from vlm_corl.training import slots
+    from vlm_corl.training.loop import run_cohort
+
+    seen = []
+    real = slots.make_engine
+
+    def record(kind, member, *args, **kwargs):
+        if member.cfg.trainable:
+            params = [p for p in member.model.parameters() if p.requires_grad]
+            seen.append(all(p.grad is not None and "exp_avg" in member.optimizer.state[p] for p in params))
+        return real(kind, member, *args, **kwargs)
+
+    monkeypatch.setattr(slots, "make_engine", record)
+    cfg = cohort(tmp_path, [("a", tiny_zoo["qwen2_vl"]), ("b", tiny_zoo["mllama"])])
+    cfg["train"]["max_steps"] = 1
+    run_cohort(config_from_dict(cfg))
+    assert seen == [True, True]
+
+
+def test_hf_copy_of_a_zero3_member_is_in_the_rollout_dtype(tiny_zoo):
+    """The full copy ZeRO-3 keeps for HF rollouts is a rollout module: bf16 on a GPU (2 bytes per parameter
+    beside the partitions, not 4), on the member's device."""
+    from vlm_corl.members.deepspeed_update import hf_copy
+
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), stage_on_cpu=True)
+    copy = hf_copy(m.model, torch.device("meta"), torch.bfloat16)
+    assert {(p.dtype, p.device.type, p.requires_grad) for p in copy.parameters()} == {(torch.bfloat16, "meta", False)}

@@ -1,0 +1,269 @@
+"""A run's set-up: join the launch, place the members, load the data and this process's members, build their
+slots, and restore the newest checkpoint when resuming. `start_run` returns the `CohortRun` the step loop
+(`vlm_corl.training.loop`) works on; the run directory's files at the end are `vlm_corl.training.summary`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from vlm_corl.config import CohortConfig, ConfigError, save_config
+from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
+from vlm_corl.config.schema import DatasetConfig
+from vlm_corl.data.loaders import DataError, load_examples
+from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
+from vlm_corl.data.records import Example
+from vlm_corl.data.sampler import LockstepSampler
+from vlm_corl.distributed.checkpoint import latest_checkpoint, load_cohort_state, restore_rng
+from vlm_corl.distributed.world import World, build_groups, describe, launch_world, place_members, shard
+from vlm_corl.members.deepspeed_update import attach_deepspeed, zero_stage
+from vlm_corl.members.member import check_modality, load_member, member_family
+from vlm_corl.training.guard import BEST_DIR, read_best
+from vlm_corl.training.metrics import MetricsSink
+from vlm_corl.training.rewards import RewardSpec, resolve_reward
+from vlm_corl.training.slots import Slot, SlotSpec, build_slots, check_views, slot_specs
+
+log = logging.getLogger("vlm_corl")
+
+
+@dataclass
+class CohortRun:
+    """Everything a run holds between steps: data order, placement, this process's members and slots, sinks."""
+
+    cfg: CohortConfig
+    run_dir: Path
+    world: World
+    placement: dict[str, tuple[int, ...]]  # member id -> its ranks (vlm_corl.distributed.world)
+    examples: list
+    sampler: LockstepSampler
+    members: list  # the configured members this process hosts (trained, or frozen peers)
+    specs: list[SlotSpec]  # every slot of the cohort, in exchange order
+    slots: list[Slot]  # the slots this process hosts (vlm_corl.training.slots)
+    shards: dict[str, range]  # member id -> the batch positions this process rolls out and trains on
+    sink: MetricsSink | None  # world rank 0 only
+    reward_spec: RewardSpec
+    start: int
+    history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
+    data_report: object = None  # vlm_corl.data.loaders.LoadReport: records kept and skipped (into summary.json)
+    eval_history: list[dict] = field(default_factory=list)  # in-loop evaluation rows so far (rank 0)
+    best: dict = field(default_factory=dict)  # member id -> {step, benchmark, score} of its kept best model
+    too_long: dict = field(default_factory=dict)  # example id -> {member, tokens}: skipped, prompt too long
+
+
+def start_run(cfg: CohortConfig) -> CohortRun:
+    """Join the launch, place members on ranks, load data and this process's members, build their slots
+    (engines, renderers), and restore the newest checkpoint if resuming."""
+    world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)
+    placement = place_members(cfg.members, world.size)
+    reward_spec = resolve_reward(cfg.reward)
+    _check_engine_layout(cfg, placement, reward_spec)  # before any collective that a bad layout would hang
+    build_groups(world, placement, every=cfg.train.deepspeed is not None)
+    run_dir = Path(cfg.output_dir)
+    resume_from = _resume_point(cfg, run_dir)
+    state = load_cohort_state(resume_from) if resume_from else None
+    if state is not None and state["step"] >= cfg.train.max_steps:  # before anything expensive is loaded
+        raise ConfigError(
+            [
+                f"train.max_steps={cfg.train.max_steps} but {resume_from} is already at step "
+                f"{state['step']}: raise train.max_steps to train further, or start a new output_dir"
+            ],
+            ["train.max_steps"],
+        )
+    if resume_from is None:
+        _claim_run_dir(cfg, run_dir, clear=world.is_main)
+    world.barrier()  # every rank has looked at the run directory before anything new is written
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        log.info("placement over %d process(es): %s", world.size, describe(placement))
+    torch.manual_seed(cfg.seed)
+    examples, data_report = _load_data(cfg, resume_from)
+    sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
+    specs = slot_specs(cfg.members, reward_spec.layout)
+    lacking = check_views(examples, specs, cfg.data.view_fallback)
+    if lacking and world.is_main:
+        log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
+    _check_shards(cfg, placement)
+    members = load_hosted_members(cfg, world, placement, resume_from)
+    max_images = max(len(ex.images) for ex in examples)
+    slots = build_slots(cfg, members, specs, max_images, resume_from)
+    shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
+    sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
+    start, history, eval_history = _restore(state, sampler, world, sink)
+    if state is not None:
+        log.info("resumed from %s (step %d)", resume_from, start)
+    # fmt: off
+    return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
+                     reward_spec, start, history, data_report, eval_history, read_best(run_dir))
+    # fmt: on
+
+
+def _check_engine_layout(cfg: CohortConfig, placement: dict[str, tuple[int, ...]], reward_spec: RewardSpec) -> None:
+    """The vLLM engine layout of this launch (vlm_corl.config.engine_layout): a ConfigError (exit 2) naming the
+    ranks, not a hang at the first engine."""
+    problems = engine_layout_problems(cfg, placement, teachers=reward_spec.layout == "ema_teacher")
+    if problems:
+        raise ConfigError([f"{path}: {message}" for path, message in problems], [path for path, _ in problems])
+
+
+def _load_data(cfg: CohortConfig, resume_from: Path | None) -> tuple[list[Example], object]:
+    """The training examples (with their paraphrases, when configured) and the loader's report, after checking
+    that every member can read them."""
+    examples, data_report = load_training_examples(cfg.data.train)
+    if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
+        examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
+        log.info("paraphrases: %s", report.summary())
+    _check_members_read_the_data(cfg, examples, resume_from)
+    return examples, data_report
+
+
+def _restore(state: dict | None, sampler: LockstepSampler, world: World, sink) -> tuple[int, list, list]:
+    """(start step, metrics history, eval history) of a resumed run, with the sampler and random streams
+    restored, and the metrics rows after the checkpoint dropped; (0, [], []) for a new run."""
+    if state is None:
+        return 0, [], []
+    start, history, eval_history = state["step"], [], []
+    sampler.load_state_dict(state["sampler"])
+    restore_rng(state["rng"], world)
+    if sink is not None:
+        history, eval_history = sink.truncate_after(start)
+        if not any(row["step"] == start for row in history):  # killed between checkpoint and metrics write
+            sink.write(state.get("rows", []))
+            history += state.get("rows", [])
+    return start, history, eval_history
+
+
+def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume_from: Path | None) -> list:
+    """The members placed on this rank, loaded (from the checkpoint when resuming) with their group, and the
+    trainable ones with their optimizer and schedule (restored when resuming), DeepSpeed engine and KL anchor.
+
+    Every trainer state exists before any rollout engine is built (`build_slots`): vLLM measures the memory
+    left with the weights, gradients and Adam moments already there. ZeRO-3 members load on the host and are
+    partitioned onto the device (`attach_deepspeed`), never whole on one GPU."""
+    zero3 = cfg.train.deepspeed is not None and zero_stage(cfg.train.deepspeed) == 3
+    members = []
+    for mc in (m for m in cfg.members if world.rank in placement[m.id]):
+        source = resume_from / mc.id if resume_from else None
+        m = load_member(mc, source, world.device, rollout=cfg.rollout.dtype, stage_on_cpu=zero3 and mc.trainable)
+        m.group = world.group(placement[m.id])
+        members.append(m)
+        if not m.cfg.trainable:
+            continue
+        updates = cfg.train.max_steps * cfg.algo.updates_per_batch  # the schedule spans every optimizer step
+        if cfg.train.deepspeed:
+            ranks = placement[m.id]
+            hf = member_engine(cfg, mc) == "hf"
+            attach_deepspeed(m, cfg.train, updates, world.group(ranks), world.singles[world.rank], keep_full_copy=hf)
+            if m.deepspeed.full_copy is not None and world.rank == ranks[0]:
+                log.info(
+                    "ZeRO-3 member %s keeps a full %s copy of its weights for HF rollouts (its engine vllm would "
+                    "stream them instead)",
+                    m.id,
+                    str(m.rollout_dtype).removeprefix("torch."),
+                )
+        else:
+            m.setup_optimizer(cfg.train, updates)
+        if resume_from:
+            m.load_trainer_state(resume_from / m.id)
+        if cfg.algo.kl_beta > 0:  # the KL anchor is the member's initial model, also after a resume
+            anchor = load_member(replace(m.cfg, trainable=False), device=world.device, rollout=cfg.rollout.dtype)
+            m.reference = anchor.model.eval()
+    return members
+
+
+def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path | None) -> None:
+    """Before any model is loaded: every member's directory names a family (agreeing with members[i].family),
+    and text-only members get no images."""
+    if resume_from is not None:
+        held = sorted(p.name for p in resume_from.iterdir() if p.is_dir())
+        renamed = [m.id for m in cfg.members if m.id not in held]
+        if renamed:
+            raise ConfigError(
+                [
+                    f"the checkpoint to resume, {resume_from}, holds members {held} but the config has "
+                    f"{renamed}: members are matched by id, so use the ids of the run you resume (or "
+                    "start a new run in another output_dir)"
+                ],
+                ["members"],
+            )
+    for i, m in enumerate(cfg.members):
+        check_modality(
+            member_family(m, resume_from / m.id if resume_from else m.model),
+            examples,
+            f"members[{i}] ({m.id!r}, {m.model})",
+        )
+
+
+def _check_shards(cfg: CohortConfig, placement: dict[str, tuple[int, ...]]) -> None:
+    """Every rank of the widest member needs an example of each batch."""
+    widest = max(len(r) for r in placement.values())
+    if cfg.data.batch_size < widest:
+        raise ConfigError(
+            [
+                f"data.batch_size={cfg.data.batch_size} is smaller than the {widest} ranks of a member: "
+                "every rank needs at least one example per step; raise data.batch_size"
+            ],
+            ["data.batch_size"],
+        )
+
+
+def load_training_examples(spec: DatasetConfig) -> tuple[list, object]:
+    """The training examples of a `DatasetConfig` (`skip` first ones dropped, then at most `limit`) and the
+    loader's report of the records it kept and skipped (by reason)."""
+    stop = spec.skip + spec.limit if spec.limit else None
+    data = load_examples(spec.loader, spec.path, split=spec.split, limit=stop, **spec.options)
+    log.info("data: %s", data.report.summary())
+    kept = data.examples[spec.skip :]
+    if not kept:
+        raise DataError(
+            f"data.train: no training examples left ({len(data.examples)} loaded, skip={spec.skip}; "
+            f"{data.report.summary()}): check data.train.path, split, skip and limit"
+        )
+    return kept, data.report
+
+
+RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard", BEST_DIR)
+
+
+def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
+    """A fresh run needs a run directory without another run in it: appending to its metrics and pruning its
+    checkpoints would mix two runs. With train.overwrite the old run's files are removed (by `clear`: rank 0)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([f"output_dir={str(run_dir)!r} is a file; choose a directory"], ["output_dir"])
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found or found == ["config.yaml"]:
+        return
+    if not cfg.train.overwrite:
+        go_on = "continue it with train.resume=true, " if latest_checkpoint(run_dir) else ""
+        raise ConfigError(
+            [
+                f"output_dir={str(run_dir)!r} already holds a run ({', '.join(found)}): {go_on}replace it "
+                "with train.overwrite=true, or choose another output_dir"
+            ],
+            ["output_dir"],
+        )
+    if clear:
+        log.warning("train.overwrite=true: removing the run in %s (%s)", run_dir, ", ".join(found))
+        for name in found:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
+    if cfg.train.resume is False:
+        return None
+    found = latest_checkpoint(run_dir, warn=True)
+    if found is None and cfg.train.resume is True:
+        raise ConfigError(
+            [
+                f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: use "
+                "train.resume=auto to start fresh when there is none"
+            ],
+            ["train.resume"],
+        )
+    return found
