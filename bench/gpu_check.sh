@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
-# One short device check (under 8 minutes) for a lent GPU machine; on a machine without CUDA it runs the same
-# checks on the CPU ("cpu fallback"). Prints bench/gpu_check.py's JSON: HF engine tokens/s, a small 2-member
-# cohort's step time and peak memory with bf16 autocast, and the same with DeepSpeed ZeRO-2 in one process.
+# The one-shot device check (at most 8 minutes) for a lent GPU machine: bench/gpu_check.py's JSON on stdout.
+# On a machine without CUDA it runs the same checks on the CPU at a tiny size ("cpu fallback").
 #
-#     bash bench/gpu_check.sh            # uses .venv if present, else the python3 on PATH
+#     make gpu-bundle                    # here, where PyPI is: the wheels the check needs, into .gpu-bundle/
+#     bash bench/gpu_check.sh            # there: installs .gpu-bundle/ (no index), then runs the check
 #
-# The Python it runs needs this project's dependencies (torch, transformers, deepspeed, easy-vqa); no network.
+# The GPU machine has Python 3.12, CUDA torch, transformers, accelerate, peft, safetensors and tokenizers, and
+# no package index: when .gpu-bundle/ is there and the environment lacks what the check needs (deepspeed,
+# math-verify, easy-vqa, a transformers this project admits), its wheels are installed with --no-index into
+# .gpu-site/, which goes on PYTHONPATH after this working tree (so the working tree's code runs; the bundled
+# project wheel only supplies its entry points). It never needs a network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 if ! command -v nvidia-smi >/dev/null 2>&1; then export DS_ACCELERATOR=cpu; fi
-if ! "$PY" -c "import vlm_corl" 2>/dev/null; then export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; fi
+needs='import deepspeed, math_verify, easy_vqa, qwen_vl_utils, transformers, vlm_corl.registry
+from importlib.metadata import entry_points
+from packaging.version import Version
+assert Version(transformers.__version__) >= Version("5.19"), transformers.__version__
+assert entry_points(group="vlm_corl.families"), "this project is not installed"'
+if ! "$PY" -c "$needs" 2>/dev/null; then
+  if [ -d .gpu-bundle ]; then
+    if [ ! -f .gpu-site/.installed ]; then
+      rm -rf .gpu-site
+      "$PY" -m pip install --quiet --no-index --no-deps --target .gpu-site .gpu-bundle/*.whl >&2
+      touch .gpu-site/.installed
+    fi
+    export PYTHONPATH="$PWD:$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
 exec timeout 480 "$PY" bench/gpu_check.py "$@"

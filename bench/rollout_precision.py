@@ -71,6 +71,12 @@ def run(model, prompts, params, policy, eos, tok, mode, device, counter=None):
 
 
 def main(argv=None) -> int:
+    print(json.dumps(measure(argv)))
+    return 0
+
+
+def measure(argv=None) -> dict:
+    """The measurement (see the module docstring) for command-line arguments `argv`, as a dict."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="member directory (a zoo member, a real-size random one)")
     parser.add_argument("--prompts", type=int, default=8)
@@ -120,8 +126,7 @@ def main(argv=None) -> int:
             "peak_above_start_gb": round(statistics.median(peaks), 3) if peaks else None,
         }
         del model
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def test_rollout_benchmark_hf_side(tiny_zoo):
 
 
 def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
+    """bench/gpu_check.sh at the tiny size on the CPU: every check it runs on a lent GPU (real-size members,
+    rollout precision, training, ZeRO-3, a kill and resume) runs here too and reports its JSON."""
     proc = subprocess.run(
         ["bash", "bench/gpu_check.sh", "--size", "tiny", "--steps", "2", "--out", str(tmp_path)],
         cwd=ROOT,
@@ -52,6 +54,11 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     result = json.loads(proc.stdout)  # stdout holds only the JSON, whatever the libraries print
     assert proc.returncode == 0 and result["ok"], json.dumps(result)[-3000:]
     assert result["mode"] == "cpu fallback" and result["vllm"].startswith("skipped")
-    assert result["hf_engine"]["tokens_per_s"] > 0
-    for run in ("train_bf16", "train_zero2"):
-        assert result[run]["steps"] == 2 and result[run]["median_step_s"] > 0 and result[run]["peak_memory_gb"] > 0
+    assert result["members"]["parameters"]["qwen"] > 0
+    cached = result["rollout_precision"]["autocast_cached"]["weight_casts_per_call"]
+    assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
+    for run in ("train", "zero3"):
+        qwen = result[run]["qwen"]
+        assert result[run]["steps"] == 2 and qwen["time_step"] > 0 and qwen["tokens_per_s"] > 0 and qwen["loss_finite"]
+        assert qwen["prompt_cache_mb"] > 0 and result[run]["states_gb_by_arithmetic"]["qwen"] > 0
+    assert result["resume"]["ok"] and result["resume"]["steps_logged"] == [1, 2, 3]

@@ -1,15 +1,23 @@
-"""Offline tiny-model zoo: randomly initialised members of every family, saved in Hugging Face format.
+"""Offline model zoo: randomly initialised members of every family, saved in Hugging Face format.
 
     python -m vlm_corl.zoo --out DIR [--families qwen2_vl,qwen3] [--size tiny|small] [--seed 0]
+    python -m vlm_corl.zoo --out DIR --real qwen2-vl-2b-instruct [--device cuda] [--dtype bfloat16]
 
 Each member goes to DIR/<family> (size tiny) or DIR/<family>-small (size small) with safetensors weights,
 config, generation config (stop/pad ids, suppressed control tokens), tokenizer, processor and chat template,
 and reloads with the transformers Auto classes. Everything is built from configs and a tokenizer trained
 here on a corpus shipped with the package: no network. The same seed gives byte-identical weights.
+
+`--real NAME` builds a member with a released model's architecture (configs/models/NAME, or any directory with a
+config.json and preprocessor_config.json) and random weights, to DIR/NAME: the published dimensions and
+vocabulary (so memory and speed are those of the real model), the released image processor, and the zoo's
+offline tokenizer, the config's multimodal token ids pointed at its ids. Its answers are noise; its costs are
+real. Build it where it will run (`--device cuda`: a 2B member in bf16 is initialised in seconds there).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,8 +26,12 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from vlm_corl import cli
-from vlm_corl.members.families import SIZES, Family  # importing the package registers the vision families
+from vlm_corl.errors import UserError
+from vlm_corl.members.families import SIZES, Family, detect_family  # importing registers the vision families
+from vlm_corl.members.precision import DTYPES
 from vlm_corl.registry import FAMILIES
+
+REAL_MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
 
 def member_dir(out: str | Path, family: str, size: str = "tiny") -> Path:
@@ -40,6 +52,53 @@ def build_member(family: Family, path: str | Path, size: str = "tiny", seed: int
     processor = family.build_processor(tokenizer, size) if family.build_processor else tokenizer
     processor.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
+
+
+def build_real(
+    name: str | Path, out: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> tuple[Path, int]:
+    """A real-size random member (see the module docstring) at OUT/<name>; returns (its path, parameter count)."""
+    from transformers import AutoConfig
+
+    source = Path(name) if Path(name).is_dir() else REAL_MODELS / str(name)
+    if not (source / "config.json").is_file():
+        known = ", ".join(sorted(p.name for p in REAL_MODELS.iterdir() if (p / "config.json").is_file()))
+        raise UserError(f"--real {name}: no such architecture; use a directory with a config.json or one of {known}")
+    family = detect_family(source)
+    tokenizer = family.build_tokenizer()
+    config = AutoConfig.from_pretrained(source)
+    for key, token in family.config_token_ids:
+        setattr(config, key, tokenizer.convert_tokens_to_ids(token))
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = family.model_class.from_config(config, dtype=dtype)
+    model.generation_config = family.generation_config(tokenizer)
+    path = Path(out) / Path(name).name
+    model.save_pretrained(path)
+    processor = tokenizer
+    if family.modality == "vision":
+        processor = real_processor(source, tokenizer, config)
+    processor.save_pretrained(path)
+    return path, sum(p.numel() for p in model.parameters())
+
+
+def real_processor(source: Path, tokenizer, config):
+    """The released processor (source/preprocessor_config.json: its class and image processor) around the
+    offline tokenizer."""
+    import transformers as tf
+
+    image_processor = tf.AutoImageProcessor.from_pretrained(source)
+    name = json.loads((source / "preprocessor_config.json").read_text())["processor_class"]
+    cls = getattr(tf, name)
+    extra = {}
+    video = {"Qwen2VLProcessor": "Qwen2VLVideoProcessor", "Qwen2_5_VLProcessor": "Qwen2VLVideoProcessor"}
+    video["InternVLProcessor"] = "InternVLVideoProcessor"
+    if name in video:
+        extra["video_processor"] = getattr(tf, video[name])()
+    for key in ("image_seq_length", "mm_tokens_per_image"):  # InternVL, Gemma-3: image tokens per tile
+        if getattr(config, key, None):
+            extra["image_seq_length"] = getattr(config, key)
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template, **extra)
 
 
 def build_zoo(out: str | Path, families: list[str] | None = None, size: str = "tiny", seed: int = 0) -> dict[str, Path]:
@@ -71,8 +130,19 @@ def main(argv: list[str] | None = None) -> int:
         " servable by vLLM (members go to OUT/<family>-small)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    parser.add_argument(
+        "--real",
+        metavar="NAME",
+        help="a released architecture with random weights instead (configs/models/NAME or a directory)",
+    )
+    parser.add_argument("--device", default="cpu", help="--real: where the weights are initialised (e.g. cuda)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--real: weights dtype")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per member drowns the table
+    if args.real:
+        path, n_params = build_real(args.real, cli.output_dir(args.out, "--out"), args.device, DTYPES[args.dtype])
+        print(f"{path}  {n_params:,} parameters")
+        return 0
     families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
     names = families or FAMILIES.names()
     for name in names:

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import NoReturn
 
@@ -74,16 +74,19 @@ FORMAT_PATTERNS = {"boxed": "\\boxed{", "answer_tags": "<answer>"}
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase of the current step; the phase is also reported to the other ranks
-    (`World.report`), so a failure can say where each rank stopped."""
+    """Wall-clock seconds per named phase of the current step, and on CUDA the peak memory each phase allocated
+    (`torch.cuda.max_memory_allocated`, GB); the phase is also reported to the other ranks (`World.report`), so a
+    failure can say where each rank stopped."""
 
     def __init__(self, world: World | None = None, step: int = 0):
         self.world = world
+        self.cuda = world is not None and world.device.type == "cuda"
         self.start_step(step)
 
     def start_step(self, step: int) -> None:
         """Reset the times for step `step` (0-based)."""
         self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
         self.step, self.phase = step, "start"
 
     @contextmanager
@@ -91,9 +94,14 @@ class PhaseTimer:
         self.phase = name
         if self.world is not None:
             self.world.report(self.step + 1, name)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.world.device)
         start = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.world.device) / 1e9
+            self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
 
 
 def sampling_params(
@@ -230,7 +238,7 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
     with timer("sync"):
         sync_phase(run)
     with timer("log"):
-        updates, rollout_s = _gather_step_facts(run.world, updates, rollout_s)
+        updates, rollout_s, memory = _gather_step_facts(run, updates, rollout_s, timer)
         if not run.world.is_main:
             return [], []
         outcome = StepOutcome(
@@ -242,6 +250,7 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
             lengths,
             updates,
             rollout_s,
+            memory,
         )
         rows, warnings = metrics_rows(run, outcome)
         run.history.extend(rows)
@@ -590,16 +599,28 @@ def _owner(slot: Slot) -> str:
     return slot.follows.id if slot.follows is not None else slot.member.id
 
 
-def _gather_step_facts(world: World, updates: dict, rollout_s: dict) -> tuple[dict, dict]:
-    """Every member's update stats (from its first rank; identical on the others) and each slot's rollout
-    seconds (the slowest of its ranks), on every rank."""
-    updates_all, seconds = {}, {}
-    for part in world.all_gather((updates, rollout_s)):
+def _gather_step_facts(run: CohortRun, updates: dict, rollout_s: dict, timer: PhaseTimer) -> tuple[dict, dict, dict]:
+    """Every member's update stats (from its first rank; identical on the others), each slot's rollout seconds
+    (the slowest of its ranks), and each slot's memory (the largest of its ranks): its renderer's prompt cache
+    (MB, host) and, on CUDA, the peak each phase so far allocated on its device (GB), on every rank."""
+    mine = {
+        s.id: {
+            "prompt_cache_mb": s.renderer.cached_bytes / 2**20,
+            **{f"peak_gb_{k}": v for k, v in timer.peaks.items()},
+        }
+        for s in run.slots
+    }
+    updates_all, seconds, memory = {}, {}, {}
+    for part in run.world.all_gather((updates, rollout_s, mine)):
         for mid, stats in part[0].items():
             updates_all.setdefault(mid, stats)
         for sid, sec in part[1].items():
             seconds[sid] = max(seconds.get(sid, 0.0), sec)
-    return updates_all, seconds
+        for sid, values in part[2].items():
+            slot = memory.setdefault(sid, {})
+            for k, v in values.items():
+                slot[k] = max(slot.get(k, 0.0), v)
+    return updates_all, seconds, memory
 
 
 def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dict]:
@@ -661,7 +682,7 @@ def _eval_engine(run: CohortRun, member, bench):
 @dataclass
 class StepOutcome:
     """What one step leaves for its metrics rows: the cohort batch and its rewards, the gold answers and
-    categories of its questions (diagnostics only), response lengths, update stats and rollout seconds."""
+    categories of its questions (diagnostics only), response lengths, update stats, rollout seconds and memory."""
 
     step: int
     cohort: CohortBatch
@@ -671,6 +692,7 @@ class StepOutcome:
     lengths: list  # (N, B, K)
     updates: dict  # member id -> update stats
     rollout_s: dict  # slot id -> seconds
+    memory: dict = field(default_factory=dict)  # slot id -> {prompt_cache_mb, peak_gb_<phase> (CUDA)}
 
 
 def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]]:
@@ -699,5 +721,6 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
         row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr")})
         row.update({k: v for k, v in stats.items() if k.startswith("is_")})  # algo.rollout_is mismatch
         row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
+        row.update(o.memory.get(s.id, {}))
         rows.append(row)
     return rows, flag_step(run.history, rows)

@@ -82,6 +82,9 @@ class Family:
     # How a picture is brought to the size the model reads before the processor sees it (Qwen-VL: onto its
     # patch grid, as qwen-vl-utils does), given the member's processor and the pixel cap; None: as loaded.
     prepare_image: Callable[[Any, Any, int], Any] | None = None
+    # (config attribute, control token) of the multimodal token ids a model config names: a real-size random
+    # member (`zoo.build_real`) points them at the offline tokenizer's ids.
+    config_token_ids: tuple[tuple[str, str], ...] = ()
 
     def build_tokenizer(self) -> PreTrainedTokenizerFast:
         """The zoo tokenizer: the shared offline BPE plus this family's control tokens and chat template."""

@@ -95,5 +95,10 @@ GEMMA3 = register(
         tokens=GEMMA3_TOKENS,
         build_config=_gemma3_config,
         build_processor=_gemma3_processor,
+        config_token_ids=(
+            ("image_token_id", "<image_soft_token>"),
+            ("boi_token_id", "<start_of_image>"),
+            ("eoi_token_id", "<end_of_image>"),
+        ),
     )
 )

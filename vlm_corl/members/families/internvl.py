@@ -67,5 +67,6 @@ INTERNVL = register(
         tokens=INTERNVL_TOKENS,
         build_config=_internvl_config,
         build_processor=_internvl_processor,
+        config_token_ids=(("image_token_id", "<IMG_CONTEXT>"),),
     )
 )

@@ -92,6 +92,7 @@ MLLAMA = register(
         tokens=MLLAMA_TOKENS,
         build_config=_mllama_config,
         build_processor=_mllama_processor,
+        config_token_ids=(("image_token_id", "<|image|>"),),
         batch_aligned_keys=("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"),
     )
 )

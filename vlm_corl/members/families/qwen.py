@@ -30,7 +30,13 @@ QWEN_VL_TOKENS = SpecialTokens(
         ("vision_end_token", "<|vision_end|>"),
     ),
 )
-QWEN_DEFAULT_SYSTEM = "You are a helpful assistant."  # what Qwen2(-VL) and Qwen2.5(-VL) templates insert
+QWEN_DEFAULT_SYSTEM = "You are a helpful assistant."
+QWEN_VL_CONFIG_TOKENS = (
+    ("image_token_id", "<|image_pad|>"),
+    ("video_token_id", "<|video_pad|>"),
+    ("vision_start_token_id", "<|vision_start|>"),
+    ("vision_end_token_id", "<|vision_end|>"),
+)  # what Qwen2(-VL) and Qwen2.5(-VL) templates insert
 
 
 def chatml_template(image: str | None, default_system: str | None = None) -> str:
@@ -168,6 +174,7 @@ QWEN2_VL = register(
         build_config=_qwen2_vl_config,
         build_processor=_qwen_processor(tf.Qwen2VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
         prepare_image=qwen_vl_image,
+        config_token_ids=QWEN_VL_CONFIG_TOKENS,
     )
 )
 
@@ -183,6 +190,7 @@ QWEN2_5_VL = register(
         build_config=_qwen2_5_vl_config,
         build_processor=_qwen_processor(tf.Qwen2_5_VLProcessor, tf.Qwen2VLVideoProcessor, small_patch=14),
         prepare_image=qwen_vl_image,
+        config_token_ids=QWEN_VL_CONFIG_TOKENS,
     )
 )
 
@@ -198,5 +206,6 @@ QWEN3_VL = register(
         build_config=_qwen3_vl_config,
         build_processor=_qwen_processor(tf.Qwen3VLProcessor, tf.Qwen3VLVideoProcessor, small_patch=16),
         prepare_image=qwen_vl_image,
+        config_token_ids=QWEN_VL_CONFIG_TOKENS,
     )
 )
