@@ -51,5 +51,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+# Metrics fields that measure the machine and the placement (seconds, throughput, memory), not the training:
+# left out where two runs' rows must be equal.
+MEASURED = ("time_", "tokens_per_s", "prompt_cache_mb", "peak_gb_")
+
+
+def trained_fields(rows: list[dict]) -> list[dict]:
+    """Metrics rows without their MEASURED fields."""
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED)} for r in rows]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

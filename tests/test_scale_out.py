@@ -23,13 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cohort_helpers import cohort, metrics, weights
+from cohort_helpers import cohort, metrics, trained_fields, weights
 
 from vlm_corl.distributed.checkpoint import is_complete, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
-TIMING = ("time_", "tokens_per_s")
 
 
 def _config(tmp: Path, members, name: str, **train) -> Path:
@@ -58,10 +57,6 @@ def _launch(cfg: Path, procs: int, *overrides: str, wait: bool = True):
     return proc
 
 
-def _strip(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-
 def _final(run: Path, ids) -> dict:
     return {m: weights(run / "run" / "checkpoints" / "step-2" / m) for m in ids}
 
@@ -86,7 +81,7 @@ def test_two_processes_equal_one_process_bit_for_bit(two_members, single, tmp_pa
         (s, m) for s in (1, 2) for m in ("qwen", "llama")
     }
     assert any(r["reward_mean"] > 0 for r in rows), "no reward: the comparison proves little"
-    assert _strip(rows) == _strip(metrics(single / "run"))
+    assert trained_fields(rows) == trained_fields(metrics(single / "run"))
     one, two = _final(single, ["qwen", "llama"]), _final(tmp_path / "two", ["qwen", "llama"])
     assert all(torch.equal(one[m][k], two[m][k]) for m in one for k in one[m])
 
@@ -95,7 +90,7 @@ def test_three_members_on_three_processes_equal_one_process(base_models, tmp_pat
     members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"]), ("qwen_b", base_models["qwen2_vl"])]
     _launch(_config(tmp_path, members, "one"), 1)
     _launch(_config(tmp_path, members, "three"), 3)
-    assert _strip(metrics(tmp_path / "three" / "run")) == _strip(metrics(tmp_path / "one" / "run"))
+    assert trained_fields(metrics(tmp_path / "three" / "run")) == trained_fields(metrics(tmp_path / "one" / "run"))
     ids = [m for m, _ in members]
     one, three = _final(tmp_path / "one", ids), _final(tmp_path / "three", ids)
     assert all(torch.equal(one[m][k], three[m][k]) for m in one for k in one[m])
@@ -108,7 +103,7 @@ def test_data_parallel_ranks_of_a_member_stay_identical_and_match_one_process(tw
     for by_rank in manifest["replicas"].values():
         assert len(set(by_rank.values())) == 1, by_rank
     # The batch is split, so sums run in another order: equal up to float rounding, not bit for bit.
-    four_rows, one_rows = _strip(metrics(tmp_path / "four" / "run")), _strip(metrics(single / "run"))
+    four_rows, one_rows = trained_fields(metrics(tmp_path / "four" / "run")), trained_fields(metrics(single / "run"))
     assert len(four_rows) == len(one_rows)
     for a, b in zip(four_rows, one_rows):
         assert a.keys() == b.keys()

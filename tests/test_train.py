@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cohort_helpers import cohort, metrics, weights, write_jsonl
+from cohort_helpers import cohort, metrics, trained_fields, weights, write_jsonl
 
 from vlm_corl.config import config_from_dict
 from vlm_corl.data.loaders import load_examples
@@ -184,5 +184,4 @@ def test_resume_after_sigkill_is_bit_identical(base_models, tmp_path):
         assert sa["scheduler"] == sb["scheduler"]
         for pa, pb in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()):
             assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "tokens_per_s"))} for r in rows]  # noqa: E731
-    assert strip(metrics(full / "run")) == strip(metrics(killed / "run"))
+    assert trained_fields(metrics(full / "run")) == trained_fields(metrics(killed / "run"))

@@ -182,7 +182,10 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
             old = [_logprobs(member, mb, member.policy(rollout.temperature))[0] for mb in micro]
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
     policy = member.policy(rollout.temperature)
-    loss_sum, clipped_tokens, grad_norm = 0.0, 0.0, 0.0
+    # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not two per
+    # micro-batch.
+    loss_sum = clipped_tokens = torch.zeros((), dtype=torch.float64, device=member.device)
+    grad_norm = 0.0
     mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
@@ -195,13 +198,13 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
                 loss, mask = loss * 0.0, mask * 0
             member.backward(loss)
-            loss_sum += loss.item()
-            clipped_tokens += float((clipped * mask).sum())
+            loss_sum = loss_sum + loss.detach().double()
+            clipped_tokens = clipped_tokens + (clipped * mask).sum().double()
         grad_norm = member.step(train.grad_clip)
     summed = member.sum_over_ranks(
         {
-            "loss": loss_sum,
-            "clipped": clipped_tokens,
+            "loss": float(loss_sum),
+            "clipped": float(clipped_tokens),
             "trained": len(work),
             **{f"is_{k}": v for k, v in mismatch.items()},
         }
