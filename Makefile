@@ -68,5 +68,5 @@ gpu-bundle: setup
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d $(GPU_BUNDLE) $(GPU_WHEELS)
 	DS_BUILD_OPS=0 $(VENV)/bin/pip wheel --no-deps -w $(GPU_BUNDLE) deepspeed==0.19.8
-	$(VENV)/bin/pip wheel --no-deps --no-build-isolation -w $(GPU_BUNDLE) .
+	$(VENV)/bin/pip wheel --no-deps --no-build-isolation -w $(GPU_BUNDLE) . && rm -rf build
 	@du -sh $(GPU_BUNDLE); ls $(GPU_BUNDLE)
