@@ -189,8 +189,8 @@ class Member:
 
     def rollout_autocast(self) -> torch.autocast:
         """Autocast to the rollout dtype around HF rollouts and evaluation, when it is below the weights' (fp32
-        masters sampled in bf16). Weight casts are cached for the whole context: a rollout casts each weight
-        once, not once per decoded token."""
+        masters sampled in bf16). Under torch.no_grad (as the HF engine runs it) autocast caches its weight casts
+        for the whole context: a rollout casts each weight once, not once per decoded token."""
         weights = next((self.model if self.partitioned else self.generation_module).parameters()).dtype
         lower = self.rollout_dtype != weights and self.rollout_dtype in (torch.bfloat16, torch.float16)
         return torch.autocast(self.device.type, dtype=self.rollout_dtype if lower else torch.bfloat16, enabled=lower)

@@ -30,9 +30,9 @@ PROMPT_STYLES = {
 class PromptTooLong(UserError, ValueError):
     """A rendered prompt exceeds rollout.max_prompt_tokens (`tokens`: its length, `member`: whose prompt)."""
 
-    def __init__(self, message: str, example_id: str = "", member: str = "", tokens: int = 0):
+    def __init__(self, message: str, member: str = "", tokens: int = 0):
         super().__init__(message)
-        self.example_id, self.member, self.tokens = example_id, member, tokens
+        self.member, self.tokens = member, tokens
 
 
 class Renderer:
@@ -103,7 +103,6 @@ class Renderer:
                 f"the longest prompt allowed ({self.max_prompt_tokens} tokens: rollout.max_prompt_tokens in "
                 "training, --max-prompt-tokens when evaluating with vLLM): raise it"
                 + (" or lower data.max_image_pixels" if example.images else ""),
-                example.id,
                 member.id,
                 length,
             )

@@ -48,7 +48,7 @@ class VLLMEngine:
     The engine serves the member in its rollout dtype (`member.rollout_dtype`: bf16 on CUDA), whatever the fp32
     masters it is synced from. Under torchrun/accelerate every rank runs its own engines (tensor-parallel 1)
     on its share of the batch, and every rank must build as many engines, in the same order: vLLM's launcher
-    meets all ranks once per engine built (vlm_corl.training.engine_layout). Several engines may share a
+    meets all ranks once per engine built (vlm_corl.config.engine_layout). Several engines may share a
     process, but keep each alive as long as the process: closing one tears down vLLM's process-wide parallel
     state, and the others then fail on their next step.
     Sleep mode (CUDA, one engine per process): after a rollout a trained member's engine sleeps at level 2
