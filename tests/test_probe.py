@@ -152,3 +152,10 @@ def test_cli_on_two_tiny_zoo_models(tiny_zoo, tmp_path, capsys):
     assert set(report["pairs"][0]["by_type"]) == {"color", "shape", "yes/no"}
     assert sorted(report["recommendation"]["ring_pair"]) == sorted(names)
     assert (out / "probe.md").read_text().startswith("# Cohort probe: easyvqa [test], 12 questions")
+    # the label headroom of the one cohort, from 4 sampled answers per question, under every topology
+    assert "## Label headroom of every cohort (K = 4 samples at temperature 1.0" in table
+    (cohort,) = report["headroom"]["ranking"]
+    assert cohort["members"] == names and cohort["n"] == 12
+    assert set(cohort["modes"]) == {"ring", "peers", "soft", "self_vote", "gt"}
+    assert cohort["modes"]["self_vote"]["headroom"]["all"]["mean"] == 0.0
+    assert cohort["modes"]["peers"]["headroom"] == cohort["modes"]["ring"]["headroom"]  # of two: the same

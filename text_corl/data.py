@@ -13,12 +13,20 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from vlm_corl.data.loaders import DataError, Skip, example_from_row, hub_dataset, resolve_data_file
+from vlm_corl.data.loaders import (
+    DataError,
+    Skip,
+    declares_category,
+    example_from_row,
+    hub_dataset,
+    resolve_data_file,
+)
 from vlm_corl.data.records import Example, with_choices
 
 MATH500_DIR = Path(__file__).resolve().parent / "datasets" / "math500"  # vendored copy (README.md there)
 
 
+@declares_category("subject")
 def load_math500(path: str | os.PathLike | None, split: str = "test") -> Iterator[Example | Skip]:
     """MATH-500 as released with the Co-RL code: a JSON list of {"prompt", "answer", "source", "id"}.
 

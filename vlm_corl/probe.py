@@ -18,6 +18,14 @@ Recommendation (RULE below): pairs with p_A + p_B > 1 first, then lower κ, then
 first pair is the one to train with `ring`. Every question type on which a pair has p_A + p_B < 1 is
 flagged: expect collapse to a wrong consensus on that type.
 
+Label headroom (`--samples K`, default 4; vlm_corl.headroom): one more pass per model, K answers per question at
+the training temperature, and for every cohort of two or more models and every reward topology (ring, peers,
+soft, self_vote, gt), computed by the reward modes' own code: how often each member's label is right where its
+own vote is wrong, minus the reverse. Cohorts are ranked best first by their `peers` headroom, with the
+confidence prediction (the most self-consistent member's vote), κ and p_A + p_B of the votes beside it. It is
+the bound on what a label-free reward can teach a greedily scored member; a pair's ring (or peers) headroom sums
+to zero, so a pair can only trade gains between its two members.
+
 The evaluation itself is `vlm_corl.eval` (same loading, rendering, decoding and grading; greedy for easyvqa),
 so the probe's accuracies are the ones `vlm_corl.eval` reports. Greedy single answers are a proxy for the
 training-time vote of K samples at temperature 1.
@@ -323,6 +331,22 @@ def model_names(specs: Sequence[str]) -> dict[str, str]:
         depth += 1
 
 
+def sampled_headroom(models: Mapping[str, str], bench, examples, samples: int, temperature: float) -> dict:
+    """Every cohort of two or more of `models` ranked by label headroom (vlm_corl.headroom.rank_cohorts), from one
+    pass per model of `samples` answers per question at `temperature`."""
+    from vlm_corl.evaluation.scoring import evaluate_dir
+    from vlm_corl.headroom import rank_cohorts
+
+    sampled = dataclasses.replace(bench, samples=samples, temperature=temperature)
+    records = {}
+    for name, path in models.items():
+        print(f"[probe] sampling {name}: {samples} answers per question", file=sys.stderr, flush=True)
+        records[name] = evaluate_dir(path, sampled, examples, name, progress=True)["records"]
+    names = list(models)
+    cohorts = {"+".join(c): list(c) for n in range(2, len(names) + 1) for c in itertools.combinations(names, n)}
+    return {"samples": samples, "temperature": temperature, "ranking": rank_cohorts(records, cohorts)}
+
+
 def main(argv=None) -> int:
     from vlm_corl.evaluation.scoring import (  # registers the built-in benchmarks
         benchmark_examples,
@@ -362,6 +386,15 @@ def main(argv=None) -> int:
         "--skip", type=int, default=0, help="start after this many questions of the split (carves a validation slice)"
     )
     parser.add_argument("--data", default=None, metavar="PATH", help="data path, for a loader that needs one")
+    parser.add_argument(
+        "--samples",
+        type=cli.positive_int,
+        default=4,
+        help="K answers sampled per question for the label headroom of every cohort (vlm_corl.headroom); 1 = skip it",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature of those answers (training's: 1.0)"
+    )
     parser.add_argument("--out", default=None, help="directory for probe.json and probe.md")
     args = parser.parse_args(argv)
     if len(args.models) < 2:
@@ -392,6 +425,8 @@ def main(argv=None) -> int:
         records[name] = evaluate_dir(path, bench, examples, name, progress=True)["records"]
 
     report = probe(records)
+    if args.samples > 1:  # one sampled pass per model; every cohort's label headroom from those records
+        report["headroom"] = sampled_headroom(models, bench, examples, args.samples, args.temperature)
     balance = f", balanced by {bench.balance_by}" if bench.balance_by else ""
     skip = f", after the first {args.skip}" if args.skip else ""
     title = f"Cohort probe: {bench.name} [{bench.split}{skip}], {len(examples)} questions{balance}"
@@ -406,6 +441,22 @@ def main(argv=None) -> int:
         "records": records,
     }
     text = probe_markdown(report, title)
+    if "headroom" in report:
+        from vlm_corl.headroom import HEADROOM_NOTE, ranking_markdown
+
+        h = report["headroom"]
+        text += "\n".join(
+            [
+                "",
+                f"## Label headroom of every cohort (K = {h['samples']} samples at temperature {h['temperature']}; "
+                "best first by peers headroom)",
+                "",
+                HEADROOM_NOTE,
+                "",
+                *ranking_markdown(h["ranking"]),
+                "",
+            ]
+        )
     print(text)
     if out is not None:
         (out / "probe.json").write_text(json.dumps(report, indent=2))

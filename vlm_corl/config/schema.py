@@ -281,9 +281,10 @@ class LoggingConfig:
     progress: bool = _f("show a progress bar", True)
     log_every: int = _f("write metrics every N steps", 1, ge=1)
     category_key: str | None = _f(
-        "examples' metadata key naming their category (question_type for easy-vqa, subject for MATH): metrics "
-        "and the collapse detector per category; null = none",
-        None,
+        "examples' metadata key naming their category: metrics and the collapse detector per category; auto = "
+        "the category field the data's loader declares (question_type for easy-vqa, subject for MATH), when the "
+        "examples carry it; null = none",
+        "auto",
     )
     category_window: int = _f(
         "steps the per-category metrics are averaged over (one batch holds few of each)", 10, ge=1

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -547,6 +547,22 @@ def easyvqa_paraphrases(question: str) -> tuple[str, ...]:
     return ()
 
 
+def declares_category(key: str) -> Callable:
+    """Mark a loader whose examples carry metadata[`key`] as their category: `logging.category_key: auto` then
+    turns the per-category metrics and collapse detector on with that key (`loader_category`)."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.category_key = key
+        return fn
+
+    return mark
+
+
+def loader_category(loader: str) -> str | None:
+    """The category metadata key a loader declares (`declares_category`), or None."""
+    return getattr(LOADERS.get(loader), "category_key", None)
+
+
 def easyvqa_question_type(answer: str) -> str:
     """ "yes/no", "shape" or "color", from the answer (the 13 answers split cleanly into these)."""
     if answer in ("yes", "no"):
@@ -555,6 +571,7 @@ def easyvqa_question_type(answer: str) -> str:
 
 
 @LOADERS.register("easyvqa")
+@declares_category("question_type")
 def load_easyvqa(path: str | os.PathLike | None, split: str = "train") -> Iterator[Example | Skip]:
     """easy-vqa from the installed package: split "train" (38,575 questions, 4,000 images) or "test" (9,673, 1,000).
 

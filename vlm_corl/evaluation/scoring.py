@@ -218,10 +218,16 @@ def check_models(models: dict[str, str], examples: list[Example]) -> None:
 
 
 def evaluate_dir(
-    model_dir: str | Path, bench: Benchmark, examples: list[Example], name: str | None = None, progress: bool = False
+    model_dir: str | Path,
+    bench: Benchmark,
+    examples: list[Example],
+    name: str | None = None,
+    progress: bool = False,
+    view: str = "original",
 ) -> dict:
-    """Load a saved model (zoo member or checkpoint) as a frozen member and evaluate it."""
-    cfg = MemberConfig(id=name or Path(model_dir).name, model=str(model_dir), trainable=False)
+    """Load a saved model (zoo member or checkpoint) as a frozen member and evaluate it; `view`: the question's
+    wording it sees (a member's `view`; an example without that paraphrase is asked in its own wording)."""
+    cfg = MemberConfig(id=name or Path(model_dir).name, model=str(model_dir), trainable=False, view=view)
     return evaluate_member(load_member(cfg, device=default_device()), examples, bench, progress=progress)
 
 

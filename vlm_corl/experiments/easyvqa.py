@@ -1,167 +1,97 @@
-"""The label-free learning experiment on real easy-vqa: do complementary cohorts teach themselves?
+"""The label-free learning experiment on real easy-vqa: do diverse cohorts teach themselves from their peers?
 
-    python -m vlm_corl.experiments.easyvqa --out DIR [--quick] [--seeds 5] [--workers 2] [--rl-steps 120]
-        [--plots-only]
+    python -m vlm_corl.experiments.easyvqa --out DIR [--quick] [--seeds 5] [--workers 2] [--rl-steps 480]
+        [--tune] [--plots-only]
 
-Five base models, built once (tiny Qwen2-VL-style members warm-started on their own labelled slices of
-easy-vqa train before question 20000; vlm_corl.experiments.easyvqa_data): A and A2 mostly on images of
-palette A's colours, B and B2 mostly on palette B's (A2 and B2: the same skills from another initialisation
-and slice), M half and half. The probe (vlm_corl.probe) measures every cohort on validation (train from
-question 35000) before any training. Then, per seed (the RL seed: sampling and data order), with identical
-budgets on the unlabelled pool (colour and yes/no questions, chosen by wording, of train [20000, 35000)):
-Co-RL `ring` on the complementary pair A+B, on the homogeneous pairs A+A2 and B+B2, on A+M and B+M; Co-RL on
-the three members A+B+M (`ring` and `peers`); `self_vote` (TTRL); the frozen-peer control (A learns from a
-frozen B and B from a frozen A, in one run); and `gt` (gold answers), the reference. Every trained member is
-evaluated on easy-vqa test, balanced over question types.
+1. Base models (vlm_corl.experiments.easyvqa_design): one tiny member per zoo VLM family and four more
+   qwen2_vl ones, each warm-started on its own labelled slice; each scored greedily on test and on validation
+   (train from #35000), and sampled K times at the training temperature on validation: the probe's records.
+2. The probe (vlm_corl.headroom) ranks every candidate cohort by its `peers` label headroom and picks the
+   best cohort of three or more families; the methods follow from the pick (easyvqa_design.plan_methods).
+3. Every method's runs, per seed, on the unlabelled pool (every question type, balanced, of train
+   [20000, 35000)); every trained member scored greedily on easy-vqa test, balanced over question types.
 
-Writes results.json, results.md (the tables, the probe-vs-gain analysis with Spearman's rank correlation,
-and a verdict on each claim) and PNG plots. Every choice (warm-start steps and mix, pool, learning rate,
-budget) was made on validation, never on test: the README's experiment section lists what was tried.
+Resumable: each base model and each run leaves a result file (base/<id>/base.json, runs/<run>/result.json);
+a restarted experiment with the same budget skips them. Writes results.json, results.md (the tables, the
+probe-vs-gain analysis, a verdict on each claim) and PNG plots. Every choice was made on validation, never on
+test (README, the experiment's section).
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import json
 import multiprocessing
-import re
 import statistics
 import sys
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
 
 from vlm_corl import cli
-from vlm_corl.demo import BaseRecipe, build_base
 from vlm_corl.errors import UserError
 from vlm_corl.evaluation.scoring import write_results
 from vlm_corl.experiments import easyvqa_analysis as analysis
-from vlm_corl.experiments.easyvqa_data import PALETTES, UNLABELLED_START, VALIDATION_START, skill_mix
-
-DATA = "vlm_corl.experiments.easyvqa_data"
-POOL = ["color", "yes/no"]  # shape is left out: the probe puts p_A + p_B below 1 on it for every pair
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Identical for every method of one experiment."""
-
-    warm_steps: int
-    rl_steps: int
-    eval_limit: int  # test questions, balanced over the 3 question types
-    probe_limit: int  # validation questions the probe evaluates each base model on
-    seeds: int
-    batch_size: int = 16
-    rl_lr: float = 3e-4
-    rollout_n: int = 4
-    own_share: float = 0.8  # of a specialist's labelled questions, on images of its own palette
-
-
-FULL = Budget(warm_steps=1000, rl_steps=120, eval_limit=600, probe_limit=600, seeds=5, rl_lr=4e-4)
-QUICK = Budget(warm_steps=10, rl_steps=2, eval_limit=15, probe_limit=15, seeds=2, batch_size=4)
-
-
-def base_recipes(budget: Budget) -> dict[str, BaseRecipe]:
-    """The five base models: each its own labelled slice (1000 questions, 4000 apart) and zoo initialisation."""
-
-    def recipe(k: int, palette: str, own: float) -> BaseRecipe:
-        return BaseRecipe(
-            "qwen2_vl",
-            "tiny",
-            4000 * k,
-            1000,
-            steps=budget.warm_steps,
-            init_seed=100 * k,
-            mix=skill_mix(palette, own),
-            balance="skill",
-            loader=f"{DATA}:labelled",
-        )
-
-    own = budget.own_share
-    return {
-        "A": recipe(0, "A", own),
-        "B": recipe(1, "B", own),
-        "A2": recipe(2, "A", own),
-        "B2": recipe(3, "B", own),
-        "M": recipe(4, "A", 0.5),
-    }
-
-
-# method -> (members [(id, base, overrides)], reward mode)
-METHODS = {
-    "ring, complementary A+B": ([("A", "A", {}), ("B", "B", {})], "ring"),
-    "ring, homogeneous A+A2": ([("A", "A", {}), ("A2", "A2", {})], "ring"),
-    "ring, homogeneous B+B2": ([("B", "B", {}), ("B2", "B2", {})], "ring"),
-    "ring, A+M": ([("A", "A", {}), ("M", "M", {})], "ring"),
-    "ring, B+M": ([("B", "B", {}), ("M", "M", {})], "ring"),
-    "ring, 3 members A+B+M": ([("A", "A", {}), ("B", "B", {}), ("M", "M", {})], "ring"),
-    "peers, 3 members A+B+M": ([("A", "A", {}), ("B", "B", {}), ("M", "M", {})], "peers"),
-    "self_vote (TTRL)": ([("A", "A", {}), ("B", "B", {})], "self_vote"),
-    # ring order: B is labelled by the frozen A, A by the frozen B (member n by member n-1)
-    "frozen peer": (
-        [
-            ("A_frozen", "A", {"trainable": False}),
-            ("B", "B", {}),
-            ("B_frozen", "B", {"trainable": False}),
-            ("A", "A", {}),
-        ],
-        "ring",
-    ),
-    "gt (labels)": ([("A", "A", {}), ("B", "B", {})], "gt"),
-}
-# the ring cohorts of the probe-vs-gain analysis (a cohort's probe: the mean over its pairs)
-RING_COHORTS = (
-    "ring, complementary A+B",
-    "ring, homogeneous A+A2",
-    "ring, homogeneous B+B2",
-    "ring, A+M",
-    "ring, B+M",
-    "ring, 3 members A+B+M",
+from vlm_corl.experiments.easyvqa_data import TYPES, UNLABELLED_START, VALIDATION_START
+from vlm_corl.experiments.easyvqa_design import (
+    DATA,
+    FULL,
+    MAX_VIEWS,
+    PARAPHRASED,
+    QUICK,
+    Budget,
+    Method,
+    base_recipes,
+    candidates,
+    cohort_records,
+    plan_methods,
+    probe_key,
+    slug,
+    views,
 )
-CLAIM_METHODS = {
-    "complementary": "ring, complementary A+B",
-    "homogeneous": "ring, homogeneous A+A2",
-    "self_vote": "self_vote (TTRL)",
-    "gt": "gt (labels)",
-}
 
 
-def slug(method: str) -> str:
-    """A method's name as a directory name."""
-    return re.sub(r"[^a-z0-9]+", "-", method.lower()).strip("-")
+def run_name(method: Method, seed: int, part: int = 0) -> str:
+    """A run's directory name (frozen peers: one run per trained member, numbered)."""
+    return f"{slug(method.name)}-seed{seed}" + (f"-part{part}" if len(method.runs) > 1 else "")
 
 
-def method_config(method: str, seed: int, budget: Budget, out: Path) -> dict:
-    """The cohort config of one method's run with one seed."""
-    members, mode = METHODS[method]
-    name = f"{slug(method)}-seed{seed}"
+def run_config(method: Method, seed: int, part: int, budget: Budget, out: Path) -> dict:
+    """The cohort config of one run of a method with one seed."""
+    name = run_name(method, seed, part)
+    members = [
+        {"id": mid, "model": str(out / "base" / base), "view": view, "trainable": trainable}
+        for mid, base, view, trainable in method.runs[part]
+    ]
     return {
         "name": name,
         "output_dir": str(out / "runs" / name),
         "seed": seed,
-        "members": [{"id": mid, "model": str(out / "base" / base), **extra} for mid, base, extra in members],
+        "members": members,
         "data": {
             "train": {
                 "loader": f"{DATA}:load",
-                "options": {"start": UNLABELLED_START, "stop": VALIDATION_START, "asked": POOL, "balanced": True},
+                "options": {"start": UNLABELLED_START, "stop": VALIDATION_START, "balanced": True},
             },
             "batch_size": budget.batch_size,
             "seed": seed,
+            "view_fallback": "original",  # a question with fewer wordings than a view asks for: its own
         },
-        "rollout": {"n": budget.rollout_n, "max_new_tokens": 12},
-        "reward": {"mode": mode},
+        "rollout": {"n": budget.rollout_n, "max_new_tokens": budget.max_new_tokens},
+        "reward": {"mode": method.mode},
         "train": {
             "max_steps": budget.rl_steps,
             "lr": budget.rl_lr,
             "save_every": 0,
             "micro_batch_size": 64,
-            "overwrite": True,
-        },  # a re-run of the experiment redoes its runs
-        "logging": {"tensorboard": False, "progress": False},
+            "overwrite": True,  # an unfinished run (no result.json) is redone from its start
+            "on_collapse": "warn",  # collapse is measured (the tables), not stopped
+        },
+        "logging": {"tensorboard": False, "progress": False, "category_key": "question_type"},
     }
 
 
@@ -179,6 +109,34 @@ def relative_to(value, root: Path):
     return value
 
 
+SEED_COUNTS = ("seeds", "more_seeds", "frozen_seeds")
+RL_ONLY = ("rl_steps", "batch_size", "rl_lr")
+
+
+def job_key(budget: Budget, split: str, kind: str) -> dict:
+    """What a job's result depends on: a base model on everything but the RL settings and the seed counts, a
+    run on everything but the seed counts; and the split it is scored on."""
+    drop = SEED_COUNTS + (RL_ONLY if kind == "base" else ())
+    return {"split": split, **{k: v for k, v in asdict(budget).items() if k not in drop}}
+
+
+def finished(path: Path, key: dict) -> dict | None:
+    """A job's result file, when it exists and was made with `key` (else None: the job is (re)done)."""
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    return result if result.get("key") == key else None
+
+
+def save_result(path: Path, result: dict, key: dict) -> dict:
+    """Write a job's result file last (atomically), so a killed job leaves none."""
+    result = {**result, "key": key}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result
+
+
 # ---- worker jobs (spawned processes, one torch thread each) -----------------------------------------------
 
 
@@ -191,22 +149,70 @@ def eval_examples(split: str, limit: int) -> list:
     return validation(limit) if split == "validation" else benchmark_examples(EASYVQA, limit)
 
 
-def make_base(mid: str, recipe: BaseRecipe, out: Path, budget: Budget, split: str) -> dict:
-    """Build one base model, score it on `split` ("test"), and save its validation records (the probe's input)
-    next to it as probe_records.json."""
+def brief(result: dict, keep_preds: bool = False) -> dict:
+    """Accuracy overall and per type, and per type how often each answer was given (the collapse check);
+    `keep_preds`: every question's answer too, in question order (`constant_share` reads them)."""
+    answers: dict[str, Counter] = defaultdict(Counter)
+    for r in result["records"]:
+        answers[r["type"]][r["pred"]] += 1
+    out = {
+        "accuracy": result["accuracy"],
+        "by_type": result["by_type"],
+        "answers": {t: dict(c.most_common()) for t, c in sorted(answers.items())},
+    }
+    if keep_preds:
+        out["preds"] = [(r["type"], r["pred"]) for r in result["records"]]
+    return out
+
+
+def constant_share(evals: dict[str, dict]) -> dict[str, float]:
+    """Per question type, the share of its questions on which every member (`brief`s with preds, same
+    questions) gives one and the same answer, that type's most common one: how far a cohort collapsed onto a
+    constant."""
+    members = list(evals.values())
+    by_type: dict[str, list[tuple]] = defaultdict(list)
+    for j, (t, _) in enumerate(members[0]["preds"]):
+        by_type[t].append(tuple(m["preds"][j][1] for m in members))
+    out = {}
+    for t, rows in sorted(by_type.items()):
+        common = Counter(a for row in rows for a in row).most_common(1)[0][0]
+        out[t] = sum(all(a == common for a in row) for row in rows) / len(rows)
+    return out
+
+
+def make_base(mid: str, recipe, out: Path, budget: Budget, split: str) -> dict:
+    """Build one base model, score it greedily on `split` and on validation, and sample its probe records
+    (K answers per validation question at the training temperature, in every view it is asked in)."""
+    import torch
+
+    from vlm_corl.demo import build_base
     from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
 
+    key = job_key(budget, split, "base")
+    done = finished(out / "base.json", key)
+    if done is not None:
+        return done
     build = build_base(mid, recipe, out, seed=0)  # bases differ by slice and initialisation (recipe.init_seed)
     test = evaluate_dir(out, EASYVQA, eval_examples(split, budget.eval_limit), mid)
-    val = evaluate_dir(out, EASYVQA, eval_examples("validation", budget.probe_limit), mid)
-    keep = ("id", "type", "pred", "gold", "correct")
-    (out / "probe_records.json").write_text(json.dumps([{k: r[k] for k in keep} for r in val["records"]]))
-    return {"build": build, "test": _brief(test), "validation": _brief(val)}
+    val_examples = eval_examples("validation", budget.probe_limit)
+    val = evaluate_dir(out, EASYVQA, val_examples, mid)
+    sampled = dataclasses.replace(
+        EASYVQA, samples=budget.rollout_n, temperature=1.0, max_new_tokens=budget.max_new_tokens
+    )
+    keep = ("id", "type", "pred", "preds", "gold", "correct")
+    probe = {}
+    for view in views(MAX_VIEWS) if mid == PARAPHRASED else ["original"]:
+        torch.manual_seed(0)
+        records = evaluate_dir(out, sampled, val_examples, mid, view=view)["records"]
+        probe[probe_key(mid, view)] = [{k: r[k] for k in keep} for r in records]
+    (out / "probe_samples.json").write_text(json.dumps(probe))
+    result = {"build": build, "test": brief(test), "validation": brief(val)}
+    return save_result(out / "base.json", result, key)
 
 
-def run_method(cfg_dict: dict, eval_limit: int, split: str) -> dict:
-    """One training run, then every trained member scored on `split` ("test"); the first/last values of the
-    answer-diversity metrics per trained member."""
+def run_method(cfg_dict: dict, budget: Budget, split: str) -> dict:
+    """One training run, then every trained member scored greedily on `split`; the first/last values of the
+    answer-diversity metrics per trained member; the collapse warnings the run raised."""
     import torch
 
     from vlm_corl.config import config_from_dict
@@ -214,10 +220,15 @@ def run_method(cfg_dict: dict, eval_limit: int, split: str) -> dict:
     from vlm_corl.report import first_last, read_jsonl
     from vlm_corl.training.loop import run_cohort
 
+    path = Path(cfg_dict["output_dir"]) / "result.json"
+    key = {**job_key(budget, split, "run"), "config": cfg_dict}  # a changed config (easyvqa_try) is a new run
+    done = finished(path, key)
+    if done is not None:
+        return done
     torch.set_num_threads(1)
     start = time.time()
     summary = run_cohort(config_from_dict(cfg_dict))
-    examples = eval_examples(split, eval_limit)
+    examples = eval_examples(split, budget.eval_limit)
     final = Path(summary["checkpoint"])
     trained = [m["id"] for m in cfg_dict["members"] if m.get("trainable", True)]
     rows = read_jsonl(Path(cfg_dict["output_dir"]) / "metrics.jsonl")
@@ -228,17 +239,14 @@ def run_method(cfg_dict: dict, eval_limit: int, split: str) -> dict:
         }
         for mid in trained
     }
-    return {
-        "eval": {mid: _brief(evaluate_dir(final / mid, EASYVQA, examples, mid)) for mid in trained},
+    result = {
+        "eval": {mid: brief(evaluate_dir(final / mid, EASYVQA, examples, mid), keep_preds=True) for mid in trained},
         "diversity": diversity,
+        "collapse_warnings": summary.get("collapse_warnings", []),
         "run_dir": cfg_dict["output_dir"],
         "seconds": round(time.time() - start, 1),
-        "summary": summary,
     }
-
-
-def _brief(result: dict) -> dict:
-    return {"accuracy": result["accuracy"], "by_type": result["by_type"]}
+    return save_result(path, result, key)
 
 
 def question_only_baseline(split: str, eval_limit: int) -> dict:
@@ -260,148 +268,151 @@ def question_only_baseline(split: str, eval_limit: int) -> dict:
     }
 
 
-# ---- from the per-seed results to the tables -------------------------------------------------------------
-
-
-def probe_pairs(out: Path, bases: list[str]) -> dict[str, dict]:
-    """{"X+Y": vlm_corl.probe.pair_report} of every pair of base models, from their saved validation records."""
-    from vlm_corl.probe import pair_report
-
-    records = {b: json.loads((out / "base" / b / "probe_records.json").read_text()) for b in bases}
-    return {f"{a}+{b}": pair_report(records[a], records[b]) for a, b in itertools.combinations(bases, 2)}
-
-
-def cohort_bases(method: str) -> list[str]:
-    """The base models of a method's cohort, in member order, each once (the frozen copies included)."""
-    return list(dict.fromkeys(base for _, base, _ in METHODS[method][0]))
-
-
-def analyse(results: dict) -> dict:
-    """results with the tables, the probe of every cohort, the probe-vs-gain analysis and the claims
-    (re)computed from its seeds and base models."""
-    base_of = {(m, mid): base for m, (members, _) in METHODS.items() for mid, base, _ in members}
-    seeded = analysis.per_seed(results, lambda m, mid: base_of[(m, mid)])
-    cohorts = {m: analysis.cohort_probe(results["probe"], cohort_bases(m)) for m in METHODS}
-    pg = analysis.probe_vs_gain(seeded, cohorts, RING_COHORTS)
+def majority_class(split: str, eval_limit: int) -> dict[str, dict]:
+    """Per question type of the scored questions: the most common gold answer and its share (what answering
+    one constant scores)."""
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for ex in eval_examples(split, eval_limit):
+        counts[ex.metadata["question_type"]][ex.answer] += 1
     return {
-        **results,
-        "base_table": analysis.base_table(results["bases"]),
-        "cohort_probe": cohorts,
-        "table": analysis.method_table(seeded),
-        "probe_gain": pg,
-        "claims": analysis.claims(results, seeded, pg, CLAIM_METHODS),
+        t: {"answer": c.most_common(1)[0][0], "share": c.most_common(1)[0][1] / sum(c.values())}
+        for t, c in sorted(counts.items())
     }
 
 
-def plot_all(out: Path, results: dict) -> list[str]:
-    """The probe-vs-gain scatter and one PNG per training diagnostic over steps (one line per method, the
-    mean over seeds and trained members, read from the runs' metrics.jsonl)."""
-    from vlm_corl.report import plot_metric, read_jsonl
-
-    paths = [analysis.plot_probe_vs_gain(results["probe_gain"], out / "probe_vs_gain.png").name]
-    curves = {
-        "pseudo_label_acc": "pseudo-label accuracy (diagnostic, vs gold)",
-        "reward": "reward",
-        "agreement": "agreement with the label source",
-        "distinct_answers": "distinct answers per group",
-        "answer_entropy_batch": "answer entropy across the batch (nats)",
-    }
-    for key, title in curves.items():
-        runs = {}
-        for method, (members, _) in METHODS.items():
-            trained = {mid for mid, _, extra in members if extra.get("trainable", True)}
-            rows = [
-                row
-                for seed in results["seeds"]
-                for row in read_jsonl(out / "runs" / f"{slug(method)}-seed{seed}" / "metrics.jsonl")
-                if row["member"] in trained and row.get("reward_mean" if key == "reward" else key) is not None
-            ]
-            if rows:
-                runs[method] = rows
-        if runs:
-            plot_metric(runs, "reward_mean" if key == "reward" else key, out / f"{key}.png", title)
-            paths.append(f"{key}.png")
-    return paths
+# ---- the probe -----------------------------------------------------------------------------------------------
 
 
-def finish(out: Path, results: dict) -> None:
-    """Analyse, write results.json/md (before plotting, so the table is safe on disk), plot, write again."""
-    results = {**analyse(results), "plots": []}
-    write_results(out, results, analysis.markdown(results))
-    results["plots"] = plot_all(out, results)
-    write_results(out, results, analysis.markdown(results))
+def probe_all(out: Path, bases: list[str]) -> dict:
+    """Every candidate cohort's probe (vlm_corl.headroom.rank_cohorts under `peers`), from the bases' sampled
+    validation records."""
+    from vlm_corl.headroom import cohort_report
+
+    records = {}
+    for b in bases:
+        records |= json.loads((out / "base" / b / "probe_samples.json").read_text())
+    ranking = []
+    for name, cohort in candidates().items():
+        ranking.append({"cohort": name, **cohort_report(cohort_records(cohort, records))})
+    ranking.sort(key=lambda r: -r["modes"]["peers"]["headroom"]["all"]["mean"])
+    for rank, r in enumerate(ranking, 1):
+        r["rank"] = rank
+    return {"ranking": ranking}
 
 
 # ---- the command --------------------------------------------------------------------------------------------
 
 
-def run_all(out: Path, budget: Budget, workers: int, split: str) -> dict:
-    """Every base model, then every method of every seed, `workers` processes at a time; members are scored
-    on `split`."""
-    start = time.time()
-    seeds = range(budget.seeds)
-    results = {
-        "budget": asdict(budget),
-        "split": split,
-        "pool": POOL,
-        "palettes": PALETTES,
-        "bases": {},
-        "seeds": {},
-        "workers": workers,
+def method_record(m: Method) -> dict:
+    """What results.json keeps of a method."""
+    return {
+        "mode": m.mode,
+        "cohort": m.cohort,
+        "seeds": m.seeds,
+        "role": m.role,
+        "tags": list(m.tags),
+        "trained": m.trained,
+        "runs": [[list(member) for member in run] for run in m.runs],
     }
-    with (
-        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool,
-        tqdm(
-            total=len(base_recipes(budget)) + budget.seeds * len(METHODS),
-            desc="experiment",
-            unit="job",
-            file=sys.stdout,
-            mininterval=5,
-        ) as bar,
-    ):
-        bases = {
-            mid: pool.submit(make_base, mid, recipe, out / "base" / mid, budget, split)
-            for mid, recipe in base_recipes(budget).items()
-        }
-        for mid, job in bases.items():
+
+
+def run_all(out: Path, budget: Budget, workers: int, split: str) -> dict:
+    """Every base model, the probe, then every run of every method and seed, `workers` processes at a time
+    (the main comparisons' seeds first, so an interrupted experiment has them); members are scored on
+    `split`."""
+    start = time.time()
+    recipes = base_recipes(budget)
+    results = {"budget": asdict(budget), "split": split, "pool": list(TYPES), "workers": workers}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        bar = tqdm(total=len(recipes), desc="base models", unit="base", file=sys.stdout, mininterval=5)
+        jobs = {mid: pool.submit(make_base, mid, r, out / "base" / mid, budget, split) for mid, r in recipes.items()}
+        results["bases"] = {}
+        for mid, job in jobs.items():
             results["bases"][mid] = job.result()
             bar.update()
-        bar.write(f"[experiment] base models built ({len(bases)}) at {time.time() - start:.0f} s")
-        # the three-member runs first: the longest jobs start early and the pool ends evenly
-        order = sorted(METHODS, key=lambda m: -len(METHODS[m][0]))
+        bar.close()
+        print(f"[experiment] base models ready ({len(jobs)}) at {time.time() - start:.0f} s", flush=True)
+        results["probe"] = probe_all(out, list(recipes))
+        methods = plan_methods(results["probe"]["ranking"], budget)
+        results["methods"] = {m.name: method_record(m) for m in methods}
+        print(f"[experiment] the probe picks {methods[0].cohort}; {len(methods)} methods", flush=True)
+        order = [
+            (m, s, part)
+            for s in range(max(m.seeds for m in methods))
+            for m in methods
+            if s < m.seeds
+            for part in range(len(m.runs))
+        ]
+        bar = tqdm(total=len(order), desc="runs", unit="run", file=sys.stdout, mininterval=5)
         runs = {
-            (s, m): pool.submit(run_method, method_config(m, s, budget, out), budget.eval_limit, split)
-            for s in seeds
-            for m in order
+            (m.name, s, part): pool.submit(run_method, run_config(m, s, part, budget, out), budget, split)
+            for m, s, part in order
         }
-        for (s, m), job in runs.items():
-            results["seeds"].setdefault(str(s), {})[m] = job.result()
-            bar.write(f"[experiment] seed {s} {m}: {results['seeds'][str(s)][m]['seconds']} s")
+        seeds: dict[str, dict[str, dict]] = {}
+        for (name, s, part), job in runs.items():
+            r = job.result()
             bar.update()
-    results["seeds"] = {s: {m: results["seeds"][s][m] for m in METHODS} for s in results["seeds"]}
-    results["probe"] = probe_pairs(out, list(bases))
+            bar.write(f"[experiment] seed {s} {name}{f' part {part}' if part else ''}: {r['seconds']} s")
+            run = seeds.setdefault(str(s), {}).setdefault(name, {"eval": {}, "diversity": {}, "run_dirs": []})
+            run["eval"] |= r["eval"]
+            run["diversity"] |= r["diversity"]
+            run["run_dirs"].append(r["run_dir"])
+            run["collapse_warnings"] = run.get("collapse_warnings", []) + r["collapse_warnings"]
+        bar.close()
+    for methods_run in seeds.values():  # the per-question answers are only needed for this
+        for run in methods_run.values():
+            run["constant"] = constant_share(run["eval"])
+            for e in run["eval"].values():
+                e.pop("preds")
+    results["seeds"] = seeds
     results["question_only"] = question_only_baseline(split, budget.eval_limit)
+    results["majority"] = majority_class(split, budget.eval_limit)
     results["seconds"] = round(time.time() - start, 1)
     return relative_to(results, out)
 
 
+def finish(out: Path, results: dict) -> None:
+    """Analyse, write results.json/md (before plotting, so the tables are safe on disk), plot, write again."""
+    results = {**analysis.analyse(results), "plots": []}
+    write_results(out, results, analysis.markdown(results))
+    results["plots"] = analysis.plot_all(out, results)
+    write_results(out, results, analysis.markdown(results))
+
+
+def publish(out: Path, docs: Path, readme: Path | None) -> None:
+    """Copy a finished experiment's results.json, results.md and plots from `out` to `docs`, and rewrite the
+    summary block of `readme` (between its `<!-- easyvqa-summary: ... -->` markers) from them."""
+    import shutil
+
+    results = json.loads((out / "results.json").read_text())
+    docs.mkdir(parents=True, exist_ok=True)
+    for name in ("results.json", "results.md", *results["plots"]):
+        shutil.copyfile(out / name, docs / name)
+    if readme is not None:
+        try:
+            text = analysis.replace_block(readme.read_text(), analysis.README_BLOCK, analysis.summary_md(results))
+        except ValueError as e:
+            raise UserError(f"--readme {readme}: {e}; add them where the summary table goes") from e
+        readme.write_text(text)
+    print(f"[experiment] published {out} to {docs}" + (f" and {readme}" if readme else ""), flush=True)
+
+
 def main(argv=None) -> int:
     parser = cli.parser("python -m vlm_corl.experiments.easyvqa", __doc__)
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--quick", action="store_true", help="a tiny budget with 2 seeds, for smoke runs")
+    parser.add_argument("--out", required=True, help="output directory (a finished part of an earlier run is kept)")
+    parser.add_argument("--quick", action="store_true", help="a tiny budget, for smoke runs (about a minute)")
     parser.add_argument(
         "--seeds",
         type=cli.positive_int,
         default=None,
-        help=f"number of seeds, at least 2 (default {FULL.seeds}, or {QUICK.seeds} with --quick)",
+        help=f"seeds of the main comparisons, at least 2 (default {FULL.seeds}, or {QUICK.seeds} with --quick)",
     )
     parser.add_argument("--workers", type=cli.positive_int, default=2, help="runs in parallel (one CPU thread each)")
     parser.add_argument(
         "--rl-steps",
         type=cli.positive_int,
         default=None,
-        help=f"RL steps of every method (default {FULL.rl_steps}, what fits 45 minutes on 2 cores; at 960 `gt` gained"
-        " +7.75 points on validation, with each run about 4 times longer)",
+        help=f"RL steps of every method (default {FULL.rl_steps})",
     )
     parser.add_argument(
         "--tune",
@@ -413,9 +424,18 @@ def main(argv=None) -> int:
         action="store_true",
         help="recompute the tables and redraw the plots of a finished experiment in --out",
     )
+    parser.add_argument(
+        "--publish",
+        default=None,
+        metavar="DIR",
+        help="afterwards, copy results.json/md and the plots to DIR (docs/easyvqa) and rewrite --readme's summary",
+    )
+    parser.add_argument(
+        "--readme", default="README.md", help="the file whose easyvqa-summary block --publish rewrites ('' = none)"
+    )
     args = parser.parse_args(argv)
     if args.seeds == 1:
-        parser.error("--seeds must be at least 2: the homogeneous pairs take their second member from another seed")
+        parser.error("--seeds must be at least 2: the main comparisons give an interval over seeds")
     out = cli.output_dir(args.out, "--out")
     if args.plots_only:
         if not (out / "results.json").is_file():
@@ -424,13 +444,15 @@ def main(argv=None) -> int:
                 "run the experiment into --out first"
             )
         finish(out, json.loads((out / "results.json").read_text()))
-        return 0
-    budget = QUICK if args.quick else FULL
-    if args.seeds:
-        budget = Budget(**{**asdict(budget), "seeds": args.seeds})
-    if args.rl_steps:
-        budget = Budget(**{**asdict(budget), "rl_steps": args.rl_steps})
-    finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
+    else:
+        budget = QUICK if args.quick else FULL
+        if args.seeds:
+            budget = Budget(**{**asdict(budget), "seeds": args.seeds})
+        if args.rl_steps:
+            budget = Budget(**{**asdict(budget), "rl_steps": args.rl_steps})
+        finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
+    if args.publish:
+        publish(out, Path(args.publish), Path(args.readme) if args.readme else None)
     return 0
 
 

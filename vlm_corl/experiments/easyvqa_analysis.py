@@ -1,37 +1,52 @@
-"""The easy-vqa experiment's numbers, from its results (pure functions of results.json's "seeds", "bases" and
-"probe", so `--plots-only` recomputes them): the method table (mean ± 95% t-interval over seeds), the probe of
-every cohort, the probe-vs-gain table with Spearman's rank correlation, the verdict on each claim, results.md
-and the probe-vs-gain plot.
+"""The easy-vqa experiment's numbers, from its results (pure functions of results.json, so `--plots-only`
+recomputes them): per seed and member the change against its own base model, with collapsed types counted as no
+gain; the method table (mean ± 95% t-interval over seeds); the probe's ranking; probe vs gain (Spearman's ρ); the
+verdict on each claim; results.md and the plots.
 
 Gains are balanced accuracy on easy-vqa test (the mean over yes/no, shape and colour) after training minus
-that of the member's own base model; a cohort's gain is the mean over its trained members.
+that of the member's own base model; a cohort's gain is the mean over its trained members. A member has
+**collapsed** on a type when one answer makes up at least COLLAPSE_SHARE of its answers there while the gold
+answers are more varied: its gain on that type counts as none (min(Δ, 0)), whatever its accuracy ("gain").
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vlm_corl.experiments.easyvqa_data import TYPES
 from vlm_corl.experiments.stats import mean_ci, spearman, t975
 
 KEYS = ("accuracy", *TYPES)  # "accuracy" is the balanced accuracy (test questions are balanced by type)
+ORDER = ("yes/no", "shape", "color")  # question types, in table order
+COLLAPSE_SHARE = 0.9
+PREDICTS = 0.7  # claim (f): the rank correlation the probe's headroom must reach
 
 
 # ---- per seed --------------------------------------------------------------------------------------------
 
 
-def member_deltas(run: Mapping, base_tests: Mapping[str, Mapping]) -> dict[str, dict[str, float]]:
-    """{member: {key: after, "d_" + key: after − base}} for every evaluated member of one run; `base_tests`
-    maps member id -> its base model's test result."""
-    out = {}
-    for mid, after in run["eval"].items():
-        before = base_tests[mid]
-        row = {"accuracy": after["accuracy"], **after["by_type"]}
-        base = {"accuracy": before["accuracy"], **before["by_type"]}
-        out[mid] = {**row, **{f"d_{k}": row[k] - base[k] for k in KEYS}}
+def collapsed(answers: Mapping[str, int], majority_share: float) -> bool:
+    """Whether one answer makes up COLLAPSE_SHARE of a member's answers to a type whose gold answers are more
+    varied than that (`majority_share`: the share of the type's most common gold answer)."""
+    total = sum(answers.values())
+    return total > 0 and max(answers.values()) / total >= COLLAPSE_SHARE > majority_share
+
+
+def member_deltas(after: Mapping, before: Mapping, majority: Mapping[str, Mapping]) -> dict[str, float]:
+    """One trained member's scores (`after`, a brief of its evaluation) against its base model's (`before`):
+    {key: after, "d_" + key: after − base, "collapsed_" + type: 0/1, "g_" + type and "gain": the changes with a
+    collapsed type's counted as min(Δ, 0)}."""
+    row = {"accuracy": after["accuracy"], **after["by_type"]}
+    base = {"accuracy": before["accuracy"], **before["by_type"]}
+    out = {**row, **{f"d_{k}": row[k] - base[k] for k in KEYS}}
+    for t in TYPES:
+        flag = collapsed(after["answers"].get(t, {}), majority[t]["share"])
+        out[f"collapsed_{t}"] = float(flag)
+        out[f"g_{t}"] = min(out[f"d_{t}"], 0.0) if flag else out[f"d_{t}"]
+    out["gain"] = statistics.fmean(out[f"g_{t}"] for t in TYPES)
     return out
 
 
@@ -41,14 +56,18 @@ def cohort_mean(deltas: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     return {k: statistics.fmean(d[k] for d in deltas.values()) for k in keys}
 
 
-def per_seed(results: Mapping, base_of: Callable[[str, str], str]) -> dict[str, dict[str, dict]]:
-    """{method: {seed: {"members": member_deltas, "cohort": cohort_mean}}}; `base_of(method, member)` names the
-    member's base model (a key of results["bases"])."""
+def per_seed(results: Mapping) -> dict[str, dict[str, dict]]:
+    """{method: {seed: {"members": member_deltas, "cohort": cohort_mean and the constant share per type}}}."""
     out: dict[str, dict[str, dict]] = {}
     for seed, methods in results["seeds"].items():
         for method, run in methods.items():
-            deltas = member_deltas(run, {mid: results["bases"][base_of(method, mid)]["test"] for mid in run["eval"]})
-            out.setdefault(method, {})[seed] = {"members": deltas, "cohort": cohort_mean(deltas)}
+            bases = results["methods"][method]["trained"]
+            deltas = {
+                mid: member_deltas(e, results["bases"][bases[mid]]["test"], results["majority"])
+                for mid, e in run["eval"].items()
+            }
+            cohort = {**cohort_mean(deltas), **{f"constant_{t}": v for t, v in run["constant"].items()}}
+            out.setdefault(method, {})[seed] = {"members": deltas, "cohort": cohort}
     return out
 
 
@@ -73,32 +92,30 @@ def base_table(bases: Mapping[str, Mapping]) -> dict[str, dict[str, float]]:
     return {bid: {"accuracy": b["test"]["accuracy"], **b["test"]["by_type"]} for bid, b in bases.items()}
 
 
-def paired(seeded: Mapping, a: str, b: str, key: str = "d_accuracy") -> dict:
+def paired(seeded: Mapping, a: str, b: str, key: str = "gain") -> dict:
     """mean_ci over the seeds both methods ran of (cohort[key] of a − that of b)."""
     seeds = sorted(set(seeded[a]) & set(seeded[b]))
     return mean_ci([seeded[a][s]["cohort"][key] - seeded[b][s]["cohort"][key] for s in seeds])
 
 
-PROBE_KEYS = ("kappa", "acc_sum", "complementarity", "same_wrong")
+# ---- the probe --------------------------------------------------------------------------------------------
 
 
-def cohort_probe(pairs: Mapping[str, Mapping], bases: Sequence[str]) -> dict[str, dict[str, float | None]]:
-    """{"all" or type: {probe key: the mean over the cohort's pairs}} from `pairs` ({"X+Y": pair_report}); an
-    undefined kappa is left out of its mean (None when every pair's is undefined)."""
-    reports = [
-        pairs[f"{a}+{b}"] if f"{a}+{b}" in pairs else pairs[f"{b}+{a}"]
-        for i, a in enumerate(bases)
-        for b in bases[i + 1 :]
-    ]
-    out: dict[str, dict[str, float | None]] = {}
-    for t in ("all", *sorted(reports[0]["by_type"])):
-        metrics = [r["overall"] if t == "all" else r["by_type"][t] for r in reports]
-        values = {k: [m[k] for m in metrics if m[k] is not None] for k in PROBE_KEYS}
-        out[t] = {k: statistics.fmean(v) if v else None for k, v in values.items()}
-    return out
-
-
-# ---- does the probe predict the gain? ----------------------------------------------------------------------
+def probe_of(results: Mapping, method: str) -> dict:
+    """The probe's figures of a method's cohort under the method's own reward mode (validation, before
+    training): headroom (mean ± interval, per type), the abstain share, the confidence prediction, κ, p_A + p_B."""
+    m = results["methods"][method]
+    report = next(r for r in results["probe"]["ranking"] if r["cohort"] == m["cohort"])
+    mode = report["modes"].get(m["mode"]) or report["modes"]["peers"]
+    return {
+        "cohort": m["cohort"],
+        "rank": report["rank"],
+        "headroom": mode["headroom"],
+        "abstain": mode["abstain"],
+        "settled": report["settled"],
+        "kappa": report["kappa"],
+        "acc_sum": report["acc_sum"],
+    }
 
 
 def rank_test(x: Sequence[float], y: Sequence[float]) -> dict:
@@ -112,26 +129,33 @@ def rank_test(x: Sequence[float], y: Sequence[float]) -> dict:
     return {"rho": rho, "n": n, "t": t, "significant": abs(t) > t975(n - 2)}
 
 
-def probe_vs_gain(seeded: Mapping, probes: Mapping[str, Mapping], methods: Sequence[str]) -> dict:
-    """One row per cohort (method): its probe before training (`probes[method]`, `cohort_probe` on
-    validation) and its label-free gain after training (mean_ci over seeds of the cohort's Δ balanced accuracy
-    and Δ colour), and the rank correlation over the cohorts of each probe number with the mean gain."""
+LABEL_FREE = ("peers", "ring", "soft")
+
+
+def probe_vs_gain(results: Mapping, seeded: Mapping) -> dict:
+    """One row per label-free cohort that trains every member (peers and ring methods, not frozen peers): its
+    probe before training and its gain after (mean_ci over seeds), and the rank correlation over the cohorts of
+    each probe figure with the mean gain."""
     rows = []
-    for method in methods:
-        p = probes[method]
+    for method, m in results["methods"].items():
+        if m["mode"] not in LABEL_FREE or m["role"] == "frozen" or method not in seeded:
+            continue
+        p = probe_of(results, method)
         seeds = seeded[method].values()
         rows.append(
             {
                 "method": method,
-                **{k: p["all"][k] for k in PROBE_KEYS},
-                "kappa_color": p["color"]["kappa"],
-                "acc_sum_color": p["color"]["acc_sum"],
-                "gain": mean_ci([s["cohort"]["d_accuracy"] for s in seeds]),
-                "gain_color": mean_ci([s["cohort"]["d_color"] for s in seeds]),
+                "members": len(m["trained"]),
+                "headroom": p["headroom"]["all"]["mean"],
+                "settled": p["settled"]["headroom"]["all"]["mean"],
+                "kappa": p["kappa"],
+                "acc_sum": p["acc_sum"],
+                "gain": mean_ci([s["cohort"]["gain"] for s in seeds]),
+                "seeds": len(seeds),
             }
         )
     tests = {}
-    for x in ("kappa", "acc_sum", "complementarity"):
+    for x in ("headroom", "settled", "kappa", "acc_sum"):
         usable = [r for r in rows if r[x] is not None]
         tests[x] = rank_test([r[x] for r in usable], [r["gain"]["mean"] for r in usable])
     return {"rows": rows, "spearman": tests}
@@ -147,6 +171,13 @@ def verdict(ci: Mapping, threshold: float, above: bool) -> str:
     if above:
         return "supported" if lo > threshold else "not supported" if hi <= threshold else "inconclusive"
     return "supported" if hi <= threshold else "not supported" if lo > threshold else "inconclusive"
+
+
+def all_of(verdicts: Sequence[str]) -> str:
+    """Every part supported: supported; any part not supported: not supported; else inconclusive."""
+    if all(v == "supported" for v in verdicts):
+        return "supported"
+    return "not supported" if "not supported" in verdicts else "inconclusive"
 
 
 def pts(ci: Mapping) -> str:
@@ -171,54 +202,45 @@ def mean_ci_or_none(values: Sequence[float]) -> dict | None:
     return mean_ci(values) if values else None
 
 
-def diversity_claim(results: Mapping, comp: str, self_vote: str) -> tuple:
-    """Claim (e): the change of the batch answer entropy over training of self_vote, of Co-RL (`comp`) and
-    their paired difference (mean_ci over seeds, or None), and the verdict: supported when self_vote's falls
-    and Co-RL's stays above it."""
-    e_self, e_comp = entropy_change(results, self_vote), entropy_change(results, comp)
-    d_self, d_comp = mean_ci_or_none(list(e_self.values())), mean_ci_or_none(list(e_comp.values()))
-    d_pair = mean_ci_or_none([e_comp[s] - e_self[s] for s in sorted(set(e_self) & set(e_comp))])
-    if d_self is None or d_pair is None:
-        return d_self, d_comp, d_pair, "inconclusive"
-    falls, apart = verdict(d_self, 0.0, above=False), verdict(d_pair, 0.0, above=True)
-    if falls == apart == "supported":
-        return d_self, d_comp, d_pair, "supported"
-    return d_self, d_comp, d_pair, "not supported" if "not supported" in (falls, apart) else "inconclusive"
+def diversity_claim(results: Mapping, picked: str, self_vote: str) -> tuple:
+    """Claim (g): the change of the batch answer entropy over training of self_vote, of the pick and their
+    paired difference (mean_ci over seeds, or None), and the verdict: supported when self_vote's falls and
+    the pick's does not."""
+    e_self, e_pick = entropy_change(results, self_vote), entropy_change(results, picked)
+    d_self, d_pick = mean_ci_or_none(list(e_self.values())), mean_ci_or_none(list(e_pick.values()))
+    d_pair = mean_ci_or_none([e_pick[s] - e_self[s] for s in sorted(set(e_self) & set(e_pick))])
+    if d_self is None or d_pick is None:
+        return d_self, d_pick, d_pair, "inconclusive"
+    falls = verdict(d_self, 0.0, above=False)
+    holds = "supported" if d_pick["mean"] - d_pick["ci"] > -0.05 else "not supported"  # within 0.05 nats
+    return d_self, d_pick, d_pair, all_of([falls, holds])
 
 
-def prediction_verdict(kappa: Mapping, acc_sum: Mapping) -> str:
-    """Claim (f) from the rank tests of the gain against kappa (lower kappa, more complementary: a negative
-    rho predicts) and against p_A + p_B (a positive rho predicts): supported when both predict at 5%, partly
-    when one does, else not supported."""
-    by_kappa = bool(kappa["significant"]) and kappa["rho"] < 0
-    by_sum = bool(acc_sum["significant"]) and acc_sum["rho"] > 0
-    if by_kappa and by_sum:
-        return "supported"
-    if by_kappa or by_sum:
-        yes, no = ("kappa", "p_A + p_B") if by_kappa else ("p_A + p_B", "kappa")
-        return f"partly supported ({yes} predicts, {no} does not)"
-    return "not supported"
+def roles(results: Mapping) -> dict[str, str]:
+    """{role: method name} of the methods the claims compare."""
+    return {m["role"]: name for name, m in results["methods"].items() if m["role"]}
 
 
-def claims(results: Mapping, seeded: Mapping, pg: Mapping, names: Mapping[str, str]) -> list[dict]:
-    """The issue's claims (a)-(f) against the data. `names`: {"complementary", "homogeneous", "self_vote",
-    "gt"} -> method names."""
-    comp = names["complementary"]
-    gain = mean_ci([s["cohort"]["d_accuracy"] for s in seeded[comp].values()])
-    vs_self = paired(seeded, comp, names["self_vote"])
-    gap = paired(seeded, names["gt"], comp)
-    vs_homog = paired(seeded, comp, names["homogeneous"])
-    d_self, d_comp, d_pair, collapse = diversity_claim(results, comp, names["self_vote"])
-    k, s = pg["spearman"]["kappa"], pg["spearman"]["acc_sum"]
-    predicts = prediction_verdict(k, s)
-
-    def rho(t):
-        significant = ", p < 0.05" if t["significant"] else ""
-        return "n/a" if t["rho"] is None else f"{t['rho']:+.2f} (n = {t['n']}{significant})"
-
+def claims(results: Mapping, seeded: Mapping, table: Mapping, pg: Mapping) -> list[dict]:
+    """The issue's claims (a)-(g) against the data (gains with collapsed types counted as none)."""
+    r = roles(results)
+    pick = r["pick"]
+    gain = table[pick]["cohort"]["gain"]
+    vs_self = paired(seeded, pick, r["self_vote"])
+    gap = paired(seeded, r["gt"], pick)
+    vs_homog = paired(seeded, pick, r["homogeneous"])
+    members = {mid: v["gain"] for mid, v in table[pick].items() if mid != "cohort"}
+    d_self, d_pick, d_pair, diversity = diversity_claim(results, pick, r["self_vote"])
+    rho = pg["spearman"]["headroom"]
+    rho_text = "n/a" if rho["rho"] is None else f"{rho['rho']:+.2f} over {rho['n']} cohorts"
+    if rho["rho"] is None or rho["n"] < 8:
+        predicts = "inconclusive"
+    else:
+        predicts = "supported" if rho["rho"] >= PREDICTS else "not supported"
+    worst = min(members, key=lambda mid: members[mid]["mean"])
     return [
         {
-            "claim": "(a) Co-RL on the complementary pair gains >= +5 points over its base",
+            "claim": f"(a) the cohort the probe picks ({results['methods'][pick]['cohort']}) gains >= +5 points",
             "evidence": f"gain {pts(gain)}",
             "verdict": verdict(gain, 0.05, above=True),
         },
@@ -233,141 +255,178 @@ def claims(results: Mapping, seeded: Mapping, pg: Mapping, names: Mapping[str, s
             "verdict": verdict(gap, 0.02, above=False),
         },
         {
-            "claim": "(d) the complementary pair gains more than the homogeneous one",
+            "claim": "(d) diverse beats homogeneous at equal size",
             "evidence": f"paired difference {pts(vs_homog)}",
             "verdict": verdict(vs_homog, 0.0, above=True),
         },
         {
-            "claim": "(e) self_vote's answer diversity collapses while Co-RL's does not",
-            "evidence": f"change of the batch answer entropy over training (nats): self_vote {ci_text(d_self, True)}, "
-            f"Co-RL complementary {ci_text(d_comp, True)}, difference {ci_text(d_pair, True)}",
-            "verdict": collapse,
+            "claim": "(e) no member of the picked cohort loses more than 2 points",
+            "evidence": "; ".join(f"{mid} {pts(v)}" for mid, v in members.items()) + f" (lowest: {worst})",
+            "verdict": all_of([verdict(v, -0.02, above=True) for v in members.values()]),
         },
         {
-            "claim": "(f) the probe's complementarity predicts the gain",
-            "evidence": f"Spearman rho of the gain with kappa {rho(k)}, with p_A + p_B {rho(s)}",
+            "claim": f"(f) the probe's label headroom predicts the gain (Spearman rho >= {PREDICTS}, >= 8 cohorts)",
+            "evidence": f"rho {rho_text}" + (" (significant at 5%)" if rho["significant"] else ""),
             "verdict": predicts,
         },
+        {
+            "claim": "(g) self_vote's answer diversity falls while the picked cohort's does not",
+            "evidence": "change of the batch answer entropy over training (nats): self_vote "
+            f"{ci_text(d_self, True)}, the pick {ci_text(d_pick, True)}, difference {ci_text(d_pair, True)}",
+            "verdict": diversity,
+        },
     ]
+
+
+def analyse(results: Mapping) -> dict:
+    """results with the per-seed numbers' tables, the probe-vs-gain analysis and the claims (re)computed."""
+    seeded = per_seed(results)
+    table = method_table(seeded)
+    pg = probe_vs_gain(results, seeded)
+    return {
+        **results,
+        "base_table": base_table(results["bases"]),
+        "table": table,
+        "probe_gain": pg,
+        "claims": claims(results, seeded, table, pg),
+    }
 
 
 # ---- markdown ------------------------------------------------------------------------------------------------
 
 
-def ci_text(ci: Mapping | None, signed: bool = False) -> str:
-    """`mean ± half-width` (3 decimals), or "n/a"."""
+def ci_text(ci: Mapping | None, signed: bool = False, scale: float = 1.0) -> str:
+    """`mean ± half-width` (3 decimals; ×`scale`), or "n/a"."""
     if ci is None:
         return "n/a"
-    return f"{ci['mean']:{'+' if signed else ''}.3f} ± {ci['ci']:.3f}"
+    return f"{scale * ci['mean']:{'+' if signed else ''}.3f} ± {scale * ci['ci']:.3f}"
 
 
 def _num(v: float | None, signed: bool = False) -> str:
     return "n/a" if v is None else f"{v:{'+' if signed else ''}.3f}"
 
 
-ORDER = ("yes/no", "shape", "color")  # question types, in table order
-
-
 def markdown(results: Mapping) -> str:
-    """results.md: setup, the base models, every cohort's probe, the method table, probe vs gain, the claims."""
+    """results.md: setup, the base models, the probe, the method table, probe vs gain, the claims."""
     sections = (_setup_md, _bases_md, _probe_md, _methods_md, _probe_gain_md, _claims_md)
     return "\n".join(line for section in sections for line in section(results))
 
 
 def _setup_md(results: Mapping) -> list[str]:
     b = results["budget"]
-    split = results["split"]
-    where = "easy-vqa test" if split == "test" else "validation (a tuning run: train from #35000, not test)"
+    where = "easy-vqa test" if results["split"] == "test" else "validation (a tuning run: train from #35000, not test)"
     return [
         "# Label-free learning on easy-vqa (tiny models, CPU)",
         "",
-        f"Seeds (RL: sampling and data order): {len(results['seeds'])}. Every method: {b['rl_steps']} steps × "
-        f"{b['batch_size']} unlabelled questions × K={b['rollout_n']}, lr {b['rl_lr']}, pool: "
-        f"{', '.join(results['pool'])} questions (chosen by wording) of easy-vqa train [20000, 35000). Base models "
-        f"(Qwen2-VL-style, tiny, built once): {b['warm_steps']} supervised steps on 1000 labelled questions before "
-        f"#20000, each type a third; A and A2: a share {b['own_share']} of them on images of palette A "
-        f"({', '.join(results['palettes']['A'])}), B and B2: the same for palette B "
-        f"({', '.join(results['palettes']['B'])}), M: half and half. Scored on {b['eval_limit']} {where} questions "
-        "balanced over yes/no, shape, colour; greedy. Probe: the base models on validation (train from #35000), "
-        "before training. Mean ± 95% t-interval over seeds; Δ = change vs the member's own base model; "
-        "**cohort** = the mean over the trained members.",
+        f"Every method: {b['rl_steps']} steps × {b['batch_size']} unlabelled questions × K={b['rollout_n']} at "
+        f"temperature 1, lr {b['rl_lr']}, on every question type of easy-vqa train [20000, 35000), balanced. Seeds "
+        f"(RL: sampling and data order): {b['seeds']} for the pick, the homogeneous cohort, self_vote and gt; "
+        f"{b['more_seeds']} for the other methods; {b['frozen_seeds']} for frozen peers. Base models (tiny, built "
+        f"once): {b['warm_steps']} supervised steps on 1000 labelled questions before #20000, a third of each "
+        "type: one per zoo VLM family on slices 4000 apart, and four more qwen2_vl on the same slices (the "
+        f"homogeneous side). Scored greedily on {b['eval_limit']} {where} questions balanced over yes/no, shape, "
+        f"colour. Probe: one pass per base model on {b['probe_limit']} validation questions (train from #35000), "
+        f"K={b['rollout_n']} samples at temperature 1, before training. Mean ± 95% t-interval over seeds; Δ = "
+        "change vs the member's own base model; **gain** = Δ balanced with a collapsed type's Δ counted as "
+        f"min(Δ, 0) (collapsed: one answer for ≥ {COLLAPSE_SHARE:.0%} of the type's questions); **cohort** = the "
+        "mean over the trained members.",
         "",
     ]
 
 
 def _bases_md(results: Mapping) -> list[str]:
-    split, order = results["split"], ORDER
     lines = [
-        f"## Base models ({split})",
+        f"## Base models ({results['split']})",
         "",
         "| base | balanced | yes/no | shape | colour |",
         "|---|---|---|---|---|",
     ]
+    maj = results["majority"]
+    lines.append(
+        "| majority-class reference (one constant per type) | "
+        f"{statistics.fmean(maj[t]['share'] for t in ORDER):.3f} | "
+        + " | ".join(f"{maj[t]['share']:.3f} ({maj[t]['answer']})" for t in ORDER)
+        + " |"
+    )
     q = results["question_only"]
     lines.append(
         f"| question-only baseline (no image) | {q['accuracy']:.3f} | "
-        + " | ".join(f"{q['by_type'][t]:.3f}" for t in order)
+        + " | ".join(f"{q['by_type'][t]:.3f}" for t in ORDER)
         + " |"
     )
     lines += [
-        f"| {bid} | {r['accuracy']:.3f} | " + " | ".join(f"{r[t]:.3f}" for t in order) + " |"
+        f"| {bid} | {r['accuracy']:.3f} | " + " | ".join(f"{r[t]:.3f}" for t in ORDER) + " |"
         for bid, r in results["base_table"].items()
     ]
     return lines
 
 
+PROBE_ROWS = 12  # the best cohorts shown in results.md (results.json keeps all)
+
+
 def _probe_md(results: Mapping) -> list[str]:
-    order = ORDER
-    lines = [
+    from vlm_corl.headroom import HEADROOM_NOTE, ranking_markdown
+
+    used = {m["cohort"] for m in results["methods"].values()}
+    ranking = results["probe"]["ranking"]
+    shown = [r for r in ranking if r["rank"] <= PROBE_ROWS or r["cohort"] in used]
+    return [
         "",
-        "## Every cohort's probe before training (validation; a cohort of three: the mean of its pairs)",
+        f"## The probe: label headroom of every candidate cohort (validation, before training; {len(ranking)} "
+        f"ranked, the best {PROBE_ROWS} and every trained one shown)",
         "",
-        "| method | kappa | kappa yes/no | kappa shape | kappa colour | p_A+p_B | yes/no | shape | colour |",
-        "|---|---|---|---|---|---|---|---|---|",
+        HEADROOM_NOTE,
+        "",
+        *ranking_markdown(ranking, shown, used),
     ]
-    for method, p in results["cohort_probe"].items():
-        cells = [_num(p[t]["kappa"]) for t in ("all", *order)] + [_num(p[t]["acc_sum"]) for t in ("all", *order)]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def _methods_md(results: Mapping) -> list[str]:
-    split, order = results["split"], ORDER
     lines = [
         "",
-        f"## Methods ({split})",
+        f"## Methods ({results['split']})",
         "",
-        "| method | member | balanced | Δ balanced | yes/no | shape | colour | Δ yes/no | Δ shape | Δ colour |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | member | balanced | Δ balanced | **gain** | Δ yes/no | Δ shape | Δ colour | collapsed "
+        "(yes/no, shape, colour) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method, members in results["table"].items():
         for who, r in sorted(members.items(), key=lambda kv: kv[0] == "cohort"):
+            if who == "cohort":  # the share of questions every member answers with the type's one constant
+                flags = ", ".join(f"{r[f'constant_{t}']['mean']:.2f}" for t in ORDER) + " all one answer"
+            else:
+                flags = ", ".join(f"{r[f'collapsed_{t}']['mean']:.1f}" for t in ORDER)
             cells = [
                 ci_text(r["accuracy"]),
                 ci_text(r["d_accuracy"], True),
-                *(ci_text(r[t]) for t in order),
-                *(ci_text(r[f"d_{t}"], True) for t in order),
+                f"**{ci_text(r['gain'], True)}**",
+                *(ci_text(r[f"d_{t}"], True) for t in ORDER),
+                flags,
             ]
             lines.append(f"| {method} | {'**cohort**' if who == 'cohort' else who} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Collapsed, per member: the share of seeds on which one answer made up ≥ "
+        f"{COLLAPSE_SHARE:.0%} of its answers to the type; per cohort: the share of the type's questions on which "
+        "every trained member gave the type's one most common answer.",
+    ]
     return lines
 
 
 def _probe_gain_md(results: Mapping) -> list[str]:
-    split = results["split"]
     pg = results["probe_gain"]
     lines = [
         "",
-        f"## Does the probe predict the gain? (ring cohorts: the probe on validation before training, the "
-        f"gain on {split} after)",
+        f"## Does the probe predict the gain? (label-free cohorts: the probe on validation before training, "
+        f"the gain on {results['split']} after)",
         "",
-        "| cohort | kappa | p_A+p_B | complementarity | same wrong | kappa colour | p_A+p_B colour | gain "
-        "| gain colour |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| cohort | members | seeds | headroom | settled headroom | kappa | p_A+p_B | gain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['method']} | {_num(r['kappa'])} | {_num(r['acc_sum'])} | {_num(r['complementarity'])} | "
-        f"{_num(r['same_wrong'])} | {_num(r['kappa_color'])} | {_num(r['acc_sum_color'])} | "
-        f"{ci_text(r['gain'], True)} | {ci_text(r['gain_color'], True)} |"
+        f"| {r['method']} | {r['members']} | {r['seeds']} | {_num(100 * r['headroom'], True)} | "
+        f"{_num(100 * r['settled'], True)} | {_num(r['kappa'])} | {_num(r['acc_sum'])} | "
+        f"{ci_text(r['gain'], True)} |"
         for r in pg["rows"]
     ]
     lines += [""] + [
@@ -389,13 +448,12 @@ def _claims_md(results: Mapping) -> list[str]:
     lines += [
         "",
         "A verdict is *supported* when the whole 95% interval lies on the claimed side, *not supported* "
-        "when it lies wholly on the other, else *inconclusive*; (f): *supported* when the gain's rank "
-        "correlation is significant (5%) both with kappa (negative) and with p_A + p_B (positive), *partly* "
-        "when with one of them. The cohorts share base models, so they are not independent samples: read the "
-        "rank test as a guide, not a proof.",
+        "when it lies wholly on the other, else *inconclusive*. The cohorts share base models, so they are not "
+        "independent samples: read the rank test as a guide, not a proof.",
         "",
         f"Wall time: {results['seconds'] / 60:.1f} min ({results['workers']} runs in parallel, one torch "
-        "thread each). Plots: " + ", ".join(f"`{p}`" for p in results["plots"]),
+        "thread each; a resumed experiment counts its last part). Plots: "
+        + ", ".join(f"`{p}`" for p in results["plots"]),
         "",
     ]
     return lines
@@ -405,23 +463,24 @@ def _claims_md(results: Mapping) -> list[str]:
 
 
 def plot_probe_vs_gain(pg: Mapping, path: Path) -> Path:
-    """Two panels, each cohort's mean gain (with its 95% interval) against its kappa and its p_A + p_B."""
+    """Each label-free cohort's mean gain (with its 95% interval) against its label headroom and its p_A + p_B."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     for ax, key, label in zip(
         fig.subplots(1, 2),
-        ("kappa", "acc_sum"),
-        ("Cohen's kappa (validation, before)", "p_A + p_B (validation, before)"),
+        ("headroom", "acc_sum"),
+        ("label headroom, points (validation, before)", "p_A + p_B, mean pair (validation, before)"),
     ):
         for i, r in enumerate(pg["rows"]):
             if r[key] is not None:
+                x = 100 * r[key] if key == "headroom" else r[key]
                 ax.errorbar(
-                    [r[key]],
+                    [x],
                     [100 * r["gain"]["mean"]],
                     yerr=[100 * r["gain"]["ci"]],
                     fmt="o",
-                    color=f"C{i}",
+                    color=f"C{i % 10}",
                     capsize=3,
                     label=r["method"],
                 )
@@ -429,8 +488,95 @@ def plot_probe_vs_gain(pg: Mapping, path: Path) -> Path:
         ax.set_title(f"Spearman rho = {_num(t['rho'], True)} (n = {t['n']} cohorts)")
         ax.axhline(0, color="gray", linewidth=0.8)
         ax.set_xlabel(label)
-        ax.set_ylabel("label-free gain, balanced accuracy (points)")
-    ax.legend(fontsize=7)
+        ax.set_ylabel("label-free gain, balanced (points)")
+    ax.legend(fontsize=6)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+CURVES = {
+    "pseudo_label_acc": "pseudo-label accuracy (diagnostic, vs gold)",
+    "reward_mean": "reward",
+    "agreement": "agreement with the label source",
+    "distinct_answers": "distinct answers per group",
+    "answer_entropy_batch": "answer entropy across the batch (nats)",
+}
+
+
+def plot_all(out: Path, results: Mapping) -> list[str]:
+    """The probe-vs-gain scatter and one PNG per training diagnostic over steps (one line per method, the mean
+    over seeds and trained members, read from the runs' metrics.jsonl)."""
+    from vlm_corl.report import plot_metric, read_jsonl
+
+    paths = [plot_probe_vs_gain(results["probe_gain"], out / "probe_vs_gain.png").name]
+    for key, title in CURVES.items():
+        runs = {}
+        for method, m in results["methods"].items():
+            rows = [
+                row
+                for seed in results["seeds"].values()
+                for run_dir in seed.get(method, {}).get("run_dirs", [])
+                for row in read_jsonl(out / run_dir / "metrics.jsonl")
+                if row["member"] in m["trained"] and row.get(key) is not None
+            ]
+            if rows:
+                runs[method] = rows
+        if runs:
+            name = "reward" if key == "reward_mean" else key
+            plot_metric(runs, key, out / f"{name}.png", title)
+            paths.append(f"{name}.png")
+    return paths
+
+
+# ---- the README's summary ----------------------------------------------------------------------------------
+
+README_BLOCK = "easyvqa-summary"
+
+
+def summary_md(results: Mapping) -> str:
+    """The README's block: the cohort row of every method (gain with collapsed types counted as none, Δ per
+    type, the share of questions every member answers with one constant) and the claims' verdicts."""
+    from vlm_corl.headroom import ranking_markdown
+
+    used = {m["cohort"] for m in results["methods"].values()}
+    ranking = results["probe"]["ranking"]
+    lines = [
+        *_bases_md(results)[2:],
+        "",
+        f"The probe (validation, before training; the trained cohorts of the {len(ranking)} it ranked; headroom in "
+        "points):",
+        "",
+        *ranking_markdown(ranking, [r for r in ranking if r["cohort"] in used]),
+        "",
+        f"Picked by the probe: **{results['methods'][roles(results)['pick']]['cohort']}**. Scored on "
+        f"{results['budget']['eval_limit']} easy-vqa {results['split']} questions; mean ± 95% interval over seeds, "
+        "in points; the cohort's mean over its trained members.",
+        "",
+        "| method | seeds | **gain** | Δ balanced | Δ yes/no | Δ shape | Δ colour | all one answer (yes/no, shape, "
+        "colour) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for method, members in results["table"].items():
+        c = members["cohort"]
+        constant = ", ".join(f"{c[f'constant_{t}']['mean']:.2f}" for t in ORDER)
+        cells = [f"**{_points(c['gain'])}**", _points(c["d_accuracy"]), *(_points(c[f"d_{t}"]) for t in ORDER)]
+        lines.append(f"| {method} | {c['gain']['n']} | " + " | ".join(cells) + f" | {constant} |")
+    lines += ["", "| claim | evidence | verdict |", "|---|---|---|"]
+    lines += [f"| {c['claim']} | {c['evidence']} | {c['verdict']} |" for c in results["claims"]]
+    return "\n".join(lines) + "\n"
+
+
+def _points(ci: Mapping) -> str:
+    return f"{100 * ci['mean']:+.1f} ± {100 * ci['ci']:.1f}"
+
+
+def replace_block(text: str, block: str, body: str) -> str:
+    """`text` with the part between `<!-- block: ... -->` and `<!-- /block -->` replaced by `body`; a
+    ValueError when the markers are missing."""
+    import re
+
+    pattern = re.compile(rf"(<!-- {block}:[^>]*-->\n)(.*?)(<!-- /{block} -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no <!-- {block}: ... --> ... <!-- /{block} --> markers")
+    return pattern.sub(lambda m: m.group(1) + body + m.group(3), text, count=1)

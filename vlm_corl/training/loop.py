@@ -246,7 +246,7 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
             cohort,
             scored,
             [ex.answer for ex in batch],
-            categories(batch, cfg.logging.category_key),
+            categories(batch, run.category_key),
             lengths,
             updates,
             rollout_s,

@@ -15,7 +15,7 @@ import torch
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
 from vlm_corl.config.schema import DatasetConfig
-from vlm_corl.data.loaders import DataError, load_examples
+from vlm_corl.data.loaders import DataError, load_examples, loader_category
 from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.data.records import Example
 from vlm_corl.data.sampler import LockstepSampler
@@ -53,6 +53,7 @@ class CohortRun:
     eval_history: list[dict] = field(default_factory=list)  # in-loop evaluation rows so far (rank 0)
     best: dict = field(default_factory=dict)  # member id -> {step, benchmark, score} of its kept best model
     too_long: dict = field(default_factory=dict)  # example id -> {member, tokens}: skipped, prompt too long
+    category_key: str | None = None  # logging.category_key resolved (`category_key`): per-category metrics
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
@@ -99,8 +100,24 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         log.info("resumed from %s (step %d)", resume_from, start)
     # fmt: off
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
-                     reward_spec, start, history, data_report, eval_history, read_best(run_dir))
+                     reward_spec, start, history, data_report, eval_history, read_best(run_dir),
+                     category_key=category_key(cfg, examples, log_it=world.is_main))
     # fmt: on
+
+
+def category_key(cfg: CohortConfig, examples: list[Example], log_it: bool = False) -> str | None:
+    """The metadata key the run's per-category metrics and collapse detector use: `logging.category_key`, where
+    "auto" is the key the training loader declares (`vlm_corl.data.loaders.declares_category`: easy-vqa's
+    question_type, MATH's subject) when every example carries it, else none."""
+    key = cfg.logging.category_key
+    if key != "auto":
+        return key
+    declared = loader_category(cfg.data.train.loader)
+    if declared is None or not all(declared in ex.metadata for ex in examples):
+        return None
+    if log_it:
+        log.info("per-category metrics and collapse detection by %r (logging.category_key: auto)", declared)
+    return declared
 
 
 def _check_engine_layout(cfg: CohortConfig, placement: dict[str, tuple[int, ...]], reward_spec: RewardSpec) -> None:
