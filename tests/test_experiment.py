@@ -248,6 +248,23 @@ def test_quick_experiment_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads((out / "results.json").read_text())["table"] == results["table"]
+    # --publish: the results and plots to a docs folder (an old plot removed), the README block from them
+    docs, readme = tmp_path / "docs", tmp_path / "README.md"
+    docs.mkdir()
+    (docs / "old_plot.png").write_bytes(b"png")
+    readme.write_text("intro\n<!-- easyvqa-summary: regenerated -->\nstale\n<!-- /easyvqa-summary -->\nrest\n")
+    proc = python_m(
+        "vlm_corl.experiments.easyvqa", "--out", out, "--plots-only", "--publish", docs, "--readme", readme, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    published = json.loads((docs / "results.json").read_text())
+    assert readme.read_text() == (
+        "intro\n<!-- easyvqa-summary: regenerated -->\n"
+        + analysis.summary_md(published)
+        + "<!-- /easyvqa-summary -->\nrest\n"
+    )
+    assert "stale" not in readme.read_text() and not (docs / "old_plot.png").exists()
+    assert sorted(p.name for p in docs.glob("*.png")) == sorted(published["plots"])
     # one method again on the same base models, with overrides, scored on validation
     proc = python_m(
         "vlm_corl.experiments.easyvqa_try",

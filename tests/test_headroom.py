@@ -12,6 +12,7 @@ from vlm_corl.headroom import (
     cohort_report,
     headroom_term,
     rank_cohorts,
+    reachable_term,
     self_consistency,
     settled,
     settled_answer,
@@ -148,3 +149,20 @@ def test_rank_cohorts_best_first_and_bad_records():
         cohort_labels({"a": right, "b": [{k: v for k, v in r.items() if k != "preds"} for r in right]}, "peers")
     with pytest.raises(ValueError, match="does not label members"):
         cohort_labels({"a": right, "b": right}, "entropy")
+
+
+def test_reachable_headroom_needs_a_sample_that_earns_the_label():
+    assert reachable_term("red", "blue", "red", ["blue", "red", "blue", "blue"]) == 1  # one sample earns reward
+    assert reachable_term("red", "blue", "red", ["blue"] * 4) == 0  # no variance in the group: no gradient
+    assert reachable_term("blue", "red", "red", ["red", "red", "blue", "red"]) == -1  # reachable, misleading
+    assert reachable_term(None, "blue", "red", ["red"] * 4) == 0
+    gold = ["red", "red"]
+    cohort = {  # a member with one constant answer is right-labelled on both questions but can move on neither
+        "constant": records([["blue"] * 4, ["blue"] * 4], gold),
+        "a": records([["red"] * 4, ["red"] * 4], gold),
+        "b": records([["red"] * 4, ["red", "blue", "red", "red"]], gold),
+    }
+    h = cohort_headroom(cohort_labels(cohort, "peers"))
+    assert h["members"]["constant"]["headroom"]["all"]["mean"] == 1.0
+    assert h["members"]["constant"]["reachable"]["all"]["mean"] == 0.0
+    assert h["headroom"]["all"]["mean"] == pytest.approx(1 / 3) and h["reachable"]["all"]["mean"] == 0.0

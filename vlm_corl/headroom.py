@@ -16,6 +16,10 @@ The labels are computed by the reward modes' own functions (`vlm_corl.training.r
 sampled answers per question at the training temperature: one sampled pass per base model, every cohort's
 figures from those records. Gold answers are used only to score the labels and votes.
 
+`reachable`: the part of the headroom a member's own samples can reach. GRPO moves a member only towards a
+label one of its K samples matches (otherwise every response of the group earns 0: no variance, no gradient),
+so a member at chance with one constant answer cannot learn from its peers however right they are.
+
 Beside it, `settled`: what the confidence argument predicts. A member whose K samples all agree gets no
 reward variance and does not move, so per question the cohort drifts towards its most self-consistent
 member's vote (the consensus of the most self-consistent members' votes when several tie; a split abstains).
@@ -44,6 +48,15 @@ def headroom_term(label: str | None, vote: str | None, gold: str) -> int:
     if label is None:
         return 0
     return int(answers_equivalent(gold, label)) - int(vote is not None and answers_equivalent(gold, vote))
+
+
+def reachable_term(label: str | None, vote: str | None, gold: str, answers: Sequence[str | None]) -> int:
+    """`headroom_term`, counted only where one of the member's K sampled `answers` matches the label: GRPO moves a
+    member only towards a label some of its samples earn reward for (a group that never matches its label has no
+    reward variance, so no gradient). A member that answers one constant cannot be taught anything else."""
+    if label is None or not any(answers_equivalent(label, a) for a in answers):
+        return 0
+    return headroom_term(label, vote, gold)
 
 
 def self_consistency(answers: Sequence[str | None], vote: str | None) -> float:
@@ -88,8 +101,8 @@ def aligned(records: Mapping[str, Sequence[Mapping]]) -> tuple[list[str], dict[s
 def cohort_labels(records: Mapping[str, Sequence[Mapping]], mode: str, reward_cfg=None) -> dict:
     """Every member's label, own vote and self-consistency per question under reward `mode`, computed by the
     mode's registered function on a `CohortBatch` of the members' sampled answers (member order = the order of
-    `records`, which is the ring order). Returns {"ids", "types", "gold", "labels" (N, B), "votes" (N, B),
-    "consistency" (N, B)}."""
+    `records`, which is the ring order). Returns {"ids", "types", "gold", "members", "answers" (N, B, K),
+    "labels" (N, B), "votes" (N, B), "consistency" (N, B)}."""
     from vlm_corl.config.schema import RewardConfig
     from vlm_corl.registry import REWARDS
     from vlm_corl.training.rewards import CohortBatch, member_votes
@@ -118,6 +131,7 @@ def cohort_labels(records: Mapping[str, Sequence[Mapping]], mode: str, reward_cf
         "types": [r.get("type") for r in rows[names[0]]],
         "gold": gold,
         "members": names,
+        "answers": answers,
         "labels": labels,
         "votes": votes,
         "consistency": consistency,
@@ -134,14 +148,17 @@ def _summary(terms: Sequence[float], types: Sequence[str | None]) -> dict:
 
 
 def member_headroom(labelled: Mapping) -> dict[str, dict]:
-    """Per member: its headroom (mean ± interval of `headroom_term`, overall and per type), the share of
-    questions its label abstains on, and its vote's accuracy."""
+    """Per member: its headroom (mean ± interval of `headroom_term`, overall and per type), the part of it its
+    own samples can reach (`reachable_term`), the share of questions its label abstains on, and its vote's
+    accuracy."""
     out = {}
     for i, name in enumerate(labelled["members"]):
         labels, votes, gold = labelled["labels"][i], labelled["votes"][i], labelled["gold"]
         terms = [headroom_term(lab, v, g) for lab, v, g in zip(labels, votes, gold)]
+        reach = [reachable_term(lab, v, g, a) for lab, v, g, a in zip(labels, votes, gold, labelled["answers"][i])]
         out[name] = {
             "headroom": _summary(terms, labelled["types"]),
+            "reachable": _summary(reach, labelled["types"]),
             "abstain": sum(lab is None for lab in labels) / len(labels),
             "vote_accuracy": _summary(
                 [float(v is not None and answers_equivalent(g, v)) for v, g in zip(votes, gold)], labelled["types"]
@@ -152,15 +169,23 @@ def member_headroom(labelled: Mapping) -> dict[str, dict]:
 
 def cohort_headroom(labelled: Mapping) -> dict:
     """The cohort's headroom: per question the mean over its members of `headroom_term`, summarised (mean ±
-    interval, overall and per type), with every member's own figures."""
+    interval, overall and per type); the same of `reachable_term`; every member's own figures."""
     n = len(labelled["members"])
     per_q = [
         statistics.fmean(headroom_term(labelled["labels"][i][j], labelled["votes"][i][j], g) for i in range(n))
         for j, g in enumerate(labelled["gold"])
     ]
+    reach = [
+        statistics.fmean(
+            reachable_term(labelled["labels"][i][j], labelled["votes"][i][j], g, labelled["answers"][i][j])
+            for i in range(n)
+        )
+        for j, g in enumerate(labelled["gold"])
+    ]
     members = member_headroom(labelled)
     return {
         "headroom": _summary(per_q, labelled["types"]),
+        "reachable": _summary(reach, labelled["types"]),
         "abstain": statistics.fmean(m["abstain"] for m in members.values()),
         "members": members,
     }
@@ -248,9 +273,9 @@ def ranking_markdown(
     prediction, κ and p_A + p_B of the votes; cohorts in `mark` are flagged "(trained)"."""
     types = sorted({t for r in ranking for t in r["modes"]["peers"]["headroom"]["by_type"]})
     lines = [
-        "| rank | cohort | peers headroom | " + " | ".join(types) + " | abstain | ring headroom | settled accuracy "
-        "| settled headroom | kappa | p_A+p_B (mean pair) |",
-        "|---|---|---|" + "---|" * len(types) + "---|---|---|---|---|---|",
+        "| rank | cohort | peers headroom | " + " | ".join(types) + " | reachable | abstain | ring headroom "
+        "| settled accuracy | settled headroom | kappa | p_A+p_B (mean pair) |",
+        "|---|---|---|" + "---|" * len(types) + "---|---|---|---|---|---|---|",
     ]
     for r in shown if shown is not None else ranking:
         peers, ring, s = r["modes"]["peers"], r["modes"]["ring"], r["settled"]
@@ -259,7 +284,8 @@ def ranking_markdown(
         acc_sum = "n/a" if r["acc_sum"] is None else f"{r['acc_sum']:.3f}"
         lines.append(
             f"| {r['rank']} | {r['cohort']}{' (trained)' if r['cohort'] in mark else ''} | "
-            f"{_pts(peers['headroom']['all'])} | " + " | ".join(by_type) + f" | {peers['abstain']:.2f} | "
+            f"{_pts(peers['headroom']['all'])} | " + " | ".join(by_type) + f" | {_pts(peers['reachable']['all'])} | "
+            f"{peers['abstain']:.2f} | "
             f"{_pts(ring['headroom']['all'])} | {s['accuracy']['all']['mean']:.3f} | {_pts(s['headroom']['all'])} | "
             f"{kappa} | {acc_sum} |"
         )
@@ -269,7 +295,8 @@ def ranking_markdown(
 HEADROOM_NOTE = (
     "Label headroom, in points: per member, the share of questions its label (the reward mode's own labels, from "
     "the members' K sampled answers) is right where its own vote is wrong, minus the reverse (0 where the label "
-    "abstains); a cohort's is the mean over its members, with a 95% interval over questions. Settled: per question "
+    "abstains); a cohort's is the mean over its members, with a 95% interval over questions. Reachable: the part "
+    "where one of the member's own K samples matches its label (GRPO has no gradient otherwise). Settled: per question "
     "the vote of the most self-consistent member (the confidence prediction), its accuracy and its headroom. Gold "
     "answers are used only to score."
 )

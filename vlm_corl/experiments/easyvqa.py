@@ -386,6 +386,9 @@ def publish(out: Path, docs: Path, readme: Path | None) -> None:
 
     results = json.loads((out / "results.json").read_text())
     docs.mkdir(parents=True, exist_ok=True)
+    for stale in docs.glob("*.png"):  # a plot an earlier version drew and this one does not
+        if stale.name not in results["plots"]:
+            stale.unlink()
     for name in ("results.json", "results.md", *results["plots"]):
         shutil.copyfile(out / name, docs / name)
     if readme is not None:
@@ -406,6 +409,18 @@ def main(argv=None) -> int:
         type=cli.positive_int,
         default=None,
         help=f"seeds of the main comparisons, at least 2 (default {FULL.seeds}, or {QUICK.seeds} with --quick)",
+    )
+    parser.add_argument(
+        "--more-seeds",
+        type=cli.positive_int,
+        default=None,
+        help=f"seeds of the other methods (default {FULL.more_seeds}, or {QUICK.more_seeds} with --quick)",
+    )
+    parser.add_argument(
+        "--frozen-seeds",
+        type=cli.positive_int,
+        default=None,
+        help=f"seeds of frozen peers (default {FULL.frozen_seeds}, or {QUICK.frozen_seeds} with --quick)",
     )
     parser.add_argument("--workers", type=cli.positive_int, default=2, help="runs in parallel (one CPU thread each)")
     parser.add_argument(
@@ -446,10 +461,8 @@ def main(argv=None) -> int:
         finish(out, json.loads((out / "results.json").read_text()))
     else:
         budget = QUICK if args.quick else FULL
-        if args.seeds:
-            budget = Budget(**{**asdict(budget), "seeds": args.seeds})
-        if args.rl_steps:
-            budget = Budget(**{**asdict(budget), "rl_steps": args.rl_steps})
+        given = {"seeds": args.seeds, "more_seeds": args.more_seeds, "frozen_seeds": args.frozen_seeds}
+        budget = dataclasses.replace(budget, **{k: v for k, v in {**given, "rl_steps": args.rl_steps}.items() if v})
         finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
     if args.publish:
         publish(out, Path(args.publish), Path(args.readme) if args.readme else None)

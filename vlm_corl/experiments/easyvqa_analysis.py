@@ -111,6 +111,7 @@ def probe_of(results: Mapping, method: str) -> dict:
         "cohort": m["cohort"],
         "rank": report["rank"],
         "headroom": mode["headroom"],
+        "reachable": mode["reachable"],
         "abstain": mode["abstain"],
         "settled": report["settled"],
         "kappa": report["kappa"],
@@ -147,6 +148,7 @@ def probe_vs_gain(results: Mapping, seeded: Mapping) -> dict:
                 "method": method,
                 "members": len(m["trained"]),
                 "headroom": p["headroom"]["all"]["mean"],
+                "reachable": p["reachable"]["all"]["mean"],
                 "settled": p["settled"]["headroom"]["all"]["mean"],
                 "kappa": p["kappa"],
                 "acc_sum": p["acc_sum"],
@@ -155,7 +157,7 @@ def probe_vs_gain(results: Mapping, seeded: Mapping) -> dict:
             }
         )
     tests = {}
-    for x in ("headroom", "settled", "kappa", "acc_sum"):
+    for x in ("headroom", "reachable", "settled", "kappa", "acc_sum"):
         usable = [r for r in rows if r[x] is not None]
         tests[x] = rank_test([r[x] for r in usable], [r["gain"]["mean"] for r in usable])
     return {"rows": rows, "spearman": tests}
@@ -420,11 +422,12 @@ def _probe_gain_md(results: Mapping) -> list[str]:
         f"## Does the probe predict the gain? (label-free cohorts: the probe on validation before training, "
         f"the gain on {results['split']} after)",
         "",
-        "| cohort | members | seeds | headroom | settled headroom | kappa | p_A+p_B | gain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cohort | members | seeds | headroom | reachable | settled headroom | kappa | p_A+p_B | gain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['method']} | {r['members']} | {r['seeds']} | {_num(100 * r['headroom'], True)} | "
+        f"{_num(100 * r['reachable'], True)} | "
         f"{_num(100 * r['settled'], True)} | {_num(r['kappa'])} | {_num(r['acc_sum'])} | "
         f"{ci_text(r['gain'], True)} |"
         for r in pg["rows"]
@@ -463,18 +466,23 @@ def _claims_md(results: Mapping) -> list[str]:
 
 
 def plot_probe_vs_gain(pg: Mapping, path: Path) -> Path:
-    """Each label-free cohort's mean gain (with its 95% interval) against its label headroom and its p_A + p_B."""
+    """Each label-free cohort's mean gain (with its 95% interval) against its label headroom, the part of it
+    its members' samples reach, and its p_A + p_B."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    fig = Figure(figsize=(15, 4.2), layout="constrained")
     for ax, key, label in zip(
-        fig.subplots(1, 2),
-        ("headroom", "acc_sum"),
-        ("label headroom, points (validation, before)", "p_A + p_B, mean pair (validation, before)"),
+        fig.subplots(1, 3),
+        ("headroom", "reachable", "acc_sum"),
+        (
+            "label headroom, points (validation, before)",
+            "reachable headroom, points (validation, before)",
+            "p_A + p_B, mean pair (validation, before)",
+        ),
     ):
         for i, r in enumerate(pg["rows"]):
             if r[key] is not None:
-                x = 100 * r[key] if key == "headroom" else r[key]
+                x = r[key] if key == "acc_sum" else 100 * r[key]
                 ax.errorbar(
                     [x],
                     [100 * r["gain"]["mean"]],
