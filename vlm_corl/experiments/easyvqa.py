@@ -192,6 +192,7 @@ def make_base(mid: str, recipe, out: Path, budget: Budget, split: str) -> dict:
     done = finished(out / "base.json", key)
     if done is not None:
         return done
+    start = time.time()
     build = build_base(mid, recipe, out, seed=0)  # bases differ by slice and initialisation (recipe.init_seed)
     test = evaluate_dir(out, EASYVQA, eval_examples(split, budget.eval_limit), mid)
     val_examples = eval_examples("validation", budget.probe_limit)
@@ -206,7 +207,7 @@ def make_base(mid: str, recipe, out: Path, budget: Budget, split: str) -> dict:
         records = evaluate_dir(out, sampled, val_examples, mid, view=view)["records"]
         probe[probe_key(mid, view)] = [{k: r[k] for k in keep} for r in records]
     (out / "probe_samples.json").write_text(json.dumps(probe))
-    result = {"build": build, "test": brief(test), "validation": brief(val)}
+    result = {"build": build, "test": brief(test), "validation": brief(val), "seconds": round(time.time() - start, 1)}
     return save_result(out / "base.json", result, key)
 
 
@@ -317,9 +318,8 @@ def method_record(m: Method) -> dict:
 
 
 def run_all(out: Path, budget: Budget, workers: int, split: str) -> dict:
-    """Every base model, the probe, then every run of every method and seed, `workers` processes at a time
-    (the main comparisons' seeds first, so an interrupted experiment has them); members are scored on
-    `split`."""
+    """Every base model, the probe, then every run of every method and seed, `workers` processes at a time,
+    seed by seed (an interrupted experiment has whole seeds); members are scored on `split`."""
     start = time.time()
     recipes = base_recipes(budget)
     results = {"budget": asdict(budget), "split": split, "pool": list(TYPES), "workers": workers}
@@ -353,7 +353,10 @@ def run_all(out: Path, budget: Budget, workers: int, split: str) -> dict:
             r = job.result()
             bar.update()
             bar.write(f"[experiment] seed {s} {name}{f' part {part}' if part else ''}: {r['seconds']} s")
-            run = seeds.setdefault(str(s), {}).setdefault(name, {"eval": {}, "diversity": {}, "run_dirs": []})
+            run = seeds.setdefault(str(s), {}).setdefault(
+                name, {"eval": {}, "diversity": {}, "run_dirs": [], "seconds": 0.0}
+            )
+            run["seconds"] += r["seconds"]
             run["eval"] |= r["eval"]
             run["diversity"] |= r["diversity"]
             run["run_dirs"].append(r["run_dir"])
@@ -367,7 +370,9 @@ def run_all(out: Path, budget: Budget, workers: int, split: str) -> dict:
     results["seeds"] = seeds
     results["question_only"] = question_only_baseline(split, budget.eval_limit)
     results["majority"] = majority_class(split, budget.eval_limit)
-    results["seconds"] = round(time.time() - start, 1)
+    results["seconds"] = round(time.time() - start, 1)  # this invocation's (a resumed one skips finished jobs)
+    # the runs' own times, whichever invocation ran them: what the training part costs on one core
+    results["run_seconds"] = round(sum(m["seconds"] for s in seeds.values() for m in s.values()), 1)
     return relative_to(results, out)
 
 

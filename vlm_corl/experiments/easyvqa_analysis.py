@@ -454,8 +454,9 @@ def _claims_md(results: Mapping) -> list[str]:
         "when it lies wholly on the other, else *inconclusive*. The cohorts share base models, so they are not "
         "independent samples: read the rank test as a guide, not a proof.",
         "",
-        f"Wall time: {results['seconds'] / 60:.1f} min ({results['workers']} runs in parallel, one torch "
-        "thread each; a resumed experiment counts its last part). Plots: "
+        f"Wall time of the last invocation: {results['seconds'] / 60:.1f} min ({results['workers']} runs in parallel, "
+        "one torch thread each; a resumed experiment skips its finished jobs); the runs' own times sum to "
+        f"{results['run_seconds'] / 3600:.2f} h of one core. Plots: "
         + ", ".join(f"`{p}`" for p in results["plots"]),
         "",
     ]
