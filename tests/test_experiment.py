@@ -161,6 +161,7 @@ def test_the_methods_follow_the_pick():
     ]
     assert frozen.trained == pick.trained
     spread = [m for m in methods if "spread" in m.tags]
+    assert {m.seeds for m in spread} == {design.FULL.spread_seeds}
     assert [m.mode for m in spread if m.cohort.count("+") == 1] == ["ring", "ring"]  # pairs: the ring
     assert "qwen2_vl+qwen2_5_vl+mllama+gemma3+internvl" in {m.cohort for m in spread}
     assert len({m.name for m in methods}) == len(methods)

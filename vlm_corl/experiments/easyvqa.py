@@ -109,7 +109,7 @@ def relative_to(value, root: Path):
     return value
 
 
-SEED_COUNTS = ("seeds", "more_seeds", "frozen_seeds")
+SEED_COUNTS = ("seeds", "more_seeds", "frozen_seeds", "spread_seeds")
 RL_ONLY = ("rl_steps", "batch_size", "rl_lr")
 
 
@@ -427,6 +427,12 @@ def main(argv=None) -> int:
         default=None,
         help=f"seeds of frozen peers (default {FULL.frozen_seeds}, or {QUICK.frozen_seeds} with --quick)",
     )
+    parser.add_argument(
+        "--spread-seeds",
+        type=cli.positive_int,
+        default=None,
+        help=f"seeds of the cohorts spread over the probe's ranking (default {FULL.spread_seeds})",
+    )
     parser.add_argument("--workers", type=cli.positive_int, default=2, help="runs in parallel (one CPU thread each)")
     parser.add_argument(
         "--rl-steps",
@@ -466,7 +472,12 @@ def main(argv=None) -> int:
         finish(out, json.loads((out / "results.json").read_text()))
     else:
         budget = QUICK if args.quick else FULL
-        given = {"seeds": args.seeds, "more_seeds": args.more_seeds, "frozen_seeds": args.frozen_seeds}
+        given = {
+            "seeds": args.seeds,
+            "more_seeds": args.more_seeds,
+            "frozen_seeds": args.frozen_seeds,
+            "spread_seeds": args.spread_seeds,
+        }
         budget = dataclasses.replace(budget, **{k: v for k, v in {**given, "rl_steps": args.rl_steps}.items() if v})
         finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
     if args.publish:

@@ -456,8 +456,7 @@ def _claims_md(results: Mapping) -> list[str]:
         "",
         f"Wall time of the last invocation: {results['seconds'] / 60:.1f} min ({results['workers']} runs in parallel, "
         "one torch thread each; a resumed experiment skips its finished jobs); the runs' own times sum to "
-        f"{results['run_seconds'] / 3600:.2f} h of one core. Plots: "
-        + ", ".join(f"`{p}`" for p in results["plots"]),
+        f"{results['run_seconds'] / 3600:.2f} h of one core. Plots: " + ", ".join(f"`{p}`" for p in results["plots"]),
         "",
     ]
     return lines

@@ -42,6 +42,7 @@ class Budget:
     seeds: int  # the main comparisons (the pick, homogeneous peers, self_vote, gt)
     more_seeds: int  # every other method
     frozen_seeds: int  # frozen peers: one run per trained member, so the most expensive method
+    spread_seeds: int  # the cohorts spread over the probe's ranking (probe vs gain)
     batch_size: int = 16
     rl_lr: float = 4e-4
     rollout_n: int = 4
@@ -50,9 +51,19 @@ class Budget:
 
 # The budget was chosen on validation (the label-free issue's measurements: at 480 steps x 16 questions, K 4,
 # lr 4e-4, `gt` gained +5.6 and `peers` on five families +5.0 balanced validation points; at 120, +2.8). Seeds:
-# 5 for the main comparisons, 2 for the other methods, 1 for frozen peers (four runs per seed): what fits in
+# 5 for the main comparisons, 2 for the other methods, 1 for frozen peers (four runs per seed) and for the cohorts
+# spread over the probe's ranking (each adds one point to the probe-vs-gain analysis): what fits in
 # 2.5 hours on 2 cores with the base models (a 4-member run of 480 steps takes about 5 minutes on one core).
-FULL = Budget(warm_steps=1000, rl_steps=480, eval_limit=600, probe_limit=600, seeds=5, more_seeds=2, frozen_seeds=1)
+FULL = Budget(
+    warm_steps=1000,
+    rl_steps=480,
+    eval_limit=600,
+    probe_limit=600,
+    seeds=5,
+    more_seeds=2,
+    frozen_seeds=1,
+    spread_seeds=1,
+)
 QUICK = Budget(
     warm_steps=4,
     rl_steps=2,
@@ -61,6 +72,7 @@ QUICK = Budget(
     seeds=2,
     more_seeds=1,
     frozen_seeds=1,
+    spread_seeds=1,
     batch_size=4,
     rollout_n=2,
 )
@@ -191,7 +203,14 @@ def plan_methods(ranking: list[dict], budget: Budget) -> list[Method]:
         mode = "ring" if c.count("+") == 1 else "peers"  # of two members, each one's peers are the other
         if c != pick:
             methods.append(
-                Method(f"{mode}, {c}", mode, c, (_run(diverse(tuple(c.split("+")))),), more, tags=("spread",))
+                Method(
+                    f"{mode}, {c}",
+                    mode,
+                    c,
+                    (_run(diverse(tuple(c.split("+")))),),
+                    budget.spread_seeds,
+                    tags=("spread",),
+                )
             )
     return methods
 
