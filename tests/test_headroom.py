@@ -139,7 +139,8 @@ def test_rank_cohorts_best_first_and_bad_records():
     right, wrong = records([["red"] * 4] * 6, gold), records([["blue"] * 4] * 6, gold)
     other_wrong = records([["green"] * 4] * 6, gold)
     recs = {"r1": right, "r2": right, "w": wrong, "w2": other_wrong}
-    ranked = rank_cohorts(recs, {"teaches w": ["r1", "r2", "w"], "misleads": ["w", "w2", "r1"]})
+    cohorts = {"teaches w": ["r1", "r2", "w"], "misleads": ["w", "w2", "r1"]}
+    ranked = rank_cohorts({name: {m: recs[m] for m in ms} for name, ms in cohorts.items()})
     assert [r["cohort"] for r in ranked] == ["teaches w", "misleads"]
     assert ranked[0]["modes"]["peers"]["headroom"]["all"]["mean"] == pytest.approx(1 / 3)
     assert ranked[0]["rank"] == 1 and ranked[1]["rank"] == 2

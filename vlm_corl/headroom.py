@@ -7,7 +7,8 @@ That difference, per member and reward topology, is its **label headroom** (docs
     headroom_i = P(label_i right, vote_i wrong) − P(label_i wrong, vote_i right)        (0 where label_i abstains)
 
 - `self_vote`: the label is the vote itself, so the headroom is 0 by construction (it can only sharpen);
-- `ring` of N: summed over the ring the headroom is exactly 0 (member i's label is member i−1's vote);
+- `ring` of N: summed over the ring the headroom is exactly 0 when no vote abstains (member i's label is member
+  i−1's vote);
 - `peers`: the plurality of the others is right more often than any one of them when their errors are
   independent, so the sum can be positive; `soft` is scored by its logged label (the others' consensus);
 - `gt`: the labels are gold, the ceiling (the share of questions each vote gets wrong).
@@ -246,12 +247,10 @@ def cohort_report(records: Mapping[str, Sequence[Mapping]], modes: Sequence[str]
     }
 
 
-def rank_cohorts(
-    records: Mapping[str, Sequence[Mapping]], cohorts: Mapping[str, Sequence[str]], mode: str = "peers"
-) -> list[dict]:
-    """Every candidate cohort ({name: member names, keys of `records`}) with its `cohort_report`, best first
-    by the cohort's mean headroom under `mode`."""
-    reports = [{"cohort": name, **cohort_report({m: records[m] for m in members})} for name, members in cohorts.items()]
+def rank_cohorts(cohorts: Mapping[str, Mapping[str, Sequence[Mapping]]], mode: str = "peers") -> list[dict]:
+    """Every candidate cohort ({name: {member id: its sampled records}}, members in ring order) with its
+    `cohort_report`, best first by the cohort's mean headroom under `mode`, numbered by "rank"."""
+    reports = [{"cohort": name, **cohort_report(records)} for name, records in cohorts.items()]
     reports.sort(key=lambda r: -r["modes"][mode]["headroom"]["all"]["mean"])
     for rank, r in enumerate(reports, 1):
         r["rank"] = rank

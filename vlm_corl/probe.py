@@ -343,8 +343,9 @@ def sampled_headroom(models: Mapping[str, str], bench, examples, samples: int, t
         print(f"[probe] sampling {name}: {samples} answers per question", file=sys.stderr, flush=True)
         records[name] = evaluate_dir(path, sampled, examples, name, progress=True)["records"]
     names = list(models)
-    cohorts = {"+".join(c): list(c) for n in range(2, len(names) + 1) for c in itertools.combinations(names, n)}
-    return {"samples": samples, "temperature": temperature, "ranking": rank_cohorts(records, cohorts)}
+    sets = [c for n in range(2, len(names) + 1) for c in itertools.combinations(names, n)]
+    cohorts = {"+".join(c): {m: records[m] for m in c} for c in sets}
+    return {"samples": samples, "temperature": temperature, "ranking": rank_cohorts(cohorts)}
 
 
 def main(argv=None) -> int:

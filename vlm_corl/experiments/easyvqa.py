@@ -287,18 +287,12 @@ def majority_class(split: str, eval_limit: int) -> dict[str, dict]:
 def probe_all(out: Path, bases: list[str]) -> dict:
     """Every candidate cohort's probe (vlm_corl.headroom.rank_cohorts under `peers`), from the bases' sampled
     validation records."""
-    from vlm_corl.headroom import cohort_report
+    from vlm_corl.headroom import rank_cohorts
 
     records = {}
     for b in bases:
         records |= json.loads((out / "base" / b / "probe_samples.json").read_text())
-    ranking = []
-    for name, cohort in candidates().items():
-        ranking.append({"cohort": name, **cohort_report(cohort_records(cohort, records))})
-    ranking.sort(key=lambda r: -r["modes"]["peers"]["headroom"]["all"]["mean"])
-    for rank, r in enumerate(ranking, 1):
-        r["rank"] = rank
-    return {"ranking": ranking}
+    return {"ranking": rank_cohorts({name: cohort_records(c, records) for name, c in candidates().items()})}
 
 
 # ---- the command --------------------------------------------------------------------------------------------
