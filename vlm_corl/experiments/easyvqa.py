@@ -403,30 +403,19 @@ def main(argv=None) -> int:
     parser = cli.parser("python -m vlm_corl.experiments.easyvqa", __doc__)
     parser.add_argument("--out", required=True, help="output directory (a finished part of an earlier run is kept)")
     parser.add_argument("--quick", action="store_true", help="a tiny budget, for smoke runs (about a minute)")
-    parser.add_argument(
-        "--seeds",
-        type=cli.positive_int,
-        default=None,
-        help=f"seeds of the main comparisons, at least 2 (default {FULL.seeds}, or {QUICK.seeds} with --quick)",
-    )
-    parser.add_argument(
-        "--more-seeds",
-        type=cli.positive_int,
-        default=None,
-        help=f"seeds of the other methods (default {FULL.more_seeds}, or {QUICK.more_seeds} with --quick)",
-    )
-    parser.add_argument(
-        "--frozen-seeds",
-        type=cli.positive_int,
-        default=None,
-        help=f"seeds of frozen peers (default {FULL.frozen_seeds}, or {QUICK.frozen_seeds} with --quick)",
-    )
-    parser.add_argument(
-        "--spread-seeds",
-        type=cli.positive_int,
-        default=None,
-        help=f"seeds of the cohorts spread over the probe's ranking (default {FULL.spread_seeds})",
-    )
+    seed_counts = {  # Budget field: whose seeds it counts
+        "seeds": "the main comparisons, at least 2",
+        "more_seeds": "the other methods",
+        "frozen_seeds": "frozen peers",
+        "spread_seeds": "the cohorts spread over the probe's ranking",
+    }
+    for field_name, whose in seed_counts.items():
+        parser.add_argument(
+            "--" + field_name.replace("_", "-"),
+            type=cli.positive_int,
+            default=None,
+            help=f"seeds of {whose} (default {getattr(FULL, field_name)}; {getattr(QUICK, field_name)} with --quick)",
+        )
     parser.add_argument("--workers", type=cli.positive_int, default=2, help="runs in parallel (one CPU thread each)")
     parser.add_argument(
         "--rl-steps",
@@ -466,13 +455,8 @@ def main(argv=None) -> int:
         finish(out, json.loads((out / "results.json").read_text()))
     else:
         budget = QUICK if args.quick else FULL
-        given = {
-            "seeds": args.seeds,
-            "more_seeds": args.more_seeds,
-            "frozen_seeds": args.frozen_seeds,
-            "spread_seeds": args.spread_seeds,
-        }
-        budget = dataclasses.replace(budget, **{k: v for k, v in {**given, "rl_steps": args.rl_steps}.items() if v})
+        given = {k: getattr(args, k) for k in (*seed_counts, "rl_steps")}
+        budget = dataclasses.replace(budget, **{k: v for k, v in given.items() if v})
         finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
     if args.publish:
         publish(out, Path(args.publish), Path(args.readme) if args.readme else None)
