@@ -468,6 +468,7 @@ def _claims_md(results: Mapping) -> list[str]:
 def plot_probe_vs_gain(pg: Mapping, path: Path) -> Path:
     """Each label-free cohort's mean gain (with its 95% interval) against its label headroom, the part of it
     its members' samples reach, and its p_A + p_B."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(15, 4.2), layout="constrained")
@@ -488,7 +489,7 @@ def plot_probe_vs_gain(pg: Mapping, path: Path) -> Path:
                     [100 * r["gain"]["mean"]],
                     yerr=[100 * r["gain"]["ci"]],
                     fmt="o",
-                    color=f"C{i % 10}",
+                    color=colormaps["tab20"](i % 20),  # more cohorts than the default cycle's 10 colours
                     capsize=3,
                     label=r["method"],
                 )
