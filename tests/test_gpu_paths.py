@@ -461,3 +461,19 @@ def test_hf_copy_of_a_zero3_member_is_in_the_rollout_dtype(tiny_zoo):
     m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), stage_on_cpu=True)
     copy = hf_copy(m.model, torch.device("meta"), torch.bfloat16)
     assert {(p.dtype, p.device.type, p.requires_grad) for p in copy.parameters()} == {(torch.bfloat16, "meta", False)}
+
+
+def test_rollout_autocast_reads_the_weights_the_rollout_runs_on(tiny_zoo):
+    """ZeRO-3 without a full copy (partitioned) samples from the member's own fp32 module, so it autocasts to
+    bf16; with the HF engine's bf16 full copy it samples from that copy, already bf16: no autocast."""
+    from types import SimpleNamespace
+
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"])))
+    member.rollout_dtype = torch.bfloat16
+    member.deepspeed = SimpleNamespace(partitioned=True, full_model=None, stage=3)  # no copy to read
+    with member.rollout_autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16
+    copy = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    member.deepspeed = SimpleNamespace(partitioned=False, full_model=copy, stage=3)
+    with member.rollout_autocast():
+        assert not torch.is_autocast_enabled("cpu")
