@@ -53,7 +53,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 # Metrics fields that measure the machine and the placement (seconds, throughput, memory), not the training:
 # left out where two runs' rows must be equal.
-MEASURED = ("time_", "tokens_per_s", "prompt_cache_mb", "peak_gb_")
+MEASURED = ("time_", "tokens_per_s", "prompt_cache_mb", "peak_gb_", "plan_gb", "peak_over_plan")
 
 
 def trained_fields(rows: list[dict]) -> list[dict]:

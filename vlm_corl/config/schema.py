@@ -241,6 +241,18 @@ class TrainConfig:
         gt=0,
     )
     dist_timeout_s: float = _f("seconds a collective may wait for the other ranks before the job stops", 1800.0, gt=0)
+    check_memory: Literal["auto", "error", "warn", "off"] = _f(
+        "the memory plan made before any model loads (python -m vlm_corl.plan; written to plan.json): error = a "
+        "layout that cannot fit stops with exit 2 | warn = log it and go on | off | auto = error on CUDA, warn "
+        "elsewhere",
+        "auto",
+    )
+    device_memory_gb: float | None = _f(
+        "memory per rank the plan checks against, in GB; null = the device's (a CUDA card's total, or on a CPU "
+        "the host's RAM shared by the node's processes)",
+        None,
+        gt=0,
+    )
     on_collapse: Literal["warn", "stop", "rollback"] = _f(
         "when a collapse detector flags a member (batch, category or in-loop eval): warn | stop (exit 3, naming "
         "the member, category and evidence) | rollback (stop and set aside the checkpoints taken since the flag)",

@@ -65,6 +65,10 @@ class Renderer:
         """Bytes of processor tensors the cache holds now."""
         return self._cached_bytes
 
+    def cached_prompts(self) -> list[Prompt]:
+        """The rendered prompts the cache holds now, least recently used first."""
+        return [prompt for prompt, _ in self._cache.values()]
+
     def __call__(self, example: Example) -> Prompt:
         hit = self._cache.get(example.id)
         if hit is not None:

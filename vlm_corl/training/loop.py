@@ -602,11 +602,15 @@ def _owner(slot: Slot) -> str:
 def _gather_step_facts(run: CohortRun, updates: dict, rollout_s: dict, timer: PhaseTimer) -> tuple[dict, dict, dict]:
     """Every member's update stats (from its first rank; identical on the others), each slot's rollout seconds
     (the slowest of its ranks), and each slot's memory (the largest of its ranks): its renderer's prompt cache
-    (MB, host) and, on CUDA, the peak each phase so far allocated on its device (GB), on every rank."""
+    (MB, host) and, on CUDA, the peak each phase so far allocated on its device (GB), on every rank, with the
+    memory plan's peak for the rank (`plan_gb`) and the largest measured peak over it (`peak_over_plan`)."""
+    planned = run.plan.peak_of(run.world.rank) / 1e9 if run.plan is not None and timer.peaks else None
+    against_plan = {"plan_gb": planned, "peak_over_plan": max(timer.peaks.values()) / planned} if planned else {}
     mine = {
         s.id: {
             "prompt_cache_mb": s.renderer.cached_bytes / 2**20,
             **{f"peak_gb_{k}": v for k, v in timer.peaks.items()},
+            **against_plan,
         }
         for s in run.slots
     }

@@ -23,6 +23,7 @@ from vlm_corl.distributed.checkpoint import latest_checkpoint, load_cohort_state
 from vlm_corl.distributed.world import World, build_groups, describe, launch_world, place_members, shard
 from vlm_corl.members.deepspeed_update import attach_deepspeed, zero_stage
 from vlm_corl.members.member import check_modality, load_member, member_family
+from vlm_corl.planning.check import check_launch, write_plan
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink
 from vlm_corl.training.rewards import RewardSpec, resolve_reward
@@ -54,6 +55,7 @@ class CohortRun:
     best: dict = field(default_factory=dict)  # member id -> {step, benchmark, score} of its kept best model
     too_long: dict = field(default_factory=dict)  # example id -> {member, tokens}: skipped, prompt too long
     category_key: str | None = None  # logging.category_key resolved (`category_key`): per-category metrics
+    plan: object = None  # vlm_corl.planning.cohort.CohortPlan of this launch (None: train.check_memory off)
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
@@ -63,6 +65,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     placement = place_members(cfg.members, world.size)
     reward_spec = resolve_reward(cfg.reward)
     _check_engine_layout(cfg, placement, reward_spec)  # before any collective that a bad layout would hang
+    plan = check_launch(cfg, world.device, world.size, world.is_main)  # every rank: all stop alike
     build_groups(world, placement, every=cfg.train.deepspeed is not None)
     run_dir = Path(cfg.output_dir)
     resume_from = _resume_point(cfg, run_dir)
@@ -81,6 +84,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        if plan is not None:
+            write_plan(plan, run_dir)
         log.info("placement over %d process(es): %s", world.size, describe(placement))
     torch.manual_seed(cfg.seed)
     examples, data_report = _load_data(cfg, resume_from)
@@ -101,7 +106,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     # fmt: off
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, history, data_report, eval_history, read_best(run_dir),
-                     category_key=category_key(cfg, examples, log_it=world.is_main))
+                     category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan)
     # fmt: on
 
 

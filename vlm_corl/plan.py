@@ -1,0 +1,91 @@
+"""Know before launching whether a cohort fits: `python -m vlm_corl.plan --config COHORT.yaml [--nodes 1]
+[--gpus-per-node 8] [--gpu-memory 80GB] [--json] [--suggest] [dotted.key=value ...]`.
+
+For every rank, every member it hosts and the total: weights, gradients, optimizer state, full copies, KL
+reference, EMA teacher, frozen peers, DeepSpeed's buffers, the vLLM engine's weights and KV cache, the HF
+rollout's KV cache, and an update's activations and logits; the peak against the card, a verdict, and the
+changes that would make it fit, each with the memory it saves. `--suggest` searches the cheapest layout that
+fits and prints it as lines for the cohort file. No weights are read: parameter counts come from each member's
+config.json on the `meta` device (vlm_corl.planning). Exit 0 with the plan, 2 on a bad config or argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+
+from vlm_corl import cli
+from vlm_corl.config import ConfigError, load_config
+from vlm_corl.errors import UserError
+from vlm_corl.members.memory import GB
+from vlm_corl.planning.cohort import Hardware, layout_problems, plan_cohort
+from vlm_corl.planning.fixes import fixes
+from vlm_corl.planning.render import render_plan
+from vlm_corl.planning.suggest import suggest
+
+UNITS = {"": GB, "gb": GB, "g": GB, "gib": 2**30, "mb": 1e6, "mib": 2**20, "tb": 1e12, "tib": 2**40}
+
+
+def memory_size(text: str) -> float:
+    """argparse type: '80GB', '80GiB', '141 GB', '80' (GB) -> bytes."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not found or found.group(2).lower() not in UNITS or float(found.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 141GiB, got {text!r}")
+    return float(found.group(1)) * UNITS[found.group(2).lower()]
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = cli.parser("python -m vlm_corl.plan", __doc__)
+    parser.add_argument("--config", required=True, help="cohort YAML file")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=2")
+    parser.add_argument("--nodes", type=cli.positive_int, default=1, help="nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=cli.positive_int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--gpu-memory", type=memory_size, default=80 * GB, help="memory per GPU (default 80GB)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--suggest", action="store_true", help="also search the cheapest layout that fits")
+    args = parser.parse_args(argv)
+    processes = args.nodes * args.gpus_per_node
+    label = f"{args.nodes} node{'s' * (args.nodes > 1)} x {args.gpus_per_node} GPU{'s' * (args.gpus_per_node > 1)}"
+    hardware = Hardware(processes, args.gpu_memory, cuda=True, label=f"{label} of {args.gpu_memory / GB:.0f} GB")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        raise UserError(f"{args.config}: " + "; ".join(err.problems)) from None
+    problems = layout_problems(cfg, processes)
+    if problems:
+        raise UserError(f"{args.config} cannot launch on {processes} process(es): " + "; ".join(problems))
+    plan = plan_cohort(cfg, hardware)
+    plan.fixes = [] if plan.fits else fixes(cfg, plan)
+    found = suggest(cfg, hardware) if args.suggest else None
+    if args.json:
+        out = plan.to_dict()
+        if args.suggest:
+            out["suggestion"] = (
+                None
+                if found is None
+                else {
+                    "overrides": found.overrides(),
+                    "yaml": found.yaml_lines(cfg),
+                    "step_cost": found.step_cost,
+                    "plan": found.plan.to_dict(),
+                }
+            )
+        print(json.dumps(out, indent=1))
+        return 0
+    print(render_plan(plan, cfg.name))
+    if args.suggest:
+        print()
+        if found is None:
+            print(f"no layout tried fits {hardware.label}: add GPUs (--gpus-per-node/--nodes) or shrink the cohort")
+        else:
+            print(f"cheapest layout that fits {hardware.label} (tightest rank {found.plan.worst.peak / GB:.1f} GB):")
+            print("\n".join(found.yaml_lines(cfg)))
+            print(f"# as overrides: {' '.join(found.overrides())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

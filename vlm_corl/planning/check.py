@@ -1,0 +1,80 @@
+"""`train`'s memory check: the plan of this launch (`plan_cohort` on the device every rank has), made on every
+rank before any model loads, so that a layout that cannot fit stops every rank alike with exit 2
+(`train.check_memory`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from vlm_corl.config import CohortConfig, ConfigError
+from vlm_corl.members.memory import GB
+from vlm_corl.planning.cohort import CohortPlan, Hardware, plan_cohort
+from vlm_corl.planning.fixes import fixes
+from vlm_corl.planning.render import render_plan, verdict_line
+
+log = logging.getLogger("vlm_corl")
+
+
+def check_mode(cfg: CohortConfig, device: torch.device) -> str:
+    """train.check_memory resolved: auto = error on CUDA, warn elsewhere."""
+    mode = cfg.train.check_memory
+    return ("error" if device.type == "cuda" else "warn") if mode == "auto" else mode
+
+
+def launch_hardware(cfg: CohortConfig, device: torch.device, processes: int) -> Hardware:
+    """The hardware this launch runs on: train.device_memory_gb, else the CUDA card's memory, else the host's RAM
+    over the node's processes (LOCAL_WORLD_SIZE, as torchrun and accelerate set it)."""
+    if cfg.train.device_memory_gb is not None:
+        per_rank, what = cfg.train.device_memory_gb * GB, "train.device_memory_gb"
+    elif device.type == "cuda":
+        per_rank, what = (
+            float(torch.cuda.get_device_properties(device).total_memory),
+            torch.cuda.get_device_name(device),
+        )
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+        per_rank = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local, 1)
+        what = "host RAM"
+    label = f"{processes} rank{'s' * (processes > 1)} of {per_rank / GB:.1f} GB ({what})"
+    return Hardware(processes, per_rank, cuda=device.type == "cuda", label=label)
+
+
+def check_launch(cfg: CohortConfig, device: torch.device, processes: int, is_main: bool) -> CohortPlan | None:
+    """The plan of this launch (None with train.check_memory: off). Under `error` a plan that does not fit
+    raises ConfigError with the planner's verdict and its fixes; under `warn` rank 0 logs them."""
+    mode = check_mode(cfg, device)
+    if mode == "off":
+        return None
+    plan = plan_cohort(cfg, launch_hardware(cfg, device, processes))
+    if plan.fits:
+        if is_main:
+            log.info("memory plan: %s", verdict_line(plan))
+        return plan
+    plan.fixes = fixes(cfg, plan)
+    advice = "; ".join(
+        f"{f['change']} ({' '.join(f['overrides'])}{', ' + f['launch'] if 'launch' in f else ''}: "
+        f"saves {f['saves_gb']:.1f} GB{', fits' if f['fits'] else ''})"
+        for f in plan.fixes[:4]
+    )
+    message = f"memory plan: {verdict_line(plan)}" + (f". Changes that help: {advice}" if advice else "")
+    if mode == "error":
+        raise ConfigError(
+            [
+                message + ". Plan it with `python -m vlm_corl.plan --config FILE --suggest`, or set "
+                "train.check_memory: warn to try anyway"
+            ],
+            ["train.check_memory"],
+        )
+    if is_main:
+        log.warning("%s\n%s", message, render_plan(plan, cfg.name))
+    return plan
+
+
+def write_plan(plan: CohortPlan, run_dir: Path) -> None:
+    """plan.json in the run directory (rank 0)."""
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1) + "\n")

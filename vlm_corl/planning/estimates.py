@@ -1,0 +1,94 @@
+"""Pure estimates of the memory a member's phases allocate beyond its states (`vlm_corl.members.memory`):
+activations of an update's micro-batch, its logits, the HF rollout's KV cache, a vLLM engine's share, and
+DeepSpeed's buffers. Bytes, from a model's `ModelShape` and the run's settings; every formula is an upper
+bound of what the code allocates, worked from what it keeps for the backward pass.
+
+Activations per token and decoder layer (what autograd saves in a Llama/Qwen-style layer with SDPA or flash
+attention, which keep no T x T scores): the normed inputs of the attention and MLP blocks, q, k and v, the
+attention output, the MLP's gate, up, activated gate and product, in the compute dtype (c bytes: 2 under bf16
+autocast, 4 in fp32), plus the two fp32 residual-stream inputs of the norms:
+
+    c * (4 h + 2 kv_dim + 4 I) + 8 h
+
+A vision tower's layers take the same form over its patches (kv_dim = its width). Gradient checkpointing keeps
+each layer's fp32 input (4 h per token) and recomputes one layer at a time during the backward.
+"""
+
+from __future__ import annotations
+
+from vlm_corl.planning.shapes import ModelShape
+
+LOGITS_FACTOR = 1.5  # the update's log-prob pass peaks at 1.5 x one copy of its logits (bench/memory.py's target)
+CHUNK_BYTES = 3 * (1 << 23) * 4  # grpo.selective_logprobs: a few fp32 row chunks of CHUNK_ELEMENTS
+DS_DEFAULT_REDUCE_BUCKET = 500_000_000  # DeepSpeed 0.19's default reduce_bucket_size (elements)
+DS_DEFAULT_PREFETCH = 50_000_000  # stage3_prefetch_bucket_size
+
+
+def layer_bytes_per_token(hidden: int, intermediate: int, kv_dim: int, compute_bytes: int) -> int:
+    """Activation bytes one transformer layer keeps per token for its backward (see the module docstring)."""
+    return compute_bytes * (4 * hidden + 2 * kv_dim + 4 * intermediate) + 8 * hidden
+
+
+def activation_bytes(
+    shape: ModelShape, tokens: int, patches: int, compute_bytes: int, checkpointing: bool
+) -> dict[str, float]:
+    """Activations one micro-batch keeps through its backward: `tokens` positions through the language model
+    and `patches` positions through the vision tower (0 for a text model), by tower."""
+    out = {}
+    towers = [("text", tokens, shape.hidden, shape.layers, shape.intermediate, shape.kv_heads * shape.head_dim)]
+    if shape.is_vision and patches:
+        v = shape.vision_hidden
+        towers.append(("vision", patches, v, shape.vision_layers, shape.vision_intermediate, v))
+    for name, positions, h, layers, inter, kv_dim in towers:
+        per_layer = layer_bytes_per_token(h, inter, kv_dim, compute_bytes) * positions
+        out[name] = (layers * 4 * h * positions + per_layer) if checkpointing else layers * per_layer
+    return out
+
+
+def logits_bytes(rows: int, positions: int, vocab: int, compute_bytes: int) -> float:
+    """The update's logits for `rows` responses of `positions` tokens (only response positions are kept:
+    `logits_to_keep`), their gradient written in place, and the upcast row chunks."""
+    return LOGITS_FACTOR * rows * positions * vocab * compute_bytes + CHUNK_BYTES
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """Key and value cache of one token over every layer."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+
+
+def hf_rollout_bytes(
+    shape: ModelShape, prompts: int, n: int, prompt_tokens: int, new_tokens: int, patches: int, dtype_bytes: int
+) -> dict[str, float]:
+    """The HF engine's rollout of `prompts` prompts x `n` samples: the KV cache of every row at its longest, and
+    the prefill's transient (one layer's activations over the prompts, without gradients; the vision tower's over
+    their images), in the rollout dtype."""
+    rows = prompts * n
+    kv = rows * (prompt_tokens + new_tokens) * kv_bytes_per_token(shape, dtype_bytes)
+    transient = prompts * prompt_tokens * dtype_bytes * (4 * shape.hidden + 2 * shape.intermediate)
+    if shape.is_vision:
+        transient += prompts * patches * dtype_bytes * (4 * shape.vision_hidden + 2 * shape.vision_intermediate)
+    return {"kv_cache": float(kv), "prefill": float(transient + rows * shape.vocab * 4 * 4)}
+
+
+def vllm_kv_need(shape: ModelShape, sequences: int, max_model_len: int, dtype_bytes: int) -> tuple[float, float]:
+    """(bytes of KV cache one sequence of max_model_len needs, bytes for all `sequences` in flight at once)."""
+    one = max_model_len * kv_bytes_per_token(shape, dtype_bytes)
+    return float(one), float(one * sequences)
+
+
+def deepspeed_buffers(zero: dict, shape: ModelShape, grad_bytes: int = 4) -> dict[str, float]:
+    """DeepSpeed's own buffers for a member under `zero` (its zero_optimization section), as DeepSpeed 0.19
+    allocates them (measured by bench/plan_check.py): ZeRO-3 keeps a contiguous gradient bucket of
+    reduce_bucket_size elements from the start (`ds_buckets`, whatever the model's size) and gathers parameters
+    for each forward (`ds_gathered`: the prefetch bucket and the largest tensor, fp32); ZeRO-2 fills its bucket
+    only during the backward (`ds_reduce_bucket`; two with overlap_comm)."""
+    stage = zero.get("stage", 0)
+    contiguous = zero.get("contiguous_gradients", True)
+    bucket = int(zero.get("reduce_bucket_size", DS_DEFAULT_REDUCE_BUCKET)) * grad_bytes
+    if stage == 2:
+        return {"ds_reduce_bucket": float(bucket * (2 if zero.get("overlap_comm", False) else 1))} if contiguous else {}
+    if stage != 3:
+        return {}
+    prefetch = int(zero.get("stage3_prefetch_bucket_size", DS_DEFAULT_PREFETCH))
+    gathered = float(min(prefetch + shape.largest_tensor, shape.params) * 4)
+    return {"ds_buckets": float(bucket), "ds_gathered": gathered} if contiguous else {"ds_gathered": gathered}

@@ -1,0 +1,125 @@
+"""What the memory planner needs to know of a model, read from its config.json alone: parameter counts on the
+`meta` device (no weights read or allocated, so it works on the released architectures under configs/models/
+and on a downloaded checkpoint's directory alike), the language model's dimensions (hidden size, layers, KV
+heads, head dim, vocabulary) and the vision tower's (width, depth, patches per image at the trainer's cap).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Vision towers that do not take an image at its own resolution: tiles (or one fixed square) of image_size.
+# InternVL: up to max_patches tiles plus a thumbnail (GotOcr2ImageProcessor); Llama-3.2-Vision: max_num_tiles
+# tiles of 560 px, each with a class token; Gemma-3: one 896 px square (pan-and-scan off).
+TILED = {"internvl", "mllama", "gemma3"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's sizes as the planner uses them (see the module docstring)."""
+
+    params: int  # every parameter, tied weights once
+    largest_tensor: int  # elements of the largest parameter (what ZeRO-3 gathers at once, at least)
+    checkpoint_bytes: int  # bytes per parameter of the checkpoint's dtype (config.json dtype; 4 if unknown)
+    hidden: int  # the language model's
+    layers: int
+    intermediate: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    vision_params: int = 0
+    vision_hidden: int = 0
+    vision_layers: int = 0
+    vision_intermediate: int = 0
+    patch_size: int = 0
+    fixed_patches: int = 0  # patches per image of a tiled/fixed-size tower (0: the image's pixels decide)
+
+    @property
+    def is_vision(self) -> bool:
+        return self.vision_layers > 0
+
+    def patches_per_image(self, max_image_pixels: int) -> int:
+        """Vision-tower positions of one image at the trainer's pixel cap (data.max_image_pixels)."""
+        if not self.is_vision:
+            return 0
+        return self.fixed_patches or math.ceil(max_image_pixels / self.patch_size**2)
+
+
+def _first(obj, *names, default=None):
+    for name in names:
+        value = getattr(obj, name, None)
+        if value:
+            return value
+    return default
+
+
+def _side(value) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+@lru_cache(maxsize=64)
+def model_shape(model_dir: str) -> ModelShape:
+    """The `ModelShape` of the model whose config.json is in `model_dir` (cached per directory)."""
+    import torch
+    from transformers import AutoConfig
+
+    import vlm_corl.members.families  # noqa: F401  (registers the vision families)
+    from vlm_corl.members.families import detect_family
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = detect_family(model_dir).model_class.from_config(config)
+    params = list(model.parameters())  # tied weights appear once
+    vision_module = next(
+        (m for name, m in model.named_modules() if name.endswith(("visual", "vision_tower", "vision_model"))), None
+    )
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or text.to_dict().get("dtype") or "float32")
+    fields = dict(
+        params=sum(p.numel() for p in params),
+        largest_tensor=max(p.numel() for p in params),
+        checkpoint_bytes=DTYPE_BYTES.get(dtype.removeprefix("torch."), 4),
+        hidden=text.hidden_size,
+        layers=text.num_hidden_layers,
+        intermediate=text.intermediate_size,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+    )
+    vision = getattr(config, "vision_config", None)
+    if vision is not None and vision_module is not None:
+        width = _first(vision, "embed_dim", "hidden_size")
+        patch = _side(vision.patch_size)
+        fields.update(
+            vision_params=sum(p.numel() for p in vision_module.parameters()),
+            vision_hidden=width,
+            vision_layers=_first(vision, "depth", "num_hidden_layers"),
+            vision_intermediate=_first(
+                vision, "intermediate_size", default=int(width * getattr(vision, "mlp_ratio", 4))
+            ),
+            patch_size=patch,
+            fixed_patches=_tiled_patches(config.model_type, vision, patch, Path(model_dir)),
+        )
+    return ModelShape(**fields)
+
+
+def _tiled_patches(model_type: str, vision, patch: int, model_dir: Path) -> int:
+    """Patches per image of a tiled or fixed-size vision tower (`TILED`); 0 for towers that follow the image."""
+    if model_type not in TILED:
+        return 0
+    per_tile = (_side(vision.image_size) // patch) ** 2
+    if model_type == "gemma3":
+        return per_tile
+    if model_type == "mllama":
+        return vision.max_num_tiles * (per_tile + 1)
+    processor = model_dir / "preprocessor_config.json"
+    tiles = json.loads(processor.read_text()).get("max_patches", 12) if processor.exists() else 12
+    return (tiles + 1) * per_tile  # InternVL: the tiles and a thumbnail
