@@ -10,10 +10,10 @@ On CUDA (`--size real`, the default there): two members with released architectu
    weight casts, peak memory;
 3. `train`: the 2-member cohort on easy-vqa with bf16 compute, gradient checkpointing and a real batch (16
    questions x K 4, 256 new tokens): step time per phase, rollout tokens/s, peak memory per phase (GB, from the
-   metrics rows), the prompt cache's size after the steps, and the memory arithmetic's states
-   (vlm_corl.members.memory) against the measured peaks;
+   metrics rows), the prompt cache's size after the steps, and the memory plan train made before loading
+   (plan.json: peak and phases of rank 0) against the measured peaks (`peak_over_plan`);
 4. `zero3`: the Qwen2-VL member alone under DeepSpeed ZeRO-3 in one process (partitioned from the host, its HF
-   copy in bf16): step time and peaks, and the arithmetic's states;
+   copy in bf16): step time and peaks, and the plan;
 5. `resume`: the same member trained in a subprocess that is killed (SIGKILL) after its first checkpoint, then
    resumed to the end: every step's row is there once, the last checkpoint complete, the losses finite.
 vLLM is not run: it cannot be installed on the lent machine (no package index, its wheel is far too large).
@@ -100,32 +100,29 @@ def rows_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def step_report(rows: list[dict], states_gb: dict[str, float]) -> dict:
+def step_report(rows: list[dict], run_dir: Path) -> dict:
     """Medians over the steps after the first (compile and allocator warm-up), per member: step and phase
-    seconds, rollout tokens/s, peak GB per phase, prompt cache MB; and the arithmetic's states beside the peaks."""
+    seconds, rollout tokens/s, peak GB per phase, prompt cache MB; and the memory plan train wrote
+    (plan.json, vlm_corl.planning) beside the measured peak."""
     later = [r for r in rows if r["step"] > 1] or rows
     report = {"steps": max(r["step"] for r in rows)}
     for member in sorted({r["member"] for r in rows}):
         mine = [r for r in later if r["member"] == member]
-        keys = sorted({k for r in mine for k in r if k.startswith(("time_", "peak_gb_"))})
+        keys = sorted({k for r in mine for k in r if k.startswith(("time_", "peak_gb_", "peak_over_plan"))})
         report[member] = {
             **{k: round(statistics.median(r[k] for r in mine if k in r), 4) for k in keys},
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in mine), 1),
             "prompt_cache_mb": round(max(r["prompt_cache_mb"] for r in rows if r["member"] == member), 2),
             "loss_finite": all(r["loss"] is not None and r["loss"] == r["loss"] for r in mine),
         }
-    report["states_gb_by_arithmetic"] = {k: round(v, 3) for k, v in states_gb.items()}
+    plan = json.loads((run_dir / "plan.json").read_text())
+    rank0 = plan["ranks"][0]
+    report["plan"] = {k: rank0[k] for k in ("fits", "peak_gb", "resident_gb", "rollout_gb", "update_gb", "usable_gb")}
     peaks = [v for m in report.values() if isinstance(m, dict) for k, v in m.items() if k.startswith("peak_gb_")]
-    if peaks:  # one GPU hosts every member: its peak holds all their states plus activations
+    if peaks:  # one GPU hosts every member: its peak holds all their states plus a phase's working memory
         report["peak_gb"] = max(peaks)
-        report["peak_over_states"] = round(max(peaks) / max(sum(states_gb.values()), 1e-9), 3)
+        report["peak_over_plan"] = round(max(peaks) / rank0["peak_gb"], 3)
     return report
-
-
-def states_gb(members: dict[str, Path], **layout) -> dict[str, float]:
-    from vlm_corl.members.memory import GB, Layout, member_bytes, parameter_count
-
-    return {k: sum(member_bytes(parameter_count(p), Layout(**layout)).values()) / GB for k, p in members.items()}
 
 
 def train_check(members: dict[str, Path], work: Path, settings: dict, steps: int) -> dict:
@@ -135,7 +132,7 @@ def train_check(members: dict[str, Path], work: Path, settings: dict, steps: int
     path = cohort_file(work, "train", members, settings, max_steps=steps)
     start = time.perf_counter()
     run_cohort(load_config(path))
-    report = step_report(rows_of(work / "train" / "run"), states_gb(members))
+    report = step_report(rows_of(work / "train" / "run"), work / "train" / "run")
     report["wall_s"] = round(time.perf_counter() - start, 1)
     return report
 
@@ -148,8 +145,7 @@ def zero3_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
     path = cohort_file(work, "zero3", one, settings, deepspeed=str(ROOT / "configs" / "deepspeed" / "zero3.json"))
     start = time.perf_counter()
     run_cohort(load_config(path))
-    bf16 = 2 if torch.cuda.is_available() else 4
-    report = step_report(rows_of(work / "zero3" / "run"), states_gb(one, zero=3, ranks=1, rollout_bytes=bf16))
+    report = step_report(rows_of(work / "zero3" / "run"), work / "zero3" / "run")
     report["wall_s"] = round(time.perf_counter() - start, 1)
     return report
 

@@ -1,16 +1,15 @@
-"""The memory arithmetic in one place (vlm_corl.members.memory): bytes per rank by part, worked by hand; the
-real-size architectures under configs/models/ (parameter counts on the meta device within 1% of the published
-ones); the README's table is the one the module prints."""
+"""The memory arithmetic of a member's states (vlm_corl.members.memory): bytes per rank by part, worked by hand;
+the real-size architectures under configs/models/ (parameter counts on the meta device within 1% of the
+published ones). The README's table comes from the planner (tests/test_planner.py)."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from vlm_corl.members.memory import Layout, member_bytes, parameter_count, readme_table
+from vlm_corl.members.memory import Layout, member_bytes, parameter_count
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
@@ -37,10 +36,3 @@ def test_real_architectures_have_their_published_parameter_counts(name):
     """No download: the config.json alone, instantiated on the meta device."""
     count = parameter_count(MODELS / name)
     assert abs(count / PUBLISHED[name]["published_parameters"] - 1) < 0.01, count
-
-
-def test_the_readme_table_is_the_one_the_arithmetic_prints():
-    readme = (ROOT / "README.md").read_text()
-    found = re.search(r"<!-- memory-table: [^>]*-->\n(.*?)<!-- /memory-table -->", readme, re.S)
-    assert found, "README.md lost its memory-table markers"
-    assert found.group(1) == readme_table(MODELS), "README drifted: paste `python -m vlm_corl.members.memory`"

@@ -75,6 +75,16 @@ def check_launch(cfg: CohortConfig, device: torch.device, processes: int, is_mai
     return plan
 
 
+def against_plan(plan: CohortPlan | None, rank: int, peaks_gb: dict[str, float]) -> dict[str, float]:
+    """The metrics fields that set a rank's measured CUDA peaks (GB by phase) beside its plan: the plan's peak
+    for the rank (`plan_gb`) and the largest measured peak over it (`peak_over_plan`); {} without a plan or
+    peaks (off CUDA)."""
+    if plan is None or not peaks_gb:
+        return {}
+    planned = plan.peak_of(rank) / GB
+    return {"plan_gb": planned, "peak_over_plan": max(peaks_gb.values()) / planned}
+
+
 def write_plan(plan: CohortPlan, run_dir: Path) -> None:
     """plan.json in the run directory (rank 0)."""
     (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1) + "\n")

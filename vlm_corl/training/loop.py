@@ -44,6 +44,7 @@ from vlm_corl.members.deepspeed_update import state_files
 from vlm_corl.members.render import PromptTooLong
 from vlm_corl.members.rollout import Prompt, RolloutGroup, SamplingParams
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
+from vlm_corl.planning.check import against_plan
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.training.category_metrics import category_step_stats, window_metrics
 from vlm_corl.training.collapse import describe as describe_collapse
@@ -604,13 +605,11 @@ def _gather_step_facts(run: CohortRun, updates: dict, rollout_s: dict, timer: Ph
     (the slowest of its ranks), and each slot's memory (the largest of its ranks): its renderer's prompt cache
     (MB, host) and, on CUDA, the peak each phase so far allocated on its device (GB), on every rank, with the
     memory plan's peak for the rank (`plan_gb`) and the largest measured peak over it (`peak_over_plan`)."""
-    planned = run.plan.peak_of(run.world.rank) / 1e9 if run.plan is not None and timer.peaks else None
-    against_plan = {"plan_gb": planned, "peak_over_plan": max(timer.peaks.values()) / planned} if planned else {}
     mine = {
         s.id: {
             "prompt_cache_mb": s.renderer.cached_bytes / 2**20,
             **{f"peak_gb_{k}": v for k, v in timer.peaks.items()},
-            **against_plan,
+            **against_plan(run.plan, run.world.rank, timer.peaks),
         }
         for s in run.slots
     }
