@@ -41,6 +41,9 @@ EXTRACTION = [
     ("Final answer: 3.5.", "auto", None, "3.5"),
     ("**Final Answer:** 12", "auto", None, "12"),
     ("The final answer is: x^2 + 1\nThanks!", "auto", None, "x^2 + 1"),
+    # The last phrase wins, on one line too (the earlier pattern swallowed the correction into the first answer).
+    ("The answer is 3. Wait, I made an error. The final answer is 4.", "auto", None, "4"),
+    ("The answer is 3.\nNo: the answer is 5", "auto", None, "5"),
     ("I am not sure what to do here.", "auto", None, None),
     ("The answer isn't obvious.", "auto", None, None),
     ("\\(a\\) or \\(b\\)? The answer is \\(\\sqrt{2}\\).", "auto", None, "\\sqrt{2}"),

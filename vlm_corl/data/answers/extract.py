@@ -13,7 +13,9 @@ STYLES = ("auto", "boxed", "answer_tags")
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 # "The answer is X", "the final answer is: X", "Final answer: X", "Answer = X"; X runs to the end of the line.
-_PHRASE = re.compile(r"\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\b\s*:?|:|=)[ \t]*([^\n]*)", re.IGNORECASE)
+# Only the phrase is matched: its answer is read from the last one, so a later phrase on the same line ("The
+# answer is 3. Wait, I made an error. The final answer is 4.") is not swallowed by an earlier one's answer.
+_PHRASE = re.compile(r"\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\b\s*:?|:|=)[ \t]*", re.IGNORECASE)
 _SHORT_REPLY = re.compile(r"[^\n]{1,20}")
 _MATH_SPAN = re.compile(r"\$\$([^$]+)\$\$|\$([^$]+)\$|\\\(((?:(?!\\\)).)+)\\\)|\\\[((?:(?!\\\]).)+)\\\]", re.DOTALL)
 
@@ -57,10 +59,13 @@ def _tagged(text: str) -> str | None:
 
 def _phrased(text: str) -> str | None:
     """The answer after the last "the answer is" / "final answer:" phrase, up to a full stop or the line end."""
-    matches = _PHRASE.findall(text.replace("**", ""))  # markdown bold: "**Final Answer:** 5"
-    if not matches:
+    text = text.replace("**", "")  # markdown bold: "**Final Answer:** 5"
+    last = None
+    for last in _PHRASE.finditer(text):
+        pass
+    if last is None:
         return None
-    tail = matches[-1].strip()
+    tail = text[last.end() :].split("\n", 1)[0].strip()
     math = _MATH_SPAN.search(tail)
     if math is not None and math.start() == 0:
         return _clean(math.group(0))
