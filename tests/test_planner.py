@@ -219,6 +219,22 @@ def test_suggest_for_three_real_members_on_one_node_is_a_layout_the_planner_acce
     assert "cheapest layout that fits" in text and "# as overrides:" in text
 
 
+def test_suggest_places_members_a_launch_cannot_split_evenly(tmp_path, capsys):
+    three = real_cohort(data={"batch_size": 48}, reward={"mode": "peers"})
+    three["members"].append({"id": "gemma", "model": str(MODELS / "gemma-3-4b-it")})
+    path = tmp_path / "three.yaml"
+    path.write_text(yaml.safe_dump(three))
+    with pytest.raises(UserError, match="cannot be split evenly over 8 processes.*--suggest"):
+        plan_main(["--config", str(path)])
+    assert plan_main(["--config", str(path), "--suggest", "--json"]) == 0
+    out = capsys.readouterr().out
+    suggestion = json.loads(out[out.index("{") :])["suggestion"]
+    assert any(o.startswith("members.2.ranks=") for o in suggestion["overrides"])
+    cfg = load_config(path, suggestion["overrides"], processes=8)
+    assert plan_cohort(cfg, Hardware(8, 80 * GB)).fits
+    assert {r for m in cfg.members for r in m.ranks} == set(range(8))  # every GPU of the node is used
+
+
 def test_suggest_says_when_nothing_fits():
     cfg = config_from_dict(real_cohort())
     assert suggest(cfg, Hardware(1, 8 * GB)) is None

@@ -55,36 +55,52 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as err:
         raise UserError(f"{args.config}: " + "; ".join(err.problems)) from None
     problems = layout_problems(cfg, processes)
-    if problems:
-        raise UserError(f"{args.config} cannot launch on {processes} process(es): " + "; ".join(problems))
+    if problems and not args.suggest:
+        raise UserError(
+            f"{args.config} cannot launch on {processes} process(es): " + "; ".join(problems) + " (--suggest "
+            "searches a placement that can)"
+        )
+    found = suggest(cfg, hardware) if args.suggest else None
+    if problems:  # nothing to plan as the file stands: the search's answer alone
+        print(f"{args.config} cannot launch on {processes} process(es) as it stands: " + "; ".join(problems))
+        _print_suggestion(found, cfg, hardware, args.json)
+        return 0
     plan = plan_cohort(cfg, hardware)
     plan.fixes = [] if plan.fits else fixes(cfg, plan)
-    found = suggest(cfg, hardware) if args.suggest else None
     if args.json:
         out = plan.to_dict()
         if args.suggest:
-            out["suggestion"] = (
-                None
-                if found is None
-                else {
-                    "overrides": found.overrides(),
-                    "yaml": found.yaml_lines(cfg),
-                    "step_cost": found.step_cost,
-                    "plan": found.plan.to_dict(),
-                }
-            )
+            out["suggestion"] = _suggestion_dict(found, cfg)
         print(json.dumps(out, indent=1))
         return 0
     print(render_plan(plan, cfg.name))
     if args.suggest:
         print()
-        if found is None:
-            print(f"no layout tried fits {hardware.label}: add GPUs (--gpus-per-node/--nodes) or shrink the cohort")
-        else:
-            print(f"cheapest layout that fits {hardware.label} (tightest rank {found.plan.worst.peak / GB:.1f} GB):")
-            print("\n".join(found.yaml_lines(cfg)))
-            print(f"# as overrides: {' '.join(found.overrides())}")
+        _print_suggestion(found, cfg, hardware, False)
     return 0
+
+
+def _suggestion_dict(found, cfg) -> dict | None:
+    if found is None:
+        return None
+    yaml_lines = found.yaml_lines(cfg)
+    return {
+        "overrides": found.overrides(),
+        "yaml": yaml_lines,
+        "step_cost": found.step_cost,
+        "plan": found.plan.to_dict(),
+    }
+
+
+def _print_suggestion(found, cfg, hardware: Hardware, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"suggestion": _suggestion_dict(found, cfg)}, indent=1))
+    elif found is None:
+        print(f"no layout tried fits {hardware.label}: add GPUs (--gpus-per-node/--nodes) or shrink the cohort")
+    else:
+        print(f"cheapest layout that fits {hardware.label} (tightest rank {found.plan.worst.peak / GB:.1f} GB):")
+        print("\n".join(found.yaml_lines(cfg)))
+        print(f"# as overrides: {' '.join(found.overrides())}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from vlm_corl.config import CohortConfig, ConfigError
+from vlm_corl.members.member import member_family
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import CohortPlan, Hardware, plan_cohort
 from vlm_corl.planning.fixes import fixes
@@ -50,6 +51,8 @@ def check_launch(cfg: CohortConfig, device: torch.device, processes: int, is_mai
     mode = check_mode(cfg, device)
     if mode == "off":
         return None
+    for m in cfg.members:  # a directory the planner cannot read gets the loader's message, not a traceback
+        member_family(m, m.model)
     plan = plan_cohort(cfg, launch_hardware(cfg, device, processes))
     if plan.fits:
         if is_main:
