@@ -60,12 +60,10 @@ def _tagged(text: str) -> str | None:
 def _phrased(text: str) -> str | None:
     """The answer after the last "the answer is" / "final answer:" phrase, up to a full stop or the line end."""
     text = text.replace("**", "")  # markdown bold: "**Final Answer:** 5"
-    last = None
-    for last in _PHRASE.finditer(text):
-        pass
-    if last is None:
+    phrases = list(_PHRASE.finditer(text))
+    if not phrases:
         return None
-    tail = text[last.end() :].split("\n", 1)[0].strip()
+    tail = text[phrases[-1].end() :].split("\n", 1)[0].strip()
     math = _MATH_SPAN.search(tail)
     if math is not None and math.start() == 0:
         return _clean(math.group(0))
