@@ -1,7 +1,8 @@
 """Entry point: `python -m vlm_corl.train --config FILE.yaml [dotted.key=value …]`.
 
 Also runs as `accelerate launch -m vlm_corl.train …`. A configuration problem exits with status 2 and a
-short message naming the field; a run stopped by the collapse guard (train.on_collapse) with status 3; training
+short message naming the field; a run stopped by the collapse guard (train.on_collapse) or the numerical guard
+(train.max_nonfinite_steps) with status 3; training
 itself runs `vlm_corl.training.loop.run_cohort`.
 """
 
@@ -22,6 +23,7 @@ from vlm_corl.distributed.world import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
 from vlm_corl.members.rollout import release_engines
 from vlm_corl.training.guard import CollapseStopped
+from vlm_corl.training.numerics import NonFiniteStopped
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
@@ -56,7 +58,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     except RankFailure as err:  # another rank died or hung: where every rank was, and how to resume
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except CollapseStopped as err:  # train.on_collapse=stop|rollback: who collapsed, where, and what was kept
+    except (CollapseStopped, NonFiniteStopped) as err:  # the collapse guard (train.on_collapse=stop|rollback) or
+        # the numerical guard: who, where, and what was kept
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"stopped: {err}", file=sys.stderr)
         return err.exit_status

@@ -241,6 +241,13 @@ class TrainConfig:
         gt=0,
     )
     dist_timeout_s: float = _f("seconds a collective may wait for the other ranks before the job stops", 1800.0, gt=0)
+    max_nonfinite_steps: int = _f(
+        "consecutive optimizer steps a member may skip for a non-finite loss or gradient norm before the run "
+        "stops (exit 3, naming the member and the last complete checkpoint); each skip is logged and counted "
+        "(nonfinite_skipped in metrics.jsonl)",
+        3,
+        ge=1,
+    )
     check_memory: Literal["auto", "error", "warn", "off"] = _f(
         "the memory plan made before any model loads (python -m vlm_corl.plan; written to plan.json): error = a "
         "layout that cannot fit stops with exit 2 | warn = log it and go on | off | auto = error on CUDA, warn "

@@ -271,12 +271,18 @@ class DeepSpeedUpdate:
         # x group size: DeepSpeed averages over the group, our per-rank losses add up to the batch's loss.
         self.engine.backward(loss * self.size, scale_wrt_gas=False)
 
-    def step(self) -> float:
-        """Optimizer + schedule step (clipping by the config's gradient_clipping); returns the pre-clip norm."""
+    def step(self) -> tuple[float, bool]:
+        """Optimizer + schedule step (clipping by the config's gradient_clipping); returns the pre-clip norm and
+        whether the step was applied. DeepSpeed 0.19's ZeRO optimizers skip a step whose gradient norm is not
+        finite (fp32 and fp16 members: an "overflow"), leave the schedule where it was and count it in
+        `skipped_steps`; every rank of the member sees the same reduced norm."""
+        skipped = self.engine.skipped_steps
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        self.refresh_full_copy()
-        return float(norm) if norm is not None else 0.0
+        applied = self.engine.skipped_steps == skipped
+        if applied:
+            self.refresh_full_copy()
+        return (float(norm) if norm is not None else 0.0), applied
 
     @torch.no_grad()
     def refresh_full_copy(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from vlm_corl.distributed.world import default_device, sum_over
 from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import named_tensors
 from vlm_corl.members.families import Family, detect_family
+from vlm_corl.members.finite import check_finite_weights
 from vlm_corl.members.precision import DTYPES, rollout_dtype, update_autocast_dtype
 from vlm_corl.members.rollout import Policy
 from vlm_corl.registry import FAMILIES
@@ -250,21 +252,30 @@ class Member:
         run as many as the busiest one (the rest are zero-loss fillers); plain data parallel does not."""
         return self.deepspeed.lockstep_count(n) if self.deepspeed is not None else n
 
-    def step(self, grad_clip: float) -> float:
+    def step(self, grad_clip: float, loss: torch.Tensor | None = None) -> tuple[float, bool]:
         """Sum the gradients over the member's ranks, clip, step the optimizer and the schedule, zero the
-        gradients; returns the pre-clip grad norm.
+        gradients; returns the pre-clip grad norm and whether the step was applied.
 
         Each rank's loss is already normalised by the whole batch's totals, so the sum over ranks is the
-        full-batch gradient and every rank applies the same update (its weights stay identical)."""
+        full-batch gradient and every rank applies the same update (its weights stay identical). The numerical
+        guard: a step whose summed gradient norm, or any rank's `loss` (a flag reduced with the gradients, so
+        the ranks agree), is not finite is skipped: no optimizer or schedule step, Adam's moments unchanged.
+        Under DeepSpeed its optimizer skips a step whose gradient norm is not finite (and counts it)."""
         if self.deepspeed is not None:
             return self.deepspeed.step()
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        sum_over(self.group, [p.grad for p in params])
+        bad_loss = torch.zeros(1, device=self.device, dtype=params[0].grad.dtype)
+        if loss is not None:
+            bad_loss += (~torch.isfinite(loss)).to(bad_loss.dtype)
+        sum_over(self.group, [p.grad for p in params] + [bad_loss])
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
+        norm, bad = torch.stack([norm.to(bad_loss.dtype), bad_loss[0]]).tolist()  # one host sync for both
+        applied = math.isfinite(norm) and bad == 0.0
+        if applied:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=False)
-        return float(norm)
+        return norm, applied
 
     # ---- persistence ------------------------------------------------------------------------------------
 
@@ -458,6 +469,7 @@ def load_member(
             "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
             "writes them"
         ) from err
+    check_finite_weights(model, f"member {cfg.id!r} ({path})")
     checkpoint_dtype = model.dtype
     if cfg.trainable:
         # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost

@@ -168,7 +168,8 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     sums gradients over its ranks). With one update per rollout batch and no KL, the rollout policy is the
     current one: old log-probs are the current ones detached (no extra forward pass), and sequences with
     zero advantage contribute exactly zero loss, so they are skipped but still counted in the normaliser.
-    Returns loss, grad_norm, lr, clip_frac (over all the member's ranks).
+    Returns loss, grad_norm, lr, clip_frac (over all the member's ranks) and nonfinite_skipped (the optimizer
+    steps skipped because the loss or the gradient norm was not finite).
     """
     trained = [s for s in seqs if s.trained]
     total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in trained), len(trained))
@@ -185,7 +186,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not two per
     # micro-batch.
     loss_sum = clipped_tokens = torch.zeros((), dtype=torch.float64, device=member.device)
-    grad_norm = 0.0
+    grad_norm, skipped = 0.0, 0
     mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
@@ -200,7 +201,8 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
             member.backward(loss)
             loss_sum = loss_sum + loss.detach().double()
             clipped_tokens = clipped_tokens + (clipped * mask).sum().double()
-        grad_norm = member.step(train.grad_clip)
+        grad_norm, applied = member.step(train.grad_clip, loss=loss_sum)
+        skipped += not applied
     summed = member.sum_over_ranks(
         {
             "loss": float(loss_sum),
@@ -215,6 +217,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
         "lr": lr,
         "clip_frac": summed["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
         "trained_seqs": int(summed["trained"]),
+        "nonfinite_skipped": skipped,  # optimizer steps the numerical guard skipped (Member.step)
     }
     if algo.rollout_is != "none":
         stats.update(rollout_mismatch({k[3:]: v for k, v in summed.items() if k.startswith("is_")}))

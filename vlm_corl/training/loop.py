@@ -6,6 +6,7 @@ sample → render → rollout → extract → exchange → reward → advantage 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -41,6 +42,7 @@ from vlm_corl.distributed.world import (
 from vlm_corl.errors import Interrupted
 from vlm_corl.evaluation.scoring import benchmark_examples, sample_records, score_records
 from vlm_corl.members.deepspeed_update import state_files
+from vlm_corl.members.finite import NonFiniteLogits
 from vlm_corl.members.render import PromptTooLong
 from vlm_corl.members.rollout import Prompt, RolloutGroup, SamplingParams
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
@@ -59,6 +61,7 @@ from vlm_corl.training.guard import (
     write_best,
 )
 from vlm_corl.training.metrics import cohort_unanimity, member_metrics, unanimity
+from vlm_corl.training.numerics import NonFiniteStopped
 from vlm_corl.training.rewards import CohortBatch
 from vlm_corl.training.setup import CohortRun, start_run
 from vlm_corl.training.slots import (
@@ -145,6 +148,10 @@ def run_cohort(cfg: CohortConfig) -> dict:
         last = latest_checkpoint(run.run_dir)
         resume = f"resume from {last} with train.resume=true" if last else "no checkpoint was written yet"
         raise Interrupted(f"interrupted at step {timer.step + 1} ({timer.phase}); {resume}") from None
+    except NonFiniteLogits as err:  # a numerical fault in a rollout: named, with what is kept
+        last = latest_checkpoint(run.run_dir)
+        kept = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise NonFiniteStopped(f"numerical guard: step {timer.step + 1} ({timer.phase}): {err}; {kept}") from None
     except CollectiveError as err:
         if run.world.distributed and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's stop may not cut the report short
@@ -202,6 +209,7 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
             times = {f"time_{k}": v for k, v in timer.seconds.items()}
             times["time_step"] = time.perf_counter() - step_start  # everything but this write
             run.sink.write([{**row, **times} for row in rows])
+        run.nonfinite.observe(step + 1, run.updates, latest_checkpoint(run.run_dir), run.world.is_main)
         stopped = guard_phase(run, warnings)
         if stopped is not None:
             break
@@ -240,6 +248,7 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
         sync_phase(run)
     with timer("log"):
         updates, rollout_s, memory = _gather_step_facts(run, updates, rollout_s, timer)
+        run.updates = updates  # every member's update stats, on every rank (the numerical guard reads them)
         if not run.world.is_main:
             return [], []
         outcome = StepOutcome(
@@ -589,6 +598,13 @@ def _check_replicas(run: CohortRun, models) -> dict[str, dict[int, float]]:
     ):
         for mid, value in part.items():
             sums.setdefault(mid, {})[rank] = value
+    broken = [mid for mid, by_rank in sums.items() if not all(math.isfinite(v) for v in by_rank.values())]
+    if broken:  # the numerical guard skips non-finite updates: a member's weights should never get here
+        last = latest_checkpoint(run.run_dir)
+        raise NonFiniteStopped(
+            f"numerical guard: the weights of {', '.join(map(repr, broken))} are not finite; no checkpoint was "
+            f"written with them ({f'the last complete one is {last}' if last else 'none was written before'})"
+        )
     diverged = {mid: by_rank for mid, by_rank in sums.items() if len(set(by_rank.values())) > 1}
     if diverged:
         raise RuntimeError(f"the ranks of a member hold different weights: {diverged}")
@@ -721,7 +737,7 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
             row.update(window_metrics(mine + [row["category_stats"]]))
         stats = o.updates.get(s.member_id, {}) if s.member_id not in reported else {}
         reported.add(s.member_id)
-        row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr")})
+        row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr", "nonfinite_skipped")})
         row.update({k: v for k, v in stats.items() if k.startswith("is_")})  # algo.rollout_is mismatch
         row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
         row.update(o.memory.get(s.id, {}))

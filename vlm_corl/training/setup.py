@@ -26,6 +26,7 @@ from vlm_corl.members.member import check_modality, load_member, member_family
 from vlm_corl.planning.check import check_launch, write_plan
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink
+from vlm_corl.training.numerics import NonFiniteTracker
 from vlm_corl.training.rewards import RewardSpec, resolve_reward
 from vlm_corl.training.slots import Slot, SlotSpec, build_slots, check_views, slot_specs
 
@@ -56,6 +57,8 @@ class CohortRun:
     too_long: dict = field(default_factory=dict)  # example id -> {member, tokens}: skipped, prompt too long
     category_key: str | None = None  # logging.category_key resolved (`category_key`): per-category metrics
     plan: object = None  # vlm_corl.planning.cohort.CohortPlan of this launch (None: train.check_memory off)
+    nonfinite: NonFiniteTracker | None = None  # the numerical guard's skip counts (vlm_corl.training.numerics)
+    updates: dict = field(default_factory=dict)  # the last step's update stats of every member, on every rank
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
@@ -106,7 +109,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     # fmt: off
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, history, data_report, eval_history, read_best(run_dir),
-                     category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan)
+                     category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
+                     nonfinite=NonFiniteTracker(cfg.train.max_nonfinite_steps))
     # fmt: on
 
 

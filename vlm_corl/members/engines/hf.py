@@ -25,6 +25,7 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from vlm_corl.members.batching import continuation, prefill
+from vlm_corl.members.finite import NonFiniteLogits
 from vlm_corl.members.rollout import Policy, Prompt, Response, RolloutGroup, SamplingParams
 
 if TYPE_CHECKING:
@@ -50,9 +51,13 @@ class HFEngine:
         # no_grad, not inference_mode: autocast caches its weight casts only outside inference mode, so each
         # weight is cast once per rollout instead of once per decoded token (bench/rollout_precision.py).
         with member.rollout_autocast(), torch.no_grad():
-            tokens, stopped, sums, token_logp = sample(
-                model, [p.inputs for p in prompts], params, member.policy(params.temperature), member.eos_token_ids, tok
-            )
+            try:
+                tokens, stopped, sums, token_logp = sample(
+                    model, [p.inputs for p in prompts], params, member.policy(params.temperature), member.eos_token_ids,
+                    tok,
+                )  # fmt: skip
+            except NonFiniteLogits as err:
+                raise NonFiniteLogits(f"member {member.id!r}: {err}") from None
         model.train(was_training)
         groups = []
         for i, prompt in enumerate(prompts):
@@ -109,6 +114,11 @@ def sample(
         if not choose.greedy and params.temperature != 1.0:
             scores = scores / params.temperature
         logp = torch.log_softmax(scores, dim=-1)  # the policy's log-probs
+        if not bool(torch.isfinite(logp).all()):  # NaN/inf logits would sample out-of-range token indices
+            raise NonFiniteLogits(
+                f"its forward pass gave non-finite logits at response token {t + 1} (its weights or activations "
+                "hold NaN or infinity: a diverged model, or an overflow in its compute dtype)"
+            )
         probs = logp.exp()
         choice = choose(scores, probs, uniforms[active, t])
         next_tokens = samplable[choice]  # (A,)

@@ -1,0 +1,69 @@
+"""The numerical guard: a member's non-finite losses, gradients, weights or logits never reach its weights or
+a checkpoint, and a member that keeps diverging stops the run with one message.
+
+- Update: `Member.step` skips an optimizer step whose loss or summed gradient norm is not finite (the member's
+  ranks agree through the gradient reduction; DeepSpeed's optimizer does the same for the gradient norm) and
+  reports it as `nonfinite_skipped` in the member's metrics row. `NonFiniteTracker` logs each skip once, naming
+  the member, the step and what was not finite, and after `train.max_nonfinite_steps` consecutive skips of one
+  member stops every rank alike (the facts come from the log phase's gather) with exit 3.
+- Load and rollout: `vlm_corl.members.finite` refuses a model directory whose weights hold a NaN or an
+  infinity (naming the member and the tensor), and names the member whose forward pass gave non-finite logits
+  while sampling.
+- Checkpoint: the replica checksum pass (`loop._check_replicas`) refuses to save non-finite weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlm_corl.training.guard import EXIT_STATUS
+
+log = logging.getLogger("vlm_corl")
+
+
+class NonFiniteStopped(Exception):
+    """A member's updates stayed non-finite `train.max_nonfinite_steps` times in a row: the run stops (exit 3)."""
+
+    exit_status = EXIT_STATUS
+
+
+def not_finite(stats: dict) -> str:
+    """What was not finite in a member's update stats: "loss nan", "gradient norm inf", or both."""
+    parts = [f"{name} {stats[key]}" for key, name in (("loss", "loss"), ("grad_norm", "gradient norm"))
+             if isinstance(stats.get(key), float) and not math.isfinite(stats[key])]  # fmt: skip
+    return " and ".join(parts) or "a rank's loss"
+
+
+@dataclass
+class NonFiniteTracker:
+    """Consecutive skipped steps per member, and the stop after `limit` of them."""
+
+    limit: int
+    streaks: dict[str, int] = field(default_factory=dict)
+    total: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, step: int, updates: dict[str, dict], checkpoint: Path | None, report: bool) -> None:
+        """Record step `step`'s update stats of every member (the same on every rank); raise NonFiniteStopped
+        when a member reaches the limit. `report`: this rank logs (world rank 0)."""
+        for mid, stats in updates.items():
+            if not stats.get("nonfinite_skipped"):
+                self.streaks[mid] = 0
+                continue
+            self.streaks[mid] = self.streaks.get(mid, 0) + 1
+            self.total[mid] = self.total.get(mid, 0) + 1
+            if report:
+                log.warning(
+                    "member %s, step %d: %s; its optimizer step was skipped (%d in a row, train.max_nonfinite_steps"
+                    "=%d)", mid, step, not_finite(stats), self.streaks[mid], self.limit,
+                )  # fmt: skip
+            if self.streaks[mid] >= self.limit:
+                resume = f"the last complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+                raise NonFiniteStopped(
+                    f"numerical guard: member {mid!r} had a non-finite loss or gradient norm at {self.limit} "
+                    f"consecutive steps (the last: step {step}, {not_finite(stats)}); its weights were never "
+                    f"updated with them, and {resume}. Lower its learning rate (members[i].lr or train.lr) or "
+                    "train.grad_clip, check its data, then resume"
+                )
