@@ -59,6 +59,11 @@ EXTRACTION = [
     ("\\boxed{9}", "auto", ABC, None),  # not one of the choices
     ("\\boxed{0.5}", "auto", ["\\frac{1}{4}", "\\frac{1}{2}"], "B"),  # text matched through math-verify
     ("\\boxed{b}", "auto", ["a", "b"], "B"),
+    # A choice's own text beats a lower-case letter, and an upper-case letter beats a choice's text (issue 23:
+    # with choices ("a", "b") both readings agree, so a letter-first bug survived).
+    ("\\boxed{b}", "auto", ["b", "c"], "A"),
+    ("\\boxed{c}", "auto", ["b", "c", "d"], "B"),
+    ("\\boxed{B}", "auto", ["b", "c"], "B"),
     ("\\boxed{5}", "auto", ["A. 3", "B. 5"], "B"),  # choices that carry their own labels
     ("\\boxed{b}", "auto", ["10", "20"], "B"),
 ]

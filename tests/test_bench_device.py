@@ -63,3 +63,21 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
         assert result[run]["steps"] == 2 and qwen["time_step"] > 0 and qwen["tokens_per_s"] > 0 and qwen["loss_finite"]
         assert qwen["prompt_cache_mb"] > 0 and result[run]["plan"]["fits"] and result[run]["plan"]["peak_gb"] > 0
     assert result["resume"]["ok"] and result["resume"]["steps_logged"] == [1, 2, 3]
+
+
+def test_soak_bench_at_its_smallest_size_does_not_grow():
+    """bench/soak.py: a tiny cohort's resident set, open files and threads stay flat over a short run (the
+    prompt cache fills within its 64 MB budget; checkpoints are written and pruned on the way)."""
+    proc = subprocess.run(
+        [sys.executable, "bench/soak.py", "--steps", "160", "--window", "40", "--save-every", "50"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0 and report["ok"], json.dumps(report)[-2000:]
+    assert report["steps"] == 160 and len(report["windows"]) == 4
+    assert report["rss_growth"] <= 0.10 and report["open_files_growth"] <= 0 and report["threads_growth"] <= 0
+    assert 0 < report["windows"][-1]["prompt_cache_mb"] <= 64

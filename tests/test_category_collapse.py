@@ -173,3 +173,44 @@ def test_the_report_draws_category_curves_with_the_flags(tmp_path):
     evals = [{"step": s, "member": "b", "benchmark": "easyvqa", "accuracy_color": a} for s, a in ((0, 0.9), (20, 0.1))]
     plots = render_plots(RunData(tmp_path, rows, evals, {"collapse_warnings": collapse_warnings(rows)}), tmp_path)
     assert {"categories", "eval_categories"} <= set(plots) and plots["categories"].stat().st_size > 10_000
+
+
+def _one_answer_rows(late_answers: int, steps: int = 10) -> list[dict]:
+    """A category whose early answers are diverse and whose late ones are all "red" (`late_answers` in the late
+    window's 5 steps), agreement 1.0 throughout and unanimity flat, so only the one-answer rule can fire."""
+    rows = []
+    for step in range(1, steps + 1):
+        late = step > steps // 2
+        per_step = late_answers // (steps // 2) if late else 4
+        answers = {"red": per_step} if late else {"red": 1, "blue": 1, "green": 1, "gray": 1}
+        cat = _cat(answers, (float(per_step), per_step), (0.0, 0), questions=max(per_step, 1))
+        rows.append({"step": step, "member": "m", "category_stats": {"colour": cat}})
+    return rows
+
+
+def test_the_one_answer_rule_needs_its_minimum_of_pooled_answers():
+    """rule.min_pooled_answers (8): 5 late answers of one colour are too few to call a collapse; 10 are enough; a
+    rule asking for 12 does not fire on 10 (issue 23: a detector ignoring the minimum survived the tests)."""
+    from vlm_corl.training.collapse import CollapseRule, category_evidence
+
+    few, enough = _one_answer_rows(5), _one_answer_rows(10)
+    assert category_evidence(few, len(few)) == []
+    flagged = category_evidence(enough, len(enough))
+    assert [(e["category"], e["rule"], e["top_answer_late"]) for e in flagged] == [("colour", "one_answer", "red")]
+    assert category_evidence(enough, len(enough), CollapseRule(min_pooled_answers=12)) == []
+
+
+def test_the_trend_rule_needs_an_absolute_fall_of_answer_entropy():
+    """rule.min_diversity_drop_abs (0.05 nats) beside the relative 30 %: 0.10 -> 0.06 nats is a 40 % fall but only
+    0.04 nats, not flagged; 0.10 -> 0.04 is; a floor raised to 0.5 nats keeps 1.0 -> 0.6 (40 %) from firing."""
+    from vlm_corl.training.collapse import CollapseRule, trend_flagged
+
+    rises = [(0.5, 0.8)]  # agreement rose by 0.3
+    no_gold = (None, None)
+    assert not trend_flagged((0.10, 0.06), rises, no_gold)
+    assert trend_flagged((0.10, 0.04), rises, no_gold)
+    assert trend_flagged((1.0, 0.6), rises, no_gold)
+    assert not trend_flagged((1.0, 0.6), rises, no_gold, CollapseRule(min_diversity_drop_abs=0.5))
+    assert not trend_flagged((1.0, 0.6), rises, no_gold, CollapseRule(min_diversity_drop=0.5))  # the relative one
+    assert not trend_flagged((1.0, 0.6), [(0.5, 0.55)], no_gold)  # agreement must rise by 0.10
+    assert not trend_flagged((1.0, 0.6), rises, (0.8, 0.78))  # with gold, pseudo-label accuracy must fall 0.05

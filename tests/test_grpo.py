@@ -39,19 +39,24 @@ def test_nonzero_variance_groups():
 
 
 @pytest.mark.parametrize(
-    "ratio, adv, clip_high, loss, was_clipped",
+    "ratio, adv, clip_low, clip_high, loss, was_clipped",
     [
-        (1.5, 1.0, 0.2, -1.2, True),  # gain capped at 1 + 0.2
-        (1.5, -1.0, 0.2, 1.5, False),  # a harmful step is never clipped away
-        (0.5, 1.0, 0.2, -0.5, False),
-        (0.5, -1.0, 0.2, 0.8, True),  # floor at 1 - 0.2
-        (1.5, 1.0, 0.28, -1.28, True),  # clip-higher
-        (1.0, 2.0, 0.2, -2.0, False),
+        (1.5, 1.0, 0.2, 0.2, -1.2, True),  # gain capped at 1 + 0.2
+        (1.5, -1.0, 0.2, 0.2, 1.5, False),  # a harmful step is never clipped away
+        (0.5, 1.0, 0.2, 0.2, -0.5, False),
+        (0.5, -1.0, 0.2, 0.2, 0.8, True),  # floor at 1 - 0.2
+        (1.5, 1.0, 0.2, 0.28, -1.28, True),  # clip-higher
+        (1.0, 2.0, 0.2, 0.2, -2.0, False),
+        # Unequal bounds: the floor comes from clip_low and the cap from clip_high, never the other way round.
+        (0.5, -1.0, 0.3, 0.1, 0.7, True),  # floor at 1 - 0.3 (clip_high's 0.9 would give 0.9)
+        (0.5, -1.0, 0.1, 0.4, 0.9, True),  # floor at 1 - 0.1 (clip_high's 0.6 would give 0.6)
+        (1.5, 1.0, 0.4, 0.1, -1.1, True),  # cap at 1 + 0.1 (clip_low's 1.4 would give -1.4)
+        (0.75, -1.0, 0.3, 0.1, 0.75, False),  # inside [0.7, 1.1]: unclipped (a floor from clip_high would clip)
     ],
 )
-def test_clipped_surrogate(ratio, adv, clip_high, loss, was_clipped):
+def test_clipped_surrogate(ratio, adv, clip_low, clip_high, loss, was_clipped):
     logp = torch.tensor([[math.log(ratio)]])
-    out, clipped = clipped_surrogate(logp, torch.zeros(1, 1), torch.tensor([adv]), 0.2, clip_high)
+    out, clipped = clipped_surrogate(logp, torch.zeros(1, 1), torch.tensor([adv]), clip_low, clip_high)
     assert out.item() == pytest.approx(loss, abs=1e-6)
     assert clipped.item() is was_clipped
 

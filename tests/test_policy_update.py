@@ -95,11 +95,11 @@ def update(setup, seqs, algo=None, totals=None, micro_batch_size=64, lr=1e-3, re
     out = Update({}, [], [])
     original = member.step
 
-    def step(grad_clip):  # snapshots around the real step
+    def step(grad_clip, loss=None):  # snapshots around the real step
         out.grads.append([p.grad.detach().clone() for g in member.optimizer.param_groups for p in g["params"]])
-        norm = original(grad_clip)
+        result = original(grad_clip, loss)
         out.weights.append({k: v.detach().clone() for k, v in member.model.state_dict().items()})
-        return norm
+        return result
 
     member.step = step
     try:

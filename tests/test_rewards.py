@@ -105,3 +105,38 @@ def test_a_member_never_supervises_itself(mode):
             after = run(mode, changed)
             assert after.labels[i] == before.labels[i]
             assert torch.equal(after.rewards[i, :, 0], before.rewards[i, :, 0])
+
+
+# Three members, one example, K = 4: m0 votes "1" with share 0.75; m1 and m2 vote "2" with share 0.5, so at
+# vote_threshold 0.6 they abstain and every label built from their votes disappears (issue 23: every mode that
+# reads votes must honour the threshold; each test used to run at 0).
+THRESHOLD_ANSWERS = [[["1", "1", "1", "2"]], [["2", "2", "3", "4"]], [["2", "2", "5", "6"]]]
+THRESHOLD_CASES = {  # mode -> (rewards at threshold 0, rewards at threshold 0.6), hand-worked
+    "self_vote": (
+        [[[1, 1, 1, 0]], [[1, 1, 0, 0]], [[1, 1, 0, 0]]],
+        [[[1, 1, 1, 0]], [[0, 0, 0, 0]], [[0, 0, 0, 0]]],
+    ),
+    # m0's label: the plurality of m1's and m2's votes ("2", or nothing); m1's and m2's: a tie of "1" and "2"
+    # at 0 (abstain), m0's "1" alone at 0.6
+    "peers": (
+        [[[0, 0, 0, 1]], [[0, 0, 0, 0]], [[0, 0, 0, 0]]],
+        [[[0, 0, 0, 0]], [[0, 0, 0, 0]], [[0, 0, 0, 0]]],
+    ),
+    # the share of the other members whose vote equals the response's answer
+    "soft": (
+        [[[0, 0, 0, 1]], [[0.5, 0.5, 0, 0]], [[0.5, 0.5, 0, 0]]],
+        [[[0, 0, 0, 0]], [[0, 0, 0, 0]], [[0, 0, 0, 0]]],
+    ),
+    # member n's label is member n-1's vote: m0 <- m2, m1 <- m0, m2 <- m1
+    "ring": (
+        [[[0, 0, 0, 1]], [[0, 0, 0, 0]], [[1, 1, 0, 0]]],
+        [[[0, 0, 0, 0]], [[0, 0, 0, 0]], [[0, 0, 0, 0]]],
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(THRESHOLD_CASES))
+def test_every_vote_based_mode_honours_the_vote_threshold(mode):
+    at_zero, at_threshold = THRESHOLD_CASES[mode]
+    assert run(mode, THRESHOLD_ANSWERS).rewards.tolist() == at_zero
+    assert run(mode, THRESHOLD_ANSWERS, vote_threshold=0.6).rewards.tolist() == at_threshold
