@@ -97,6 +97,27 @@ def render(member: Member, example: Example, template: str, max_image_pixels: in
     return Prompt(example.id, chat_text, images, member.process(chat_text, images))
 
 
+def _end_last_line(out: Path, tail: bytes, start: int) -> None:
+    """A last line without its newline: a whole record (a file edited by hand) gets its newline; the start of
+    a record (this command killed while appending) is removed; anything else is not ours to delete."""
+    try:
+        complete = isinstance(json.loads(tail), dict)
+    except ValueError:
+        complete = False
+    if complete:
+        with open(out, "ab") as handle:
+            handle.write(b"\n")
+        return
+    if not tail.lstrip().startswith(b'{"'):
+        raise CacheError(
+            f"{out}: its last line is not a paraphrase record ({tail[:40]!r}...); nothing was removed: is --out "
+            "the right file?"
+        )
+    print(f"{out}: removing a torn last line ({len(tail)} bytes) left by an interrupted run", file=sys.stderr)
+    with open(out, "r+b") as handle:
+        handle.truncate(start)
+
+
 def resume(out: Path, rewriter: str, template: str) -> set[str]:
     """Ids already in OUT (none if it does not exist), after removing a torn last line left by a crash.
 
@@ -107,11 +128,7 @@ def resume(out: Path, rewriter: str, template: str) -> set[str]:
     data = out.read_bytes()
     if data and not data.endswith(b"\n"):
         keep = data.rfind(b"\n") + 1
-        print(
-            f"{out}: removing a torn last line ({len(data) - keep} bytes) left by an interrupted run", file=sys.stderr
-        )
-        with open(out, "r+b") as handle:
-            handle.truncate(keep)
+        _end_last_line(out, data[keep:], keep)
     records = read_cache(out)
     for record in records.values():
         if Path(record.rewriter).resolve() != Path(rewriter).resolve():
@@ -299,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--device",
+        type=cli.device,
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="device for the rewriter (default: cuda if available, else cpu)",
     )
@@ -327,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         from vlm_corl.members.member import load_member
 
         hf_logging.disable_progress_bar()
-        member = load_member(
-            MemberConfig(id="rewriter", model=args.model, trainable=False), device=torch.device(args.device)
-        )
+        member = load_member(MemberConfig(id="rewriter", model=args.model, trainable=False), device=args.device)
         # The engine reads only its length budget (and vLLM settings) from the rollout config.
         rollout = RolloutConfig(
             max_new_tokens=args.max_new_tokens,

@@ -37,6 +37,9 @@ def files(tiny_zoo, tmp_path_factory) -> dict[str, Path]:
     (root / "bad_metrics").mkdir()
     (root / "bad_metrics" / "metrics.jsonl").write_text('not json\n{"step": 1}\n')
     (root / "empty_dir").mkdir()
+    (root / "twice").mkdir()  # two runs' rows in one metrics file
+    rows = [{"step": s, "member": "a", "reward_mean": 0.5} for s in (1, 2)]
+    write_jsonl(root / "twice" / "metrics.jsonl", rows + rows)
     (root / "demo_unknown.yaml").write_text(f"output_dir: {root}/d\nmembers:\n  - {{id: zed, model: {root}/zed}}\n")
     return {"root": root, **{k: Path(v) for k, v in tiny_zoo.items()}}
 
@@ -68,6 +71,8 @@ MISTAKES = [
     ("report", "{root}/no_metrics", "metrics.jsonl not found: is this a training run directory"),
     ("report", "{root}/empty_metrics", "metrics.jsonl has no rows yet"),
     ("report", "{root}/bad_metrics", "metrics.jsonl line 1 is not JSON"),
+    ("report", "{root}/twice", "holds two rows for step 1 of member 'a' (rows 1 and 3): it mixes two runs"),
+    ("eval", "--models {root}/nope --benchmarks easyvqa --out {root}/eval_out --limit 3", "does not exist"),
     ("demo", "--config {root}/none.yaml", "none.yaml: cannot read the config file"),
     ("demo", "--config {root}/bad.yaml", "bad.yaml: the top level must be a mapping of sections"),
     ("demo", "--reuse-base --eval-limit 3 train.lrr=1", "unknown key 'train.lrr'"),
@@ -122,6 +127,29 @@ def test_argument_mistakes_are_argparse_errors(capsys):
             cli.run(_main(command), argv.split())
         assert exit_.value.code == 2
         assert "must be at least 1" in capsys.readouterr().err, command
+
+
+def test_a_failed_eval_leaves_no_empty_out_behind(files, capsys):
+    out = files["root"] / "eval_gone"
+    argv = ["--models", str(files["root"] / "nope"), "--benchmarks", "easyvqa", "--out", str(out), "--limit", "3"]
+    assert cli.run(_main("eval"), argv) == 2
+    assert not out.exists(), "a failed eval left its --out behind"
+    out.mkdir()  # a directory that was there before is the user's: kept
+    assert cli.run(_main("eval"), argv) == 2 and out.is_dir()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_a_cuda_device_on_a_machine_without_one_is_a_usage_error(files, capsys):
+    for command, argv in [
+        ("paraphrase", f"--data {files['root']}/nogold.jsonl --model {files['qwen3']} --out o.jsonl --device cuda"),
+        ("zoo", "--real qwen2-vl-2b-instruct --out o --device cuda:1"),
+        ("zoo", "--real qwen2-vl-2b-instruct --out o --device gpu"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.run(_main(command), argv.split())
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "this machine has no CUDA device" in err or "'gpu' is not a device" in err, err
 
 
 def test_debug_shows_the_traceback(files):

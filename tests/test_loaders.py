@@ -147,6 +147,7 @@ def messy_jsonl(tmp_path):
         {"id": "g1", "question": "Duplicate of the first", "image": "images/blue.png"},
         ["not", "an", "object"],
         {"id": "badchoices", "question": "q", "choices": "abc"},
+        {"id": "url", "question": "q", "image": "https://example.com/red.png"},
     ]
     return write_jsonl(tmp_path / "train.jsonl", lines)
 
@@ -174,13 +175,20 @@ def test_jsonl_keeps_good_records_and_counts_every_bad_one(messy_jsonl):
         "undecodable_line": 2,
         "duplicate_id": 1,
         "bad_record": 2,
+        "image_url": 1,
     }
+    # a record with a field of the wrong type is named by its own id; a URL is named as one, not as ROOT/https:/...
+    assert report.samples["bad_record"][1] == "badchoices: choices must be a list, got str"
+    assert report.samples["image_url"] == [
+        "url: image 'https://example.com/red.png' is a URL; images are read from local files (download it and give "
+        "its path)"
+    ]
     truncated = report.samples["corrupt_image"][0]
     assert truncated.startswith("truncated: ") and "image file is truncated" in truncated
     assert report.samples["undecodable_line"][0].startswith("line 12: ")
     assert report.samples["duplicate_id"] == ["g1: id already used by an earlier record"]
     summary = report.summary()
-    assert summary.splitlines()[0] == f"jsonl[train] {messy_jsonl}: kept 5, skipped 11"
+    assert summary.splitlines()[0] == f"jsonl[train] {messy_jsonl}: kept 5, skipped 12"
     assert "  missing_image: 1 (e.g. missing: " in summary
     assert json.loads(json.dumps(report.as_dict()))["skipped"]["bad_record"] == 2
 

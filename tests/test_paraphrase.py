@@ -353,3 +353,21 @@ def test_too_long_prompts_are_skipped_without_a_line(tmp_path, rewriter):
         max_prompt_tokens=10,
     )
     assert counts["prompt_too_long"] == 1 and counts["rewritten"] == 0 and out.read_text() == ""
+
+
+def test_resume_deletes_only_its_own_torn_last_line(tmp_path, capsys):
+    """A crash while appending leaves the start of a record: removed. A whole record that only lacks its newline
+    (a file edited by hand) is kept and ended; a last line that is no record of ours is never deleted."""
+    record = CacheRecord("q0", "What is 1 plus 1?", ("What is one plus one?",), "rw", tool.PROMPT).to_json()
+    out = tmp_path / "cache.jsonl"
+    out.write_text(record + "\n" + record.replace("q0", "q1"))  # a whole record without its newline
+    assert tool.resume(out, "rw", tool.PROMPT) == {"q0", "q1"}
+    assert out.read_text().endswith("\n") and len(out.read_text().splitlines()) == 2
+    out.write_text(record + "\n" + record.replace("q0", "q2")[:30])  # a torn append
+    assert tool.resume(out, "rw", tool.PROMPT) == {"q0"}
+    assert "removing a torn last line" in capsys.readouterr().err and out.read_text() == record + "\n"
+    foreign = record + "\n" + "some notes of the user"
+    out.write_text(foreign)
+    with pytest.raises(CacheError, match="its last line is not a paraphrase record .* nothing was removed"):
+        tool.resume(out, "rw", tool.PROMPT)
+    assert out.read_text() == foreign

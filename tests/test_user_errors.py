@@ -71,6 +71,11 @@ MISTAKES = {  # name: (overrides, a piece of the first line of the message)
         "training examples fit rollout.max_prompt_tokens",
     ),
     "output_dir is a file": (["output_dir={tmp}/a_file"], "is a file; choose a directory"),
+    "output_dir cannot be made": (["output_dir=/proc/corl-run"], "output_dir /proc/corl-run cannot be written"),
+    "image cap below the processor": (
+        ["data.max_image_pixels=100"],
+        "100 pixels is below the smallest image the processor of member 'q' takes (256",
+    ),
     "resume without a checkpoint": (["train.resume=true"], "train.resume=true but"),
     "batch larger than the data": (
         ["data.batch_size=20"],
@@ -204,3 +209,61 @@ def test_a_resume_mistake_names_the_file(trained, tmp_path, capsys, mistake, bre
     assert expected in err and "Traceback" not in err
     if breaks is not None:  # and what to do about it
         assert f"Move {run / 'checkpoints' / 'step-2'} out of checkpoints/ to resume from the one before it" in err
+
+
+@pytest.mark.parametrize("content", [os.urandom(300), "name: caf\xe9\n".encode("latin-1")], ids=["binary", "latin-1"])
+def test_a_config_that_is_not_utf8_text_exits_2_naming_the_byte(tmp_path, capsys, content):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: not UTF-8 text (byte 0x" in err and "Traceback" not in err
+
+
+def test_a_full_disk_while_checkpointing_names_the_directory_and_the_checkpoint_kept(models, tmp_path, capsys):
+    import errno
+
+    from vlm_corl.members.member import Member
+
+    cfg = cohort(tmp_path, [("q", models["good"])], reward={"mode": "entropy"})
+    cfg["train"].update(max_steps=3, save_every=1)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    real_save, calls = Member.save, []
+
+    def save(self, directory, write=True):
+        calls.append(directory)
+        if ".tmp-step-2" in str(directory):  # the second checkpoint's weights meet a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, directory, write)
+
+    Member.save = save
+    try:
+        code = main(["--config", str(path)])
+    finally:
+        Member.save = real_save
+    err = capsys.readouterr().err
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert code == 2, err
+    assert f"the disk holding {checkpoints} filled while checkpoint step 2 was written" in err
+    assert f"the previous checkpoint {checkpoints / 'step-1'} is intact" in err and "train.resume=true" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1"]  # the partial one removed
+    code = main(["--config", str(path), "train.resume=true"])  # after freeing space: resumes from step 1
+    assert code == 0, capsys.readouterr().err
+
+
+def test_a_truncated_weights_file_in_a_checkpoint_says_to_move_the_checkpoint_away(models, tmp_path, capsys):
+    cfg = cohort(tmp_path, [("q", models["good"])], reward={"mode": "entropy"})
+    cfg["train"].update(max_steps=2, save_every=1)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["--config", str(path)]) == 0
+    weights = tmp_path / "run" / "checkpoints" / "step-2" / "q" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["--config", str(path), "train.resume=true", "train.max_steps=3"]) == 2
+    err = capsys.readouterr().err
+    step2 = tmp_path / "run" / "checkpoints" / "step-2"
+    assert f"{step2 / 'q'} cannot be read (SafetensorError" in err
+    assert f"Move {step2} out of checkpoints/ to resume from the one before it" in err and "Traceback" not in err

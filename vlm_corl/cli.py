@@ -8,9 +8,10 @@ VLM_CORL_DEBUG=1 re-raises it with the traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,38 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
     return value
+
+
+def device(text: str):
+    """argparse type: a torch device this machine has ("cpu", "cuda", "cuda:1"); asking for CUDA where there is
+    none, or a GPU index past the last, is a usage error naming the devices there are."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device (torch sees none); use cpu")
+        if dev.index is not None and dev.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s), cuda:0..{count - 1}")
+    return dev
+
+
+@contextlib.contextmanager
+def kept_if_written(path: str | Path, flag: str) -> Iterator[Path]:
+    """`output_dir(path, flag)` for a command's body: a directory this made is removed again when the body fails
+    before writing anything into it (no empty --out left behind by a failed command)."""
+    existed = Path(path).exists()
+    out = output_dir(path, flag)
+    try:
+        yield out
+    except BaseException:
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 def output_dir(path: str | Path, flag: str) -> Path:

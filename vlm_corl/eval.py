@@ -96,27 +96,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--data takes BENCH=PATH, got {bad_data}")
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError("--engine vllm needs vLLM: pip install -e '.[vllm]' (or use --engine hf)")
-    out = cli.output_dir(args.out, "--out")  # checked before the evaluation, not after it
-    names = [name for name in args.benchmarks.split(",") if name]
-    benches = {name: BENCHMARKS.get(name) for name in names}
-    paths = dict(item.split("=", 1) for item in args.data)
-    dirs = model_dirs(args.models)
-    examples = {name: benchmark_examples(bench, args.limit, paths.get(name)) for name, bench in benches.items()}
-    for name in benches:
-        check_models({d.name: d for d in dirs}, examples[name])
-    results: dict[str, dict] = {}
-    engines = []  # vLLM engines live as long as the process (closing one tears down vLLM's shared state)
-    for model_dir in dirs:
-        member = load_member(
-            MemberConfig(id=model_dir.name, model=str(model_dir), trainable=False), device=default_device()
-        )
-        engine, room = _engine(args, member, list(benches.values()), examples, share=1 / len(dirs))
-        engines.append(engine if args.engine == "vllm" else None)
-        for name, bench in benches.items():
-            results.setdefault(str(model_dir), {})[bench.name] = evaluate_member(
-                member, examples[name], bench, progress=True, engine=engine, max_prompt_tokens=room
+    # checked before the evaluation, not after it; removed again if the evaluation fails before writing
+    with cli.kept_if_written(args.out, "--out") as out:
+        names = [name for name in args.benchmarks.split(",") if name]
+        benches = {name: BENCHMARKS.get(name) for name in names}
+        paths = dict(item.split("=", 1) for item in args.data)
+        dirs = model_dirs(args.models)
+        examples = {name: benchmark_examples(bench, args.limit, paths.get(name)) for name, bench in benches.items()}
+        for name in benches:
+            check_models({d.name: d for d in dirs}, examples[name])
+        results: dict[str, dict] = {}
+        engines = []  # vLLM engines live as long as the process (closing one tears down vLLM's shared state)
+        for model_dir in dirs:
+            member = load_member(
+                MemberConfig(id=model_dir.name, model=str(model_dir), trainable=False), device=default_device()
             )
-    write_results(out, results, results_markdown(results))
+            engine, room = _engine(args, member, list(benches.values()), examples, share=1 / len(dirs))
+            engines.append(engine if args.engine == "vllm" else None)
+            for name, bench in benches.items():
+                results.setdefault(str(model_dir), {})[bench.name] = evaluate_member(
+                    member, examples[name], bench, progress=True, engine=engine, max_prompt_tokens=room
+                )
+        write_results(out, results, results_markdown(results))
     return 0
 
 

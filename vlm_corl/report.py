@@ -136,12 +136,28 @@ def load_run(run_dir: Path) -> RunData:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     if not rows:
         raise UserError(f"{run_dir}/metrics.jsonl has no rows yet: a run writes one per step (logging.every)")
+    _check_one_run(run_dir / "metrics.jsonl", rows)
     summary_path = run_dir / "summary.json"
     try:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     except json.JSONDecodeError as err:
         raise UserError(f"{summary_path} is not JSON ({err.msg}); move it away to report from metrics.jsonl") from err
     return RunData(run_dir, rows, read_jsonl(run_dir / "eval.jsonl"), summary)
+
+
+def _check_one_run(path: Path, rows: list[dict]) -> None:
+    """A metrics file holds one run: one row per (step, member). Two rows for one pair mean two runs' rows (an
+    old run's left in the directory, or files joined by hand), which averaged together would mislead."""
+    seen: dict[tuple, int] = {}
+    for line, row in enumerate(rows, 1):
+        key = (row.get("step"), row.get("member"))
+        if key in seen:
+            raise UserError(
+                f"{path} holds two rows for step {key[0]} of member {key[1]!r} (rows {seen[key]} and {line}): it "
+                "mixes two runs (an old run's rows, or files joined by hand). Keep one run's rows in their own "
+                "directory and report that"
+            )
+        seen[key] = line
 
 
 def _number(v) -> bool:

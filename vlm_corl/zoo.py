@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="a released architecture with random weights instead (configs/models/NAME or a directory)",
     )
-    parser.add_argument("--device", default="cpu", help="--real: where the weights are initialised (e.g. cuda)")
+    parser.add_argument(
+        "--device", type=cli.device, default="cpu", help="--real: where the weights are initialised (e.g. cuda)"
+    )
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--real: weights dtype")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per member drowns the table

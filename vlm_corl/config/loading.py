@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,21 @@ def _layout_problems(cfg: CohortConfig, problems: Problems, processes: int | Non
         problems.add(path, message)
 
 
+def min_image_pixels(model_dir: Path) -> int | None:
+    """The fewest pixels an image may have for a model whose processor puts it on a patch grid (Qwen-VL:
+    patch_size x merge_size squared, one image token), from its processor or preprocessor config; None for
+    processors that resize every image to their own tiles, or when the files cannot be read."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        try:
+            found = json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        found = found.get("image_processor", found) if isinstance(found, dict) else {}
+        if isinstance(found, dict) and isinstance(found.get("patch_size"), int) and found.get("merge_size"):
+            return (found["patch_size"] * found["merge_size"]) ** 2
+    return None
+
+
 def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
     """Members: unique ids, model directories, dtypes, prompt styles, at least one trainable, enough for the
     reward's topology."""
@@ -87,6 +103,14 @@ def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
                 f"member {m.id!r} is a {VLLM_UNSUPPORTED[kind]} model, which vLLM cannot run (it dropped "
                 f"encoder-decoder models in 0.10.2): set members[{i}].engine: hf for this member (the others may "
                 "stay on vLLM)",
+            )
+        smallest = min_image_pixels(model)
+        if smallest is not None and cfg.data.max_image_pixels < smallest:
+            problems.add(
+                "data.max_image_pixels",
+                f"{cfg.data.max_image_pixels} pixels is below the smallest image the processor of member {m.id!r} "
+                f"takes ({smallest}: one {int(smallest**0.5)}x{int(smallest**0.5)}-pixel merged patch, one image "
+                "token); raise it (the default holds 1,280 image tokens)",
             )
         if m.trainable and m.dtype == "float16":
             problems.add(
@@ -237,9 +261,16 @@ def read_raw_config(path: str | Path, overrides: Sequence[str] = (), problems: P
     """The YAML mapping of a cohort file with the overrides applied, before validation. Unreadable or invalid
     YAML raises ConfigError; override problems go to `problems` (raised here when it is not given)."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError([f"{path}: cannot read the config file ({err.strerror or err})"]) from None
+    except UnicodeDecodeError as err:  # a binary file, or text saved in another encoding
+        raise ConfigError(
+            [
+                f"{path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}): a cohort file "
+                "is YAML saved as UTF-8; is it the right file?"
+            ]
+        ) from None
     try:
         raw = yaml.load(text, Loader=YamlLoader)
     except yaml.YAMLError as err:

@@ -292,7 +292,14 @@ def resolve_data_file(path: str | os.PathLike | None, split: str, suffixes: tupl
 
 
 class _BadField(ValueError):
-    """A record field of the wrong type (becomes a "bad_record" skip)."""
+    """A record field of the wrong type (becomes a skip, "bad_record" unless `reason` says otherwise)."""
+
+    def __init__(self, message: str, reason: str = "bad_record"):
+        super().__init__(message)
+        self.reason = reason
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def example_from_row(
@@ -328,7 +335,12 @@ def example_from_row(
             metadata={k: v for k, v in row.items() if k not in used.values()},
         )
     except _BadField as e:
-        return Skip("bad_record", f"{fallback_id}: {e}")
+        return Skip(e.reason, f"{_own_id(value('id')) or fallback_id}: {e}")
+
+
+def _own_id(value: Any) -> str | None:
+    """The record's own id when it is readable (a record with a bad field is named by it, not by its line)."""
+    return str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value) else None
 
 
 def _field_names(fields: Mapping[str, str] | None) -> dict[str, tuple[str, ...]]:
@@ -371,6 +383,11 @@ def _image(item: Any, root: Path) -> ImageSource:
     if isinstance(item, bytes):
         return item
     if isinstance(item, str):
+        if _URL.match(item):  # read as a path it would become ROOT/https:/host/...: name it as what it is
+            raise _BadField(
+                f"image {item!r} is a URL; images are read from local files (download it and give its path)",
+                reason="image_url",
+            )
         return str(root / item)  # an absolute path stays as it is
     raise _BadField(f"an image must be a path, bytes or a {{'bytes', 'path'}} mapping, got {type(item).__name__}")
 

@@ -13,12 +13,14 @@ failure mode.)
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import random
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,8 +73,9 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
         tmp.mkdir(parents=True)
     world.barrier()
-    for member, writes in models:
-        member.save(tmp / member.id, write=writes)
+    with _disk_full_is_named(tmp, step, run_dir):
+        for member, writes in models:
+            member.save(tmp / member.id, write=writes)
     rngs = world.all_gather(rng_states())  # every rank's RNG states, in rank order
     world.barrier()  # every member's directory is written
     if world.is_main:
@@ -80,15 +83,50 @@ def save_checkpoint(
         missing = [f"{mid}/{name}" for mid, files in required.items() for name in files if not _has(tmp / mid, name)]
         if missing:
             raise RuntimeError(f"checkpoint step {step} is incomplete after every rank wrote it: missing {missing}")
-        torch.save({"step": step, "rng": rngs, **cohort_state}, tmp / STATE_FILE)
-        manifest = {"step": step, "members": required, "replicas": cohort_state.get("replicas", {})}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        with _disk_full_is_named(tmp, step, run_dir):
+            torch.save({"step": step, "rng": rngs, **cohort_state}, tmp / STATE_FILE)
+            manifest = {"step": step, "members": required, "replicas": cohort_state.get("replicas", {})}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old)
     world.barrier()  # nobody reads or resumes from the checkpoint before it is renamed
     return final
+
+
+class DiskFull(UserError, OSError):
+    """The disk filled while a checkpoint was written: names the directory, the checkpoint kept, how to resume."""
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """An OSError for a full disk or quota, or a writer's wrapped one (safetensors reports "os error 28")."""
+    if isinstance(err, OSError) and err.errno in _DISK_FULL:
+        return True
+    text = str(err)
+    return "No space left on device" in text or "Disk quota exceeded" in text or "StorageFull" in text
+
+
+@contextmanager
+def _disk_full_is_named(tmp: Path, step: int, run_dir: Path) -> Iterator[None]:
+    """Turn a full disk while writing checkpoint `step` into DiskFull: the partial checkpoint is removed (its
+    space freed), and the message says where the disk filled, which checkpoint is intact and how to resume."""
+    try:
+        yield
+    except Exception as err:
+        if not _is_disk_full(err):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(Path(run_dir))
+        kept = f"the previous checkpoint {last} is intact" if last else "no earlier checkpoint was written"
+        raise DiskFull(
+            f"the disk holding {tmp.parent} filled while checkpoint step {step} was written ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:160]}); the partial checkpoint was removed and {kept}. Free space there "
+            "(or lower train.keep_last, or move output_dir to a larger disk), then resume with train.resume=true"
+        ) from None
 
 
 def required_files(trainable: bool) -> list[str]:
@@ -147,13 +185,20 @@ def read_state(path: Path, weights_only: bool = True) -> dict:
     except Exception as err:  # noqa: BLE001 - pickle/zip/OS errors all mean "this file is unusable"
         if isinstance(err, MemoryError):
             raise
-        checkpoint = path.parent if path.parent.name.startswith("step-") else path.parent.parent
-        detail = (str(err).splitlines() or [""])[0].split(". ")[0][:120]
-        raise CheckpointError(
-            f"{path} cannot be read ({type(err).__name__}: {detail}); the file is truncated or "
-            f"corrupt. Move {checkpoint} out of checkpoints/ to resume from the one before "
-            "it"
-        ) from err
+        raise corrupt_file(path, err) from err
+
+
+def corrupt_file(path: Path, err: BaseException) -> CheckpointError:
+    """The error for a file of a checkpoint (a state file, or a member's weights) that cannot be read: it names
+    the file and says to move the checkpoint away and resume from the one before it."""
+    path = Path(path)
+    checkpoint = next((p for p in (path, *path.parents) if _STEP_DIR.fullmatch(p.name)), path.parent)
+    cause = err.__cause__ or err
+    detail = (str(cause).splitlines() or [""])[0].split(". ")[0][:120]
+    return CheckpointError(
+        f"{path} cannot be read ({type(cause).__name__}: {detail}); it is truncated or corrupt. Move "
+        f"{checkpoint} out of checkpoints/ to resume from the one before it"
+    )
 
 
 def load_cohort_state(checkpoint: Path) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_corl.cli import output_dir
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
 from vlm_corl.config.schema import DatasetConfig
@@ -19,10 +20,11 @@ from vlm_corl.data.loaders import DataError, load_examples, loader_category
 from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.data.records import Example
 from vlm_corl.data.sampler import LockstepSampler
-from vlm_corl.distributed.checkpoint import latest_checkpoint, load_cohort_state, restore_rng
+from vlm_corl.distributed.checkpoint import corrupt_file, latest_checkpoint, load_cohort_state, restore_rng
 from vlm_corl.distributed.world import World, build_groups, describe, launch_world, place_members, shard
+from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import attach_deepspeed, zero_stage
-from vlm_corl.members.member import check_modality, load_member, member_family
+from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.planning.check import check_launch, write_plan
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink
@@ -175,7 +177,12 @@ def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume
     members = []
     for mc in (m for m in cfg.members if world.rank in placement[m.id]):
         source = resume_from / mc.id if resume_from else None
-        m = load_member(mc, source, world.device, rollout=cfg.rollout.dtype, stage_on_cpu=zero3 and mc.trainable)
+        try:
+            m = load_member(mc, source, world.device, rollout=cfg.rollout.dtype, stage_on_cpu=zero3 and mc.trainable)
+        except MemberLoadError as err:
+            if source is None:
+                raise
+            raise corrupt_file(source, err) from err  # the checkpoint's copy of the member is damaged
         m.group = world.group(placement[m.id])
         members.append(m)
         if not m.cfg.trainable:
@@ -261,6 +268,10 @@ def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
     checkpoints would mix two runs. With train.overwrite the old run's files are removed (by `clear`: rank 0)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError([f"output_dir={str(run_dir)!r} is a file; choose a directory"], ["output_dir"])
+    try:  # before anything expensive: a directory that cannot be made or written (permissions, read-only disk)
+        output_dir(run_dir, "output_dir")
+    except UserError as err:
+        raise ConfigError([str(err)], ["output_dir"]) from None
     found = [name for name in RUN_FILES if (run_dir / name).exists()]
     if not found or found == ["config.yaml"]:
         return
