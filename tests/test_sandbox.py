@@ -244,7 +244,10 @@ def test_kernel_blocks_writes_that_bypass_the_audit_hook():
         f"subprocess.run(['/bin/sh', '-c', 'echo x > {targets[1]}'])\n"
     )
     outcome = run_program(program, limits=FAST)
-    assert outcome.stdout.strip() == "-1" and "Read-only file system" in outcome.stderr
+    # the new root is read-only, and the repository is not in it at all
+    assert outcome.stdout.strip() == "-1" and (
+        "Read-only file system" in outcome.stderr or "nonexistent" in outcome.stderr
+    )
     assert not any(t.exists() for t in targets)
 
 
@@ -306,3 +309,73 @@ def test_layers_are_reported():
     layers = sandbox.sandbox_layers(sys.executable)
     assert layers["mode"] in ("namespaces", "userns", "uid", "plain")
     assert {"rlimits", "identity", "network", "filesystem", "audit_hook"} <= set(layers)
+
+
+SNOOPER = """
+import os
+found = []
+for path in {paths!r}:
+    try:
+        found.append((path, os.listdir(path) if os.path.isdir(path) else open(path).read(50)))
+    except OSError:
+        pass
+print(found)
+"""
+# The repository, its data and tests' expected outputs, the home directory and /etc
+SECRETS = [str(ROOT), str(ROOT / "README.md"), str(ROOT / "tests" / "fixtures"), os.path.expanduser("~"), "/etc",
+           "/etc/passwd", "/home"]  # fmt: skip
+MODES = ["namespaces", "userns", "uid", "plain"]
+
+
+def _in_mode(monkeypatch, mode: str) -> str:
+    """The interpreter to run in `mode` (forced): the uid-only mode needs one an unprivileged uid can read."""
+    if mode in ("namespaces", "uid") and os.geteuid() != 0:
+        pytest.skip(f"{mode} is root's mode")
+    python = sys.executable
+    if mode == "uid":
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if python is None or sandbox._exposure(python) is not None:
+            pytest.skip("no interpreter readable by an unprivileged uid")
+    monkeypatch.setattr(sandbox, "_isolation_mode", lambda python: mode)
+    return python
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_program_cannot_list_or_read_the_repository_data_home_or_etc(monkeypatch, mode):
+    """Issue 23: in RL on code, a policy that finds the expected outputs on disk is rewarded for printing them. In
+    every mode the audit hook refuses reading and listing outside the work dir and the interpreter's own files."""
+    python = _in_mode(monkeypatch, mode)
+    out = run_program(SNOOPER.format(paths=SECRETS), limits=FAST, python=python)
+    assert out.stdout == "[]\n", out
+    assert out.status == "sandbox_violation" and ("read" in out.detail or "list" in out.detail)
+    # the standard library and the work dir stay readable
+    ok = run_program("import json, re, collections; print(open('main.py').read()[:6])", limits=FAST, python=python)
+    assert ok.status == "passed" and ok.stdout == "import\n", ok
+
+
+PROBE = """
+import json, os
+print(json.dumps({{"top": sorted(os.listdir("/")), "found": [p for p in {paths!r} if os.path.exists(p)],
+                  "root": sorted(os.listdir("/root")) if os.path.isdir("/root") else []}}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["namespaces", "userns"])
+def test_in_the_namespace_modes_the_filesystem_itself_holds_nothing_else(monkeypatch, mode):
+    """A child process escapes the audit hook; the kernel still shows it a root holding only the system's
+    programs and libraries, the interpreter and the work dir: the repository, home, /etc and /proc are not there."""
+    import json
+
+    python = _in_mode(monkeypatch, mode)
+    probe = PROBE.format(paths=SECRETS)
+    program = f"import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', {probe!r}], capture_output=True, text=True).stdout)"  # noqa: E501
+    out = run_program(program, limits=FAST, python=python)
+    assert out.status == "passed", out
+    seen = json.loads(out.stdout)
+    assert set(seen["top"]) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "dev", "tmp", "root"}, seen
+    # the home directory is there only when it holds the interpreter, and then holds nothing else
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    home = os.path.expanduser("~")
+    expected_found = [home] if prefix.startswith(home + "/") else []
+    assert seen["found"] == expected_found, seen
+    assert seen["root"] in ([], [prefix.removeprefix("/root/").split("/")[0]]), seen

@@ -25,22 +25,27 @@ Protection layers (the kernel layers enforce; the audit hook reports)
    found and killed by uid, even ones that left the process group with setsid(). PR_SET_NO_NEW_PRIVS stops setuid
    binaries from regaining privileges.
 3. Namespaces. As root: new network namespace (no interface is up: every connect fails), new IPC namespace and a
-   new mount namespace in which *every* mount is read-only (mount_setattr(AT_RECURSIVE)) and the working directory
-   is a size-capped tmpfs (``Limits.disk_bytes``). An interpreter under a directory the unprivileged uid cannot
-   enter (e.g. ~root/.pyenv) is re-exposed read-only in that namespace, with the rest of the directory hidden.
-   Not root: the same through a user namespace that maps only the caller's own uid.
+   new mount namespace whose root is a new, empty tmpfs (pivot_root, the old root detached): it holds only the
+   system's programs and libraries (/usr, /bin, /lib*: the loader and libc), the interpreter's installation (its
+   standard library), /dev/null, zero, urandom and random, and the working directory. The repository, the data,
+   the benchmark's expected outputs, home directories, /etc and /proc are not there to list or read. *Every*
+   mount is read-only (mount_setattr(AT_RECURSIVE)) but the working directory, a size-capped tmpfs
+   (``Limits.disk_bytes``). Not root: the same through a user namespace that maps only the caller's own uid.
 4. An audit hook (``sys.addaudithook``, installed before the program runs) refuses socket use other than AF_UNIX
-   and name lookups, and creating/writing/renaming/removing paths outside the working directory. It raises
-   PermissionError and reports the attempt on a private pipe, which makes the status "sandbox_violation" even if
-   the program catches the error. It is a reporting layer: code can bypass it (ctypes, a child process), which is
-   why layers 2-3 enforce the same rules in the kernel.
+   and name lookups, creating/writing/renaming/removing paths outside the working directory, and reading or
+   listing paths outside the working directory and the interpreter's own installation. It raises PermissionError
+   and reports the attempt on a private pipe, which makes the status "sandbox_violation" even if the program
+   catches the error. It is a reporting layer: code can bypass it (ctypes, a child process), which is why layers
+   2-3 enforce the same rules in the kernel.
 
 Fallbacks, chosen once per interpreter by a probe run (see ``sandbox_layers``): root without namespaces ("uid"):
 layers 1, 2 and 4; writes to world-writable directories such as /tmp and network access are then stopped by the
-audit hook only. Not root without user namespaces ("plain"): layers 1 and 4 only; RLIMIT_NPROC then counts all of
-the caller's processes, and a process that calls setsid() can outlive the run. As root, if the interpreter is not
-reachable by an unprivileged uid and namespaces are unavailable, ``SandboxUnavailable`` is raised rather than run
-untrusted code as root.
+audit hook only, and every file the unprivileged uid may read (world-readable files: typically the repository,
+the data and /etc) is hidden by the audit hook alone, which a child process or ctypes gets around. Not root
+without user namespaces ("plain"): layers 1 and 4 only, as the caller's own user: everything the caller can read
+and write is behind the audit hook alone; RLIMIT_NPROC then counts all of the caller's processes, and a process
+that calls setsid() can outlive the run. As root, if the interpreter is not reachable by an unprivileged uid and
+namespaces are unavailable, ``SandboxUnavailable`` is raised rather than run untrusted code as root.
 
 Status mapping (first match wins)
 ---------------------------------
@@ -135,6 +140,12 @@ _CLONE_NEWNS, _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWNET = 0x00020000, 0x08000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 _MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _AT_RECURSIVE, _AT_FDCWD = 0x1, 0x2, 0x8000, -100
 _SYS_MOUNT_SETATTR = 442  # the same number on every architecture (added in Linux 5.12)
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}.get(os.uname().machine, 155)
+_MNT_DETACH = 2
+# What a run's new root holds besides the interpreter's prefix and its work dir: programs and shared libraries
+# (the dynamic loader and libc live there), and devices Python or a program may open.
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 _PR_SET_NO_NEW_PRIVS = 38
 _REPORT_CAP = 64 << 10
 _UID_RANGE = (1 << 30, 1 << 31)  # far above any real account; one fresh uid per run
@@ -145,15 +156,16 @@ class _MountAttr(ctypes.Structure):
 
 
 def _libc_functions() -> dict[str, object]:
-    """libc's unshare, mount, syscall and prctl, looked up now: a first lookup (dlsym) in the forked child could
-    deadlock on a loader lock held by another thread of ours at fork time."""
+    """libc's unshare, mount, umount2, syscall and prctl, looked up now: a first lookup (dlsym) in the forked child
+    could deadlock on a loader lock held by another thread of ours at fork time."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:  # no C library to call: the namespace modes fail their probe and the fallbacks apply
         return {}
     libc.unshare.argtypes = [ctypes.c_int]
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-    return {name: getattr(libc, name) for name in ("unshare", "mount", "syscall", "prctl")}
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    return {name: getattr(libc, name) for name in ("unshare", "mount", "umount2", "syscall", "prctl")}
 
 
 _LIBC = _libc_functions()
@@ -175,10 +187,14 @@ import _thread, builtins, os, posixpath, sys
 REPORT_FD, PROGRAM_FD, TESTS_FD, ROOT = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 DEVICES = ("/dev/null", "/dev/stdout", "/dev/stderr")
+READABLE = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+# Reading is allowed in the work dir and the interpreter's own installation (its standard library) only.
+PREFIXES = tuple({posixpath.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix)})
 # audit event -> (index of a path argument, index of its dir_fd argument or None)
 PATHS = {"os.mkdir": ((0, 2),), "os.rmdir": ((0, 1),), "os.remove": ((0, 1),), "os.rename": ((0, 2), (1, 3)),
          "os.link": ((1, 3),), "os.symlink": ((1, 2),), "os.truncate": ((0, None),), "os.chmod": ((0, 2),),
          "os.chown": ((0, 3),), "os.utime": ((0, 3),)}
+LISTING = ("os.listdir", "os.scandir")
 NET = ("socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
        "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr", "socket.getnameinfo")
 reported, busy = set(), set()
@@ -212,12 +228,24 @@ def deny(event, what):
     raise PermissionError("sandbox: %s is not allowed (%r)" % (event, what))
 
 
-def inside(path, dir_fd):
+def real_path(path, dir_fd):
+    base = os.getcwd() if dir_fd in (None, -1) else os.readlink("/proc/self/fd/%d" % dir_fd)
+    return posixpath.realpath(posixpath.join(base, os.fsdecode(path)))
+
+
+def under(real, roots):
+    return any(real == root or real.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def inside(path, dir_fd, roots=()):
+    """Whether `path` is in the work dir (or one of `roots`); a path that cannot be resolved is not."""
     if isinstance(path, int) or path in DEVICES:
         return True  # an already open descriptor, or a harmless device
-    base = os.getcwd() if dir_fd in (None, -1) else os.readlink("/proc/self/fd/%d" % dir_fd)
-    real = posixpath.realpath(posixpath.join(base, os.fsdecode(path)))
-    return real == ROOT or real.startswith(ROOT + "/")
+    try:
+        real = real_path(path, dir_fd)
+    except (OSError, ValueError):
+        return False
+    return under(real, (ROOT, *roots))
 
 
 def check(event, args):
@@ -226,6 +254,11 @@ def check(event, args):
         writing = (isinstance(flags, int) and flags & WRITE) or (isinstance(mode, str) and set(mode) & set("wax+"))
         if writing and not inside(args[0], None):
             deny("open", args[0])
+        if not writing and args[0] not in READABLE and not inside(args[0], None, PREFIXES):
+            deny("read", args[0])
+    elif event in LISTING:
+        if not inside("." if args[0] is None else args[0], None, PREFIXES):
+            deny("list", args[0])
     elif event in PATHS:
         for i, fd_i in PATHS[event]:
             if not inside(args[i], None if fd_i is None else args[fd_i]):
@@ -291,7 +324,8 @@ class _Plan:
     limits: Limits
     uid: int | None  # the run's unprivileged uid (= gid); None keeps the caller's identity
     owner: tuple[int, int]  # the caller's uid, gid (mapped into a user namespace)
-    expose: tuple[str, str] | None  # (untraversable ancestor, interpreter prefix) to re-expose
+    root: str | None  # an empty host directory that becomes the run's whole filesystem (namespace modes)
+    prefix: str  # the interpreter's installation (bin/, lib/pythonX.Y): bound into the new root
 
 
 def _child_setup(plan: _Plan):
@@ -327,8 +361,7 @@ def _enter_namespaces(plan: _Plan) -> None:
                 os.close(fd)
     # Private first, so that nothing below propagates back to the host's mounts.
     _check(_LIBC["mount"](None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make mounts private")
-    if plan.expose:
-        _expose_interpreter(*plan.expose)
+    _new_root(plan)
     attr = _MountAttr(_MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID, 0, 0, 0)
     _check(
         _LIBC["syscall"](
@@ -350,17 +383,32 @@ def _enter_namespaces(plan: _Plan) -> None:
     )
 
 
-def _expose_interpreter(hidden: str, prefix: str) -> None:
-    """Cover ``hidden`` (e.g. /root) with an empty tmpfs and bind the interpreter's prefix back at its own path."""
-    fd = os.open(prefix, os.O_PATH | os.O_DIRECTORY)  # keeps the prefix reachable once ``hidden`` is covered
-    try:
-        _check(
-            _LIBC["mount"](b"tmpfs", hidden.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755"), "cover"
-        )
-        os.makedirs(prefix, mode=0o755, exist_ok=True)
-        _check(_LIBC["mount"](f"/proc/self/fd/{fd}".encode(), prefix.encode(), None, _MS_BIND | _MS_REC, None), "bind")
-    finally:
-        os.close(fd)
+def _new_root(plan: _Plan) -> None:
+    """Make `plan.root` the whole filesystem of the run: an empty tmpfs holding only the system's programs and
+    libraries (`_SYSTEM_DIRS`, bound), the interpreter's prefix, a few harmless devices and the (empty) work
+    directory, then pivot into it and detach the old root. The repository, data, home directories and /etc
+    are not there to list or read; /proc neither."""
+    root = plan.root
+    _check(_LIBC["mount"](b"tmpfs", root.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755"), "root")
+    for source in (*_SYSTEM_DIRS, plan.prefix):
+        target = root + source
+        if os.path.islink(source):  # /lib -> usr/lib on merged-/usr systems
+            if not os.path.lexists(target):
+                os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+                os.symlink(os.readlink(source), target)
+        elif os.path.isdir(source) and not os.path.exists(target + "/"):
+            os.makedirs(target, mode=0o755, exist_ok=True)
+            _check(_LIBC["mount"](source.encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"bind {source}")
+    os.makedirs(root + "/dev", mode=0o755, exist_ok=True)
+    for device in _DEVICES:
+        os.close(os.open(root + device, os.O_CREAT | os.O_WRONLY, 0o666))
+        _check(_LIBC["mount"](device.encode(), (root + device).encode(), None, _MS_BIND, None), f"bind {device}")
+    os.makedirs(root + plan.workdir, mode=0o755, exist_ok=True)
+    os.makedirs(root + "/.old", mode=0o700)
+    _check(_LIBC["syscall"](ctypes.c_long(_SYS_PIVOT_ROOT), root.encode(), (root + "/.old").encode()), "pivot_root")
+    os.chdir("/")
+    _check(_LIBC["umount2"](b"/.old", _MNT_DETACH), "detach the old root")
+    os.rmdir("/.old")
 
 
 def _set_limits(limits: Limits) -> None:
@@ -420,19 +468,33 @@ def _isolation_mode(python: str) -> str:
 
 def _make_plan(mode: str, python: str, workdir: str, limits: Limits) -> _Plan:
     uid = _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0]) if mode in ("namespaces", "uid") else None
-    expose = _exposure(python) if mode == "namespaces" else None
     if uid is not None:
         os.chown(workdir, uid, uid)  # used as is in "uid" mode; hidden under the tmpfs otherwise
-    return _Plan(mode, workdir, limits, uid, (os.getuid(), os.getgid()), expose)
+    root = tempfile.mkdtemp(prefix="sandbox-root-") if mode in ("namespaces", "userns") else None
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    return _Plan(mode, workdir, limits, uid, (os.getuid(), os.getgid()), root, prefix)
 
 
-_RO_MOUNTS = "mount namespace: every mount read-only, size-capped tmpfs work dir"
+_RO_MOUNTS = (
+    "mount namespace with a new root (system programs and libraries, the interpreter, the work dir; nothing else), "
+    "every mount read-only, size-capped tmpfs work dir"
+)
 _UID_CLEANUP = "process group, then every process of the run's uid"
 _LAYERS = {  # mode -> (identity, network, filesystem, cleanup); no_new_privs, rlimits and audit hook in every mode
     "namespaces": ("fresh unprivileged uid/gid per run", "empty network namespace", _RO_MOUNTS, _UID_CLEANUP),
     "userns": ("caller's uid in a user namespace", "empty network namespace", _RO_MOUNTS, "process group"),
-    "uid": ("fresh unprivileged uid/gid per run", "audit hook only", "unprivileged uid + audit hook", _UID_CLEANUP),
-    "plain": ("caller's uid", "audit hook only", "audit hook only", "process group"),
+    "uid": (
+        "fresh unprivileged uid/gid per run",
+        "audit hook only",
+        "unprivileged uid + audit hook (world-readable files hidden by the audit hook only)",
+        _UID_CLEANUP,
+    ),
+    "plain": (
+        "caller's uid",
+        "audit hook only",
+        "audit hook only (the caller's files are readable past it)",
+        "process group",
+    ),
 }
 
 
@@ -449,7 +511,8 @@ def sandbox_layers(python: str = sys.executable) -> dict[str, str]:
         "network": network,
         "filesystem": filesystem,
         "cleanup": cleanup,
-        "audit_hook": "reports sockets and writes outside the work dir as sandbox_violation",
+        "audit_hook": "reports sockets, writes outside the work dir and reads or listings outside the work dir and "
+        "the interpreter's files as sandbox_violation",
     }
 
 
@@ -486,10 +549,14 @@ def _child_env(workdir: str) -> dict[str, str]:
 def _run_once(mode: str, python: str, program: str, tests: str | None, stdin: str, limits: Limits) -> _Raw:
     """One run in a fresh working directory, removed afterwards whatever happens."""
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="sandbox-"))
+    plan = None
     try:
-        return _execute(_make_plan(mode, python, workdir, limits), python, program, tests, stdin)
+        plan = _make_plan(mode, python, workdir, limits)
+        return _execute(plan, python, program, tests, stdin)
     finally:
         _remove_tree(workdir)
+        if plan is not None and plan.root is not None:
+            os.rmdir(plan.root)  # empty on the host: the run's root was a tmpfs in its own namespace
 
 
 def _execute(plan: _Plan, python: str, program: str, tests: str | None, stdin: str) -> _Raw:
@@ -518,7 +585,10 @@ def _spawn(plan: _Plan, python: str, program: str, tests: str | None, stdin: str
     inputs = [_data_fd(_PRELUDE), _data_fd(program), _data_fd(tests or ""), _data_fd(stdin)]
     report_r, report_w = os.pipe()
     fds = (inputs[0], report_w, inputs[1], inputs[2] if tests is not None else -1)
-    argv = [python, "-I", "-S", "-B", "-X", "utf8", "-c", _BOOTSTRAP, *map(str, fds), plan.workdir]
+    # In a new root only the interpreter's own binary exists (a virtualenv's bin/python link does not): -S needs
+    # nothing of the virtualenv.
+    binary = os.path.realpath(python) if plan.root is not None else python
+    argv = [binary, "-I", "-S", "-B", "-X", "utf8", "-c", _BOOTSTRAP, *map(str, fds), plan.workdir]
     try:
         proc = subprocess.Popen(
             argv,
