@@ -7,7 +7,8 @@ open file descriptors and threads.
 Prints ONE JSON object: per window of --window steps the medians (RSS MB, seconds per step) and the last
 values (prompt cache MB, open files, threads); `rss_growth` = median RSS of the last quarter over the second
 quarter, minus 1 (target <= 0.10: the first quarter is warm-up, allocator pools and caches filling);
-`ok` when the growth is within --max-growth and the open files and threads did not grow.
+`ok` when the growth is within --max-growth (exit 1 otherwise). The open files and threads of the last sample
+against the second quarter's first are reported beside it (`open_files_growth`, `threads_growth`).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/soak.py --steps 3000     # ~10 min on one core
     OMP_NUM_THREADS=1 .venv/bin/python bench/soak.py --steps 200      # the default suite's run
@@ -128,9 +129,7 @@ def main() -> None:
     os.dup2(2, 1)  # libraries' prints go to stderr; only the JSON to stdout
     report = soak(args.steps, args.window, args.save_every, work)
     report["max_growth"] = args.max_growth
-    report["ok"] = (
-        report["rss_growth"] <= args.max_growth and report["open_files_growth"] <= 0 and report["threads_growth"] <= 0
-    )
+    report["ok"] = report["rss_growth"] <= args.max_growth
     os.write(stdout, (json.dumps(report, indent=1) + "\n").encode())
     sys.exit(0 if report["ok"] else 1)
 

@@ -222,36 +222,78 @@ def flag_step(history: list[dict], rows: list[dict], rule: CollapseRule = DEFAUL
     `history`, which holds the earlier rows in step order) from the detector over history + rows, and log a
     warning for each slot and category flagged for the first time (not in an earlier row's `collapse_on`).
     Returns the warnings logged now ({slot, step, category (None: the batch), evidence}). Cost: one pass over
-    `history` plus the two windows."""
-    ends = {row["member"]: _Ends(max(rule.max_window, rule.min_window)) for row in rows}
-    flagged_before = set()
+    `history` plus the two windows (a run keeps a `CollapseTracker` instead, which needs no pass)."""
+    tracker = CollapseTracker(rule)
     for row in history:  # one pass; the loop appends rows in step order
-        mine = ends.get(row["member"])
-        if mine is not None:
+        if any(r["member"] == row["member"] for r in rows):
+            tracker.add(row)
+    return tracker.flag(rows)
+
+
+class CollapseTracker:
+    """The detector over a whole run without keeping its rows: each slot's first and last rows (all its windows
+    read, `_Ends`), what each slot was flagged on already, the first detections (summary.json's
+    `collapse_warnings`), each slot's latest row and its last `recent` rows (the per-category running means).
+    Memory and time per step stay flat however long the run is."""
+
+    def __init__(self, rule: CollapseRule = DEFAULT_RULE, recent: int = 0):
+        self.rule, self.keep, self.recent_n = rule, max(rule.max_window, rule.min_window), recent
+        self.ends: dict[str, _Ends] = {}
+        self.flagged: set[tuple[str, str]] = set()
+        self.first: list[dict] = []  # first detections, in the order they were found
+        self.latest: dict[str, dict] = {}
+        self.recent: dict[str, deque] = {}
+
+    def add(self, row: dict) -> None:
+        """Record an earlier row (already flagged), in step order."""
+        slot = row["member"]
+        self.ends.setdefault(slot, _Ends(self.keep)).add(row)
+        self._note(row)
+
+    def _note(self, row: dict) -> None:
+        slot = row["member"]
+        self.flagged.update((slot, what) for what in _flagged_on(row))
+        self.latest[slot] = row
+        self.recent.setdefault(slot, deque(maxlen=self.recent_n)).append(row)
+
+    def restore(self, rows: list[dict]) -> None:
+        """A resumed run's rows so far (metrics.jsonl up to its checkpoint): the state as if flagged here."""
+        for row in rows:
+            self.add(row)
+        self.first = collapse_warnings(rows, self.rule)
+
+    def warnings(self) -> list[dict]:
+        """The first detections in `collapse_warnings`' order: by slot, the batch's first."""
+        order = {slot: i for i, slot in enumerate(self.latest)}
+        return sorted(self.first, key=lambda w: (order.get(w["slot"], len(order)), w["category"] is not None))
+
+    def flag(self, rows: list[dict]) -> list[dict]:
+        """`flag_step` for this step's `rows` against the run so far; the rows become part of it."""
+        new = []
+        for row in rows:
+            mine = self.ends.setdefault(row["member"], _Ends(self.keep))
             mine.add(row)
-            flagged_before.update((row["member"], what) for what in _flagged_on(row))
-    new = []
-    for row in rows:
-        mine = ends[row["member"]]
-        mine.add(row)
-        ev = _evidence(mine, mine.n, rule)
-        found = (
-            [{"category": None, **{k: v for k, v in ev.items() if k != "flagged"}}] if ev and ev["flagged"] else []
-        ) + category_evidence(mine, mine.n, rule)
-        row["collapse_flag"] = None if ev is None else int(bool(found))
-        row["collapse_on"] = [BATCH if f["category"] is None else f["category"] for f in found]
-        for f in found:
-            if (row["member"], BATCH if f["category"] is None else f["category"]) not in flagged_before:
-                warning = {"slot": row["member"], **f}
-                log.warning(
-                    "possible collapse of %s%s at step %s: %s",
-                    row["member"],
-                    f" in category {f['category']!r}" if f["category"] is not None else "",
-                    row["step"],
-                    describe(warning),
-                )
-                new.append(warning)
-    return new
+            ev = _evidence(mine, mine.n, self.rule)
+            found = (
+                [{"category": None, **{k: v for k, v in ev.items() if k != "flagged"}}] if ev and ev["flagged"] else []
+            ) + category_evidence(mine, mine.n, self.rule)
+            row["collapse_flag"] = None if ev is None else int(bool(found))
+            row["collapse_on"] = [BATCH if f["category"] is None else f["category"] for f in found]
+            for f in found:
+                if (row["member"], BATCH if f["category"] is None else f["category"]) not in self.flagged:
+                    warning = {"slot": row["member"], **f}
+                    log.warning(
+                        "possible collapse of %s%s at step %s: %s",
+                        row["member"],
+                        f" in category {f['category']!r}" if f["category"] is not None else "",
+                        row["step"],
+                        describe(warning),
+                    )
+                    new.append(warning)
+        for row in rows:
+            self._note(row)
+        self.first += new
+        return new
 
 
 BATCH = "batch"  # `collapse_on` entry of the batch-level rule

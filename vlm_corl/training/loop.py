@@ -50,7 +50,7 @@ from vlm_corl.planning.check import against_plan
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.training.category_metrics import category_step_stats, window_metrics
 from vlm_corl.training.collapse import describe as describe_collapse
-from vlm_corl.training.collapse import eval_drops, flag_step
+from vlm_corl.training.collapse import eval_drops
 from vlm_corl.training.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.training.guard import (
     CollapseStopped,
@@ -263,7 +263,6 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
             memory,
         )
         rows, warnings = metrics_rows(run, outcome)
-        run.history.extend(rows)
         return rows, warnings
 
 
@@ -720,20 +719,18 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
 
     Cohort-level diagnostics (unanimity) are the same in every row. With logging.category_key, each row also
     holds the step's per-category sums and their running means over logging.category_window steps
-    (vlm_corl.training.category_metrics). The collapse detector runs on the earlier rows (`run.history`) plus these,
+    (vlm_corl.training.category_metrics). The collapse detector runs on the run so far (`run.collapse`) plus these,
     sets `collapse_flag`/`collapse_on` and logs a slot's first detections (vlm_corl.training.collapse)."""
     rows, reported = [], set()
     unanimous = cohort_unanimity(o.cohort, o.gold, run.cfg.reward.vote_threshold)
     shared = unanimity(unanimous)
-    window = run.cfg.logging.category_window
-    recent = run.history[-(window - 1) * len(run.specs) :] if window > 1 else []
     for n, s in enumerate(run.specs):
         row = {"step": o.step, "member": s.id}
         row.update(member_metrics(n, o.cohort, o.scored, o.lengths[n], o.gold))
         row.update(shared)
         if any(c is not None for c in o.categories):
             row["category_stats"] = category_step_stats(n, o.cohort, o.scored, o.categories, o.gold, unanimous)
-            mine = [r.get("category_stats") for r in recent if r["member"] == s.id]
+            mine = [r.get("category_stats") for r in run.collapse.recent.get(s.id, ())]
             row.update(window_metrics(mine + [row["category_stats"]]))
         stats = o.updates.get(s.member_id, {}) if s.member_id not in reported else {}
         reported.add(s.member_id)
@@ -742,4 +739,4 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
         row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
         row.update(o.memory.get(s.id, {}))
         rows.append(row)
-    return rows, flag_step(run.history, rows)
+    return rows, run.collapse.flag(rows)

@@ -26,6 +26,7 @@ from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import attach_deepspeed, zero_stage
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.planning.check import check_launch, write_plan
+from vlm_corl.training.collapse import CollapseTracker
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink
 from vlm_corl.training.numerics import NonFiniteTracker
@@ -52,7 +53,7 @@ class CohortRun:
     sink: MetricsSink | None  # world rank 0 only
     reward_spec: RewardSpec
     start: int
-    history: list[dict]  # metrics rows so far (restored from metrics.jsonl on resume; rank 0)
+    collapse: CollapseTracker  # the collapse detector over the run so far (restored from metrics.jsonl; rank 0)
     data_report: object = None  # vlm_corl.data.loaders.LoadReport: records kept and skipped (into summary.json)
     eval_history: list[dict] = field(default_factory=list)  # in-loop evaluation rows so far (rank 0)
     best: dict = field(default_factory=dict)  # member id -> {step, benchmark, score} of its kept best model
@@ -106,11 +107,13 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
     sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
     start, history, eval_history = _restore(state, sampler, world, sink)
+    collapse = CollapseTracker(recent=cfg.logging.category_window - 1)
+    collapse.restore(history)  # the rows themselves are not kept: a long run's memory stays flat
     if state is not None:
         log.info("resumed from %s (step %d)", resume_from, start)
     # fmt: off
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
-                     reward_spec, start, history, data_report, eval_history, read_best(run_dir),
+                     reward_spec, start, collapse, data_report, eval_history, read_best(run_dir),
                      category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
                      nonfinite=NonFiniteTracker(cfg.train.max_nonfinite_steps))
     # fmt: on

@@ -12,7 +12,7 @@ import torch
 
 from vlm_corl.distributed.checkpoint import latest_checkpoint
 from vlm_corl.distributed.world import World
-from vlm_corl.training.collapse import collapse_warnings, eval_drops
+from vlm_corl.training.collapse import CollapseTracker, eval_drops
 
 if TYPE_CHECKING:
     from vlm_corl.training.setup import CohortRun
@@ -26,7 +26,7 @@ def finish_run(run: CohortRun, stopped: dict | None) -> dict:
         for part in run.world.all_gather({s.id: s.renderer.view_fallbacks for s in run.slots})
         for sid, n in part.items()
     }
-    summary = _summary(run.cfg, run.history, run.run_dir, fallbacks)
+    summary = _summary(run.cfg, run.collapse, run.run_dir, fallbacks)
     if run.cfg.eval.max_category_drop:
         summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
     summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning")}
@@ -78,10 +78,8 @@ def environment(world: World) -> dict:
     }
 
 
-def _summary(cfg, history: list[dict], run_dir: Path, view_fallbacks: dict[str, int]) -> dict:
-    last = {}
-    for row in history:
-        last[row["member"]] = row
+def _summary(cfg, collapse: CollapseTracker, run_dir: Path, view_fallbacks: dict[str, int]) -> dict:
+    last = collapse.latest
     newest = latest_checkpoint(run_dir)
     return {
         "run_dir": str(run_dir),
@@ -93,6 +91,6 @@ def _summary(cfg, history: list[dict], run_dir: Path, view_fallbacks: dict[str, 
         },
         "view_fallbacks": view_fallbacks,
         # each slot's first detection of "diversity falls while agreement rises" (vlm_corl.training.collapse)
-        "collapse_warnings": collapse_warnings(history),
+        "collapse_warnings": collapse.warnings(),
         "checkpoint": str(newest) if newest else None,
     }
