@@ -38,7 +38,14 @@ def test_truncated_weights_and_mismatch_by_hand():
     )
 
 
-def _update(tiny_zoo, shift: float | None, nan_first: bool = False, mode: str = "token_truncated") -> dict:
+def _update(
+    tiny_zoo,
+    shift: float | None,
+    nan_first: bool = False,
+    mode: str = "token_truncated",
+    passes: int = 1,
+    cap: float = 2.0,
+) -> dict:
     """One update of a fresh tiny member on fixed sequences whose engine log-probs are the trainer's + shift."""
     torch.manual_seed(0)
     member = load_member(MemberConfig(id="t", model=str(tiny_zoo["qwen3"])))
@@ -54,7 +61,7 @@ def _update(tiny_zoo, shift: float | None, nan_first: bool = False, mode: str = 
     if nan_first:
         engine[0][0] = float("nan")
     seqs = [Sequence(prompt, r, adv, rollout_logprobs=lp) for r, adv, lp in zip(responses, (1.0, -1.0, 0.5), engine)]
-    algo = AlgoConfig(rollout_is=mode, rollout_is_cap=2.0)
+    algo = AlgoConfig(rollout_is=mode, rollout_is_cap=cap, updates_per_batch=passes)
     return policy_update(member, seqs, algo, train, RolloutConfig(max_new_tokens=1))
 
 
@@ -71,6 +78,10 @@ def test_the_correction_scales_the_policy_gradient_as_the_weights_say(tiny_zoo):
     assert gap["is_capped_frac"] == 1.0 and gap["is_abs_dlogp"] == pytest.approx(math.log(4), rel=1e-4)
     assert gap["is_kl"] == pytest.approx(4 - 1 - math.log(4), rel=1e-4)
 
+    # The cap is the configured one, not the default's 2: at 1.5 the same gap gives 1.5 times the gradient.
+    capped = _update(tiny_zoo, -math.log(4), cap=1.5)
+    assert capped["grad_norm"] == pytest.approx(1.5 * plain["grad_norm"], rel=1e-4)
+
     # Below the cap the weight is the ratio itself: the engine's probabilities twice the trainer's -> half.
     half = _update(tiny_zoo, math.log(2))
     assert half["grad_norm"] == pytest.approx(0.5 * plain["grad_norm"], rel=1e-4)
@@ -79,6 +90,17 @@ def test_the_correction_scales_the_policy_gradient_as_the_weights_say(tiny_zoo):
     nan = _update(tiny_zoo, 0.0, nan_first=True)
     assert nan["is_nonfinite_tokens"] == 1 and math.isfinite(nan["grad_norm"]) and math.isfinite(nan["loss"])
     assert nan["grad_norm"] != pytest.approx(plain["grad_norm"], rel=1e-6)  # that token left the loss
+
+
+def test_the_weights_compare_the_engine_with_the_policy_at_rollout_time_in_every_pass(tiny_zoo):
+    """algo.updates_per_batch=2: the second pass runs on weights the first changed, but the engine sampled from
+    the rollout-time policy, so the weights stay min(pi_old / pi_engine, C): exactly 1 when the engine agrees
+    with the trainer at rollout time, and the update equals the uncorrected one pass for pass (issue 23: weights
+    from the current policy survived, as one pass cannot tell them apart)."""
+    plain = _update(tiny_zoo, None, mode="none", passes=2)
+    same = _update(tiny_zoo, 0.0, passes=2)
+    assert same["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)  # the second pass's gradient
+    assert same["loss"] == pytest.approx(plain["loss"], rel=1e-5)
 
 
 def test_the_config_refuses_the_correction_with_truncated_sampling(tmp_path, tiny_zoo):
