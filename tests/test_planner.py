@@ -163,8 +163,13 @@ def load_config_with(cfg, overrides: list[str], processes: int):
     return config_from_dict(raw, processes)
 
 
-def test_compositions_split_the_ranks():
+def test_compositions_split_the_ranks_and_overrides_read_back():
+    from vlm_corl.planning.fixes import yaml_value
+
     assert list(compositions(4, 2)) == [[1, 3], [2, 2], [3, 1]]
+    assert [yaml_value(v) for v in (None, True, [0, 1], 2, "configs/deepspeed/zero3.json")] == [
+        "null", "true", "[0,1]", "2", "configs/deepspeed/zero3.json"
+    ]  # fmt: skip
     assert len(list(compositions(8, 3))) == 21
 
 

@@ -60,7 +60,7 @@ def fixes(cfg: CohortConfig, plan: CohortPlan) -> list[dict]:
         peak = after.peak_of(worst.rank) if target is hw else max(r.peak for r in after.ranks)
         fix = {
             "change": label,
-            "overrides": [f"{k}={_yaml(v)}" for k, v in changes.items()],
+            "overrides": [f"{k}={yaml_value(v)}" for k, v in changes.items()],
             "saves_gb": round((before - peak) / GB, 2),
             "peak_gb": round(peak / GB, 2),
             "fits": after.fits,
@@ -119,7 +119,10 @@ def _families(cfg: CohortConfig, hw: Hardware) -> list[list[tuple[str, dict]]]:
     return [f for f in families if f]
 
 
-def _yaml(value: Any) -> str:
+def yaml_value(value: Any) -> str:
+    """A value as a dotted override writes it: true/false, null, [0,1,2], scalars as they are."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, list):

@@ -17,7 +17,7 @@ from typing import Any
 from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.config.schema import CohortConfig
 from vlm_corl.planning.cohort import CohortPlan, Hardware, fits_after, with_changes
-from vlm_corl.planning.fixes import ZERO_PRESETS, preset_path
+from vlm_corl.planning.fixes import ZERO_PRESETS, preset_path, yaml_value
 from vlm_corl.planning.shapes import model_shape
 
 MAX_SPLITS = 5000  # rank splits tried at most (compositions of the ranks over the members)
@@ -32,9 +32,8 @@ class Suggestion:
     step_cost: float  # the model above, relative: trained parameters per rank of the slowest group
 
     def overrides(self) -> list[str]:
-        from vlm_corl.planning.fixes import _yaml
-
-        return [f"{k}={_yaml(v)}" for k, v in self.changes.items()]
+        """The changes as dotted overrides (`python -m vlm_corl.train --config FILE ...`)."""
+        return [f"{k}={yaml_value(v)}" for k, v in self.changes.items()]
 
     def yaml_lines(self, cfg: CohortConfig) -> list[str]:
         """The changes as lines to paste into the cohort file."""
