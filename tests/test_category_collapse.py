@@ -214,3 +214,30 @@ def test_the_trend_rule_needs_an_absolute_fall_of_answer_entropy():
     assert not trend_flagged((1.0, 0.6), rises, no_gold, CollapseRule(min_diversity_drop=0.5))  # the relative one
     assert not trend_flagged((1.0, 0.6), [(0.5, 0.55)], no_gold)  # agreement must rise by 0.10
     assert not trend_flagged((1.0, 0.6), rises, (0.8, 0.78))  # with gold, pseudo-label accuracy must fall 0.05
+
+
+def test_eval_drop_threshold_is_the_configured_one():
+    """eval.max_category_drop away from its default 0.2: colour 0.9 -> 0.75 (a 0.15 fall) is flagged at 0.1 and
+    not at 0.2; shape 0.4 -> 0.1 (0.3) is flagged at 0.25, not at 0.35."""
+    n = {"n_color": 200, "n_shape": 200}
+    rows = [
+        {"step": 0, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.9, "accuracy_shape": 0.4, **n},
+        {"step": 10, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.75, "accuracy_shape": 0.1, **n},
+    ]
+    assert [w["category"] for w in eval_drops(rows, 0.1)] == ["color", "shape"]
+    assert [w["category"] for w in eval_drops(rows, 0.2)] == ["shape"]
+    assert [w["category"] for w in eval_drops(rows, 0.25)] == ["shape"]
+    assert eval_drops(rows, 0.35) == []
+
+
+def test_the_category_window_keeps_the_configured_number_of_steps():
+    """logging.category_window: the running per-category means cover the window's last steps (the tracker keeps
+    window - 1 earlier rows per slot; the step's own row makes the window)."""
+    from vlm_corl.training.collapse import CollapseTracker
+
+    tracker = CollapseTracker(recent=2)  # category_window 3
+    for step in range(1, 6):
+        tracker.add({"step": step, "member": "m", "category_stats": {"c": _cat({"x": step}, (1.0, 1), (0.0, 0))}})
+    assert [r["step"] for r in tracker.recent["m"]] == [4, 5]
+    merged = window_metrics([r["category_stats"] for r in tracker.recent["m"]])
+    assert merged["category/c/questions"] == 4  # two steps of 2 questions, not five

@@ -96,3 +96,12 @@ def test_intrinsic_stats_ignore_suppressed_tokens():
     with_suppressed = torch.cat([logits, torch.full((1, 3), float("-inf"))], dim=-1)
     assert torch.allclose(token_entropy(with_suppressed), token_entropy(logits))
     assert torch.allclose(token_self_certainty(with_suppressed), token_self_certainty(logits))
+
+
+def test_advantage_epsilon_is_the_configured_one():
+    """algo.adv_eps away from its default 1e-6: rewards (0, 1) have unbiased std 0.7071, so eps 0.5 gives
+    advantages -0.5 / 1.2071 and +0.5 / 1.2071; the batch scale divides by the batch's std + eps."""
+    rewards = torch.tensor([[0.0, 1.0]])
+    std = math.sqrt(0.5)
+    assert group_advantages(rewards, "group", 0.5).tolist()[0] == pytest.approx([-0.5 / (std + 0.5), 0.5 / (std + 0.5)])
+    assert group_advantages(rewards, "batch", 2.0).tolist()[0] == pytest.approx([-0.5 / (std + 2.0), 0.5 / (std + 2.0)])

@@ -248,3 +248,17 @@ def test_a_members_slots_add_up_under_the_batch_totals(setup, filter_zero_varian
     assert whole.stats["loss"] == pytest.approx(first.stats["loss"] + second.stats["loss"], rel=1e-5, abs=1e-7)
     assert_grads_close(whole.grads[0], [a + b for a, b in zip(first.grads[0], second.grads[0])])
     assert whole.stats["trained_seqs"] == first.stats["trained_seqs"] + second.stats["trained_seqs"]
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_the_schedule_ends_at_the_configured_floor(tiny_zoo, floor):
+    """train.min_lr_ratio away from its default 0.1: the cosine schedule goes from lr to floor x lr."""
+
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])))
+    m.setup_optimizer(TrainConfig(lr=1.0, min_lr_ratio=floor, warmup_ratio=0.0), 4)
+    rates = []
+    for _ in range(4):
+        rates.append(m.optimizer.param_groups[0]["lr"])
+        m.scheduler.step()
+    assert rates[0] == pytest.approx(1.0) and m.optimizer.param_groups[0]["lr"] == pytest.approx(floor)
+    assert rates == sorted(rates, reverse=True)
