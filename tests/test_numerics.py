@@ -199,3 +199,22 @@ def test_nonfinite_logits_stop_a_rollout_naming_the_member(tiny_zoo, tmp_path):
             run_cohort(cfg)
     finally:
         hf.HFEngine.generate = original
+
+
+def test_no_checkpoint_is_written_with_nonfinite_weights(tmp_path):
+    """The replica checksum pass before every checkpoint refuses weights holding NaN (the guards upstream should
+    make this unreachable; this is the last line)."""
+    from types import SimpleNamespace
+
+    from vlm_corl.distributed.world import World
+    from vlm_corl.training.loop import _check_replicas
+    from vlm_corl.training.numerics import NonFiniteStopped
+
+    def model(name, value):
+        weights = [("w", torch.tensor([1.0, value]))]
+        return SimpleNamespace(id=name, full_weights=lambda: iter(weights))
+
+    run = SimpleNamespace(world=World(), run_dir=tmp_path)
+    assert set(_check_replicas(run, [model("a", 2.0)])) == {"a"}
+    with pytest.raises(NonFiniteStopped, match="the weights of 'b' are not finite; no checkpoint was written"):
+        _check_replicas(run, [model("a", 2.0), model("b", float("nan"))])
