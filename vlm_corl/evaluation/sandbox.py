@@ -436,18 +436,6 @@ def _resolve(python: str) -> str:
 
 
 @functools.cache
-def _exposure(python: str) -> tuple[str, str] | None:
-    """(first ancestor others cannot enter, interpreter prefix), if an unprivileged uid cannot reach the prefix."""
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
-    parts = prefix.strip("/").split("/")
-    for depth in range(1, len(parts)):
-        ancestor = "/" + "/".join(parts[:depth])
-        if not os.stat(ancestor).st_mode & 0o001:
-            return ancestor, prefix
-    return None
-
-
-@functools.cache
 def _isolation_mode(python: str) -> str:
     """The strongest mode in which a trivial program really runs, probed once per interpreter."""
     candidates = ("namespaces", "uid") if os.geteuid() == 0 else ("userns", "plain")
