@@ -82,6 +82,12 @@ def test_the_tracker_stops_after_consecutive_skips_only(caplog):
     with pytest.raises(NonFiniteStopped, match=r"member 'a' .* 2 consecutive steps \(the last: step 4, loss nan\)"):
         tracker.observe(4, {"a": skip, "b": ok}, Path("run/checkpoints/step-2"), False)
     assert tracker.total == {"a": 3}
+    resumed = NonFiniteTracker(limit=2)  # a resumed run starts from its metrics rows: counts and the open streak
+    resumed.restore([{"member": "a", "nonfinite_skipped": 1}, {"member": "a", "nonfinite_skipped": 0},
+                     {"member": "a", "nonfinite_skipped": 1}, {"member": "b", "nonfinite_skipped": None}])  # fmt: skip
+    assert resumed.total == {"a": 2} and resumed.streaks == {"a": 1}
+    with pytest.raises(NonFiniteStopped):
+        resumed.observe(9, {"a": skip}, None, False)
     assert not_finite({"loss": 1.0, "grad_norm": float("inf")}) == "gradient norm inf"
 
 

@@ -39,11 +39,22 @@ def not_finite(stats: dict) -> str:
 
 @dataclass
 class NonFiniteTracker:
-    """Consecutive skipped steps per member, and the stop after `limit` of them."""
+    """Consecutive skipped steps per member (and the run's total per member, for summary.json), and the stop
+    after `limit` in a row."""
 
     limit: int
     streaks: dict[str, int] = field(default_factory=dict)
     total: dict[str, int] = field(default_factory=dict)
+
+    def restore(self, rows: list[dict]) -> None:
+        """A resumed run's metrics rows so far (step order): the counts and the streaks they end with."""
+        for row in rows:
+            if row.get("nonfinite_skipped") is None:
+                continue
+            mid = row["member"]
+            skipped = bool(row["nonfinite_skipped"])
+            self.streaks[mid] = self.streaks.get(mid, 0) + 1 if skipped else 0
+            self.total[mid] = self.total.get(mid, 0) + skipped
 
     def observe(self, step: int, updates: dict[str, dict], checkpoint: Path | None, report: bool) -> None:
         """Record step `step`'s update stats of every member (the same on every rank); raise NonFiniteStopped

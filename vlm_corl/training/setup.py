@@ -109,13 +109,15 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     start, history, eval_history = _restore(state, sampler, world, sink)
     collapse = CollapseTracker(recent=cfg.logging.category_window - 1)
     collapse.restore(history)  # the rows themselves are not kept: a long run's memory stays flat
+    nonfinite = NonFiniteTracker(cfg.train.max_nonfinite_steps)
+    nonfinite.restore(history)
     if state is not None:
         log.info("resumed from %s (step %d)", resume_from, start)
     # fmt: off
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, collapse, data_report, eval_history, read_best(run_dir),
                      category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
-                     nonfinite=NonFiniteTracker(cfg.train.max_nonfinite_steps))
+                     nonfinite=nonfinite)
     # fmt: on
 
 

@@ -31,6 +31,7 @@ def finish_run(run: CohortRun, stopped: dict | None) -> dict:
         summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
     summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning")}
     summary["best"] = run.best or None
+    summary["nonfinite_skipped"] = run.nonfinite.total  # optimizer steps the numerical guard skipped, per member
     report = run.data_report
     skipped, examples = dict(report.skipped), {k: list(v) for k, v in report.samples.items()}
     if run.sampler.excluded:  # prompts longer than rollout.max_prompt_tokens, skipped for every member
