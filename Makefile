@@ -11,7 +11,7 @@ export DS_ACCELERATOR ?= cpu
 $(SETUP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.14.1 torchvision==0.29.1
-	DS_BUILD_OPS=0 $(VENV)/bin/pip install -e ".[dev,deepspeed]"
+	DS_BUILD_OPS=0 $(VENV)/bin/pip install -e ".[dev,deepspeed,trackers]"
 	touch $@
 
 setup: $(SETUP)

@@ -89,7 +89,7 @@ def cohort_file(work: Path, name: str, members: dict[str, Path], settings: dict,
             "overwrite": True,
             **train,
         },
-        "logging": {"tensorboard": False, "progress": False},
+        "logging": {"report_to": [], "progress": False},
     }
     path = out / "cohort.yaml"
     path.write_text(json.dumps(cfg))

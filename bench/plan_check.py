@@ -60,7 +60,7 @@ def cohort_yaml(zoo: Path, size: str, update: str, out: Path, processes: int) ->
             "deepspeed": DEEPSPEED[update],
             "check_memory": "off",
         },
-        "logging": {"tensorboard": False, "progress": False},
+        "logging": {"report_to": [], "progress": False},
     }
 
 

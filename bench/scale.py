@@ -45,7 +45,7 @@ def cohort_config(zoo: Path, out: Path, steps: int, batch: int, tokens: int) -> 
         "rollout": {"n": 4, "max_new_tokens": tokens},
         "reward": {"mode": "entropy"},  # dense rewards: every sequence is trained, as in a real run's worst case
         "train": {"max_steps": steps, "lr": 1e-4, "save_every": 0, "micro_batch_size": 4 * batch},
-        "logging": {"tensorboard": False, "progress": False},
+        "logging": {"report_to": [], "progress": False},
     }
 
 

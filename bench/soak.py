@@ -66,7 +66,7 @@ def soak(steps: int, window: int, save_every: int, work: Path) -> dict:
             "rollout": {"n": 2, "max_new_tokens": 8},
             "reward": {"mode": "ring"},
             "train": {"max_steps": steps, "lr": 1e-4, "save_every": save_every, "keep_last": 2},
-            "logging": {"tensorboard": False, "progress": False},
+            "logging": {"report_to": [], "progress": False},
         }
     )
     samples: list[dict] = []

@@ -40,7 +40,7 @@ def cohort(tmp: Path, members: list[tuple[str, Path]], **sections) -> dict:
         "data": {"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 4},
         "rollout": {"n": 4, "max_new_tokens": 8},
         "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0},
-        "logging": {"tensorboard": False, "progress": False},
+        "logging": {"report_to": [], "progress": False},
     }
     cfg.update(sections)
     return cfg

@@ -252,7 +252,7 @@ def test_demo_through_python_m_at_its_smallest(tmp_path):
         "train.max_steps=1",
         "data.batch_size=2",
         "rollout.n=2",
-        "logging.tensorboard=false",
+        "logging.report_to=[]",
         "train.save_every=0",
         cwd=tmp_path,
     )

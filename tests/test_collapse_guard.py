@@ -70,7 +70,7 @@ def _run(pair, tmp_path, mode: str, on_collapse: str, capsys) -> tuple[int, str,
         },
         "eval": {"benchmarks": ["easyvqa"], "every": 10, "limit": 30, "keep_best": "easyvqa"},
         # no logging.category_key: "auto" finds easy-vqa's question_type, so the per-category guard is on
-        "logging": {"tensorboard": False, "progress": False},
+        "logging": {"report_to": [], "progress": False},
     }
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))

@@ -155,7 +155,9 @@ def test_unknown_keys_suggest_the_closest_valid_one(models):
     assert one_problem(cohort(rollout={"lr": 1})) == (
         "unknown key 'rollout.lr': did you mean 'train.lr' or 'members[].lr'?"
     )
-    assert "valid keys: tensorboard, progress, log_every" in one_problem(cohort(logging={"zzz": 1}))
+    assert "valid keys: report_to, samples_every, samples_per_step, progress, log_every" in one_problem(
+        cohort(logging={"zzz": 1})
+    )
     raw = cohort()
     raw["members"][0]["veiw"] = "original"
     assert one_problem(raw) == "unknown key 'members[0].veiw': did you mean 'view'?"
@@ -170,7 +172,7 @@ def test_unknown_keys_suggest_the_closest_valid_one(models):
         ({"rollout": {"temperature": "hot"}}, "rollout.temperature: expected a number, got string 'hot'"),
         ({"rollout": {"stop": "</s>"}}, "rollout.stop: expected a list of strings, got string '</s>'"),
         ({"rollout": {"stop": ["a", 3]}}, "rollout.stop[1]: expected a string, got integer 3"),
-        ({"logging": {"tensorboard": "yes"}}, "logging.tensorboard: expected true or false, got string 'yes'"),
+        ({"logging": {"progress": "yes"}}, "logging.progress: expected true or false, got string 'yes'"),
         ({"data": {"train": {"options": [1]}}}, "data.train.options: expected a mapping with string keys, got list"),
         ({"data": {"train": {"limit": "all"}}}, "data.train.limit: expected an integer, got string 'all'"),
         ({"rollout": 5}, "rollout: expected a mapping of RolloutConfig fields, got integer"),

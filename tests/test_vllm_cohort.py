@@ -52,7 +52,7 @@ def _vllm_run(run_dir: Path, members: list[dict], **train) -> tuple[subprocess.C
         "reward": {"mode": "entropy"},
         "algo": {"rollout_is": "token_truncated"},
         "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0, **train},
-        "logging": {"tensorboard": False, "progress": False},
+        "logging": {"report_to": [], "progress": False},
     }
     config = run_dir.with_suffix(".yaml")
     config.write_text(yaml.safe_dump(cfg))

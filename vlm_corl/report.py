@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,7 @@ from matplotlib.figure import Figure
 from vlm_corl import cli
 from vlm_corl.errors import UserError
 from vlm_corl.training.collapse import collapse_warnings, describe
+from vlm_corl.training.samples import sample_markdown
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -519,9 +521,38 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
     )
     for stem, path in plots.items():
         md += ["", f"![{stem}]({path.relative_to(out).as_posix()})"]
+    samples = render_samples(Path(run_dir), out)
+    if samples is not None:
+        md += ["", "## What the members answered", "", f"[{samples.name}]({samples.name}): the sampled questions"]
     report = out / "report.md"
     report.write_text("\n".join(md) + "\n")
     return report
+
+
+def render_samples(run_dir: Path, out: Path, last: int = 50) -> Path | None:
+    """samples.md from the run's samples.jsonl (its `last` rows; None without any): each question with its
+    picture (copied beside the page) and every member's responses, answers, vote, label and rewards."""
+    rows = read_jsonl(run_dir / "samples.jsonl") if (run_dir / "samples.jsonl").is_file() else []
+    if not rows:
+        return None
+    pictures = out / "sample_images"
+    md = [f"# What the members answered: {Path(run_dir).resolve().name}", ""]
+    md.append(
+        f"The last {min(last, len(rows))} of {len(rows)} sampled questions (logging.samples_every). A label comes "
+        "from the slots named after it; gold is shown for diagnosis only (label-free rewards never read it)."
+    )
+    for row in rows[-last:]:
+        image = None
+        source = Path(row["image"]) if row.get("image") else None
+        if source is not None and source.is_file():
+            pictures.mkdir(parents=True, exist_ok=True)
+            target = pictures / f"{row['example_id']}{source.suffix}"
+            shutil.copyfile(source, target)
+            image = target.relative_to(out).as_posix()
+        md += ["", "---", "", sample_markdown(row, image)]
+    page = out / "samples.md"
+    page.write_text("\n".join(md) + "\n")
+    return page
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from vlm_corl.config.parse import (
 )
 from vlm_corl.config.schema import PEER_MODES, CohortConfig
 from vlm_corl.errors import UserError
+from vlm_corl.members.lora import base_model_dir, is_adapter_dir
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 
 
@@ -34,6 +35,7 @@ def validate(cfg: CohortConfig, processes: int | None = None) -> None:
     problems = Problems()
     _member_problems(cfg, problems)
     _run_problems(cfg, problems)
+    _tracker_problems(cfg, problems)
     if not problems.items:
         _layout_problems(cfg, problems, processes)
     if problems.items:
@@ -75,6 +77,17 @@ def min_image_pixels(model_dir: Path) -> int | None:
     return None
 
 
+def _tracker_problems(cfg: CohortConfig, problems: Problems) -> None:
+    """A tracker in logging.report_to whose package is missing (the message names the extra)."""
+    from vlm_corl.training.trackers import PACKAGES, check_trackers
+
+    for name in dict.fromkeys(n for n in cfg.logging.report_to if n in PACKAGES):  # bad names: already reported
+        try:
+            check_trackers([name])
+        except UserError as err:
+            problems.add("logging.report_to", str(err).removeprefix("logging.report_to: "))
+
+
 def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
     """Members: unique ids, model directories, dtypes, prompt styles, at least one trainable, enough for the
     reward's topology."""
@@ -88,6 +101,12 @@ def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
             )
         first_with.setdefault(m.id, i)
         model = Path(m.model)
+        if is_adapter_dir(model):  # a LoRA checkpoint, merged into the base it names when loaded
+            try:
+                model = base_model_dir(model)
+            except UserError as err:
+                problems.add(f"members[{i}].model", str(err))
+                continue
         if not (model / "config.json").is_file():
             state = "has no config.json" if model.is_dir() else "does not exist"
             problems.add(
@@ -117,6 +136,12 @@ def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
                 f"members[{i}].dtype",
                 "float16 training needs loss scaling, which this trainer does not do: use bfloat16 or auto (a "
                 "trainable member keeps fp32 master weights anyway; train.mixed_precision=bf16 for bf16 compute)",
+            )
+        if m.lora is not None and not m.trainable:
+            problems.add(
+                f"members[{i}].lora",
+                "a frozen peer trains no adapters: remove lora, or set trainable: true (a frozen peer may load a "
+                "LoRA checkpoint's adapter directory as its model: it is merged into its base)",
             )
         if cfg.reward.answer_style != "auto" and m.prompt_style not in (None, cfg.reward.answer_style):
             problems.add(

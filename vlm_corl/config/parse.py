@@ -103,6 +103,8 @@ def describe(tp: Any) -> str:
         return " or ".join(args)
     if origin in (Union, types.UnionType):
         return " or ".join("null" if a is type(None) else describe(a) for a in args)
+    if origin is list and get_origin(args[0]) is Literal:
+        return f"a list of names from: {', '.join(get_args(args[0]))}"
     if origin is list:
         return f"a list of {describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
     if origin is dict or tp is dict or dataclasses.is_dataclass(tp):

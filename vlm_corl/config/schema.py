@@ -27,6 +27,29 @@ def _f(help: str, default: Any = MISSING, *, factory: Any = MISSING, **constrain
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (PEFT LoRA) trained instead of the member's weights: the base stays frozen in its dtype,
+    only the adapters train (fp32)."""
+
+    r: int = _f("adapter rank", 16, ge=1)
+    alpha: float = _f("scaling numerator: the adapter's update is scaled by alpha / r", 32.0, gt=0)
+    dropout: float = _f(
+        "dropout on the adapter's input during updates (0 keeps the update's log-probs those the rollout sampled)",
+        0.0,
+        ge=0,
+        lt=1,
+    )
+    target_modules: list[str] | None = _f(
+        "names (last part, e.g. q_proj) of the linear layers that get adapters; null = the language model's "
+        "attention and MLP projections (q/k/v/o_proj, gate/up/down_proj)",
+        None,
+        min_items=1,
+        why="name at least one layer, or null for the default",
+    )
+    vision: bool = _f("also adapt every linear layer of the vision tower (frozen otherwise)", False)
+
+
+@dataclass(kw_only=True)
 class MemberConfig:
     """One cohort member: a decoupled model with its own view, prompt, optimizer and ranks."""
 
@@ -59,6 +82,11 @@ class MemberConfig:
     chat_template_kwargs: dict[str, Any] | None = _f(
         "extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3; null = the family's "
         "defaults (Qwen3: enable_thinking false)",
+        None,
+    )
+    lora: LoraConfig | None = _f(
+        "train LoRA adapters instead of the whole model (checkpoints hold the adapter in PEFT's format; python -m "
+        "vlm_corl.export --merge writes merged models); null = full fine-tuning",
         None,
     )
     ranks: list[int] | None = _f(
@@ -296,7 +324,20 @@ class EvalConfig:
 class LoggingConfig:
     """Where metrics go (metrics.jsonl is always written)."""
 
-    tensorboard: bool = _f("also write TensorBoard event files", True)
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = _f(
+        "experiment trackers that get every metrics.jsonl series (one per member), the config, the sampled "
+        "responses and summary.json: any of tensorboard (RUN/tensorboard), wandb (RUN/wandb; WANDB_MODE=offline "
+        "works without a network), trackio, mlflow (MLFLOW_TRACKING_URI, else RUN/mlruns); [] = metrics.jsonl "
+        "only. Each but tensorboard is an extra: pip install 'co-rl[wandb]'",
+        factory=lambda: ["tensorboard"],
+    )
+    samples_every: int = _f(
+        "every N steps (and at step 1) write logging.samples_per_step questions' responses, answers, votes, labels "
+        "and rewards of every member to samples.jsonl and the trackers; 0 = never",
+        10,
+        ge=0,
+    )
+    samples_per_step: int = _f("questions written each time samples are written", 2, ge=1)
     progress: bool = _f("show a progress bar", True)
     log_every: int = _f("write metrics every N steps", 1, ge=1)
     category_key: str | None = _f(

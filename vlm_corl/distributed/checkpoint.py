@@ -129,9 +129,11 @@ def _disk_full_is_named(tmp: Path, step: int, run_dir: Path) -> Iterator[None]:
         ) from None
 
 
-def required_files(trainable: bool) -> list[str]:
-    """What a model's checkpoint directory must hold to be resumed from (a trained member: its optimizer too)."""
-    return ["config.json", "model.safetensors"] + ([TRAINER_STATE] if trainable else [])
+def required_files(trainable: bool, lora: bool = False) -> list[str]:
+    """What a model's checkpoint directory must hold to be resumed from (a trained member: its optimizer too; a
+    LoRA member: its adapter, in PEFT's format, instead of the model)."""
+    weights = ["adapter_config.json", "adapter_model.safetensors"] if lora else ["config.json", "model.safetensors"]
+    return weights + ([TRAINER_STATE] if trainable else [])
 
 
 def _has(directory: Path, name: str) -> bool:

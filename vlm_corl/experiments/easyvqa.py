@@ -91,7 +91,7 @@ def run_config(method: Method, seed: int, part: int, budget: Budget, out: Path) 
             "overwrite": True,  # an unfinished run (no result.json) is redone from its start
             "on_collapse": "warn",  # collapse is measured (the tables), not stopped
         },
-        "logging": {"tensorboard": False, "progress": False, "category_key": "question_type"},
+        "logging": {"report_to": [], "progress": False, "category_key": "question_type"},
     }
 
 

@@ -24,6 +24,15 @@ from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import named_tensors
 from vlm_corl.members.families import Family, detect_family
 from vlm_corl.members.finite import check_finite_weights
+from vlm_corl.members.lora import (
+    adapter_tensors,
+    base_model_dir,
+    inject,
+    is_adapter_dir,
+    load_merged,
+    merged_weights,
+    scalings,
+)
 from vlm_corl.members.precision import DTYPES, rollout_dtype, update_autocast_dtype
 from vlm_corl.members.rollout import Policy
 from vlm_corl.registry import FAMILIES
@@ -61,6 +70,8 @@ class Member:
         self.autocast_dtype: torch.dtype | None = None
         self.group = None  # process group of the member's ranks when it is data-parallel (vlm_corl.distributed.world)
         self.deepspeed = None  # a DeepSpeedUpdate when train.deepspeed is set (vlm_corl.members.deepspeed_update)
+        self.peft = None  # PEFT's wrapper of a LoRA member (its adapters are injected into `model` itself)
+        self.lora_scaling: dict[str, float] = {}  # adapted layer -> alpha / r (vlm_corl.members.lora)
 
     @property
     def id(self) -> str:
@@ -99,10 +110,15 @@ class Member:
         """(state-dict name, tensor) of the member's full weights (the fp32 masters of a trainable member), each
         parameter once, then the persistent buffers: what the vLLM sync, an EMA teacher, a checkpoint and the
         replica checksum read. Under ZeRO-3 it is a collective over the member's ranks (every rank iterates to
-        the end) that gathers a bucket of parameters at a time, never a second full copy."""
-        if self.deepspeed is not None:
-            return self.deepspeed.full_weights()
-        return named_tensors(self.model)
+        the end) that gathers a bucket of parameters at a time, never a second full copy. A LoRA member's are
+        merged (base + adapters, under the base model's names), one layer at a time."""
+        raw = self.deepspeed.full_weights() if self.deepspeed is not None else named_tensors(self.model)
+        return merged_weights(raw, self.lora_scaling) if self.peft is not None else raw
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """A LoRA member's adapter tensors (host copies, PEFT's names); a collective under ZeRO-3 as above."""
+        raw = self.deepspeed.full_weights() if self.deepspeed is not None else named_tensors(self.model)
+        return adapter_tensors(raw)
 
     @property
     def scoring_module(self) -> torch.nn.Module:
@@ -291,7 +307,8 @@ class Member:
         self.save_weights(directory, write)
         if write and self.optimizer is not None and self.deepspeed is None:
             state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-            if self.checkpoint_dtype != torch.float32:  # the weights are saved rounded: keep the masters exact
+            if self.checkpoint_dtype != torch.float32 and self.peft is None:
+                # the weights are saved rounded: keep the masters exact (a LoRA member's adapter is saved in fp32)
                 state["masters"] = {n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
             torch.save(state, directory / TRAINER_STATE)
 
@@ -299,7 +316,14 @@ class Member:
         """HF-format weights + processor only (a best-so-far model); every rank of the member calls it (under
         ZeRO-3 the weights are gathered over its ranks), the one with `write` writes. A trained member's weights
         are saved in the dtype it was loaded in (its fp32 masters go to the trainer state: `save`), a frozen
-        one's as they are."""
+        one's as they are. A LoRA member saves its adapter only, in PEFT's format (`PeftModel.from_pretrained`
+        loads it onto the base), with the processor files."""
+        if self.peft is not None:
+            adapter = self.adapter_weights()
+            if write:
+                self.peft.save_pretrained(directory, state_dict=adapter, safe_serialization=True)
+                (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
+            return
         dtype = self.checkpoint_dtype if self.cfg.trainable else None
         state = None
         if self.streams_weights or dtype not in (None, torch.float32):
@@ -384,8 +408,20 @@ class MemberLoadError(UserError):
     """A member's model directory cannot be loaded (names the member, the directory and what is wrong)."""
 
 
+def model_source(cfg: MemberConfig, path: str | Path) -> tuple[str, Path | None]:
+    """(the whole model's directory, the adapter directory or None) behind `path`: a LoRA member's checkpoint
+    holds only its adapter, applied to members[i].model when the member trains one, else to the base the
+    adapter names (evaluating or exporting a checkpoint)."""
+    if not is_adapter_dir(path):
+        return str(path), None
+    base = cfg.model if cfg.lora is not None else base_model_dir(path)
+    return str(base), Path(path)
+
+
 def member_family(cfg: MemberConfig, path: str | Path) -> Family:
-    """The member's family: `family` if set (it must agree with config.json), else from config.json."""
+    """The member's family: `family` if set (it must agree with config.json), else from config.json (of the
+    base model, for an adapter directory)."""
+    path = model_source(cfg, path)[0] if Path(path).is_dir() else path
     where = f"member {cfg.id!r} ({path})"
     if not Path(path).is_dir():
         raise MemberLoadError(f"{where}: the model directory does not exist (python -m vlm_corl.zoo builds tiny ones)")
@@ -427,9 +463,14 @@ def load_member(
     The weights load straight onto the device. With `stage_on_cpu` they stay on the host (the member's device is
     still `device`): a ZeRO-3 member is partitioned onto its device from there, never whole on one GPU.
     A directory that cannot be loaded (missing or corrupt weights, tokenizer files, config) raises
-    MemberLoadError naming the member and the directory."""
+    MemberLoadError naming the member and the directory.
+
+    A LoRA member (`cfg.lora`, trainable) gets adapters injected into the base, which stays frozen in its loaded
+    dtype (a checkpoint's adapter when `model_dir` holds one); an adapter directory loaded without `cfg.lora`
+    (evaluation, a frozen peer) is merged into its base: a plain model."""
     path = str(model_dir or cfg.model)
     family = member_family(cfg, path)
+    base, adapter = model_source(cfg, path)
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         # transformers would quietly build a tokenizer without the model's special (image) tokens
         raise MemberLoadError(
@@ -440,7 +481,7 @@ def load_member(
     target = torch.device("cpu") if stage_on_cpu else device
     try:
         model = family.model_class.from_pretrained(
-            path,
+            base,
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
@@ -469,16 +510,36 @@ def load_member(
             "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
             "writes them"
         ) from err
-    check_finite_weights(model, f"member {cfg.id!r} ({path})")
+    check_finite_weights(model, f"member {cfg.id!r} ({base})")
     checkpoint_dtype = model.dtype
-    if cfg.trainable:
+    peft_model = None
+    try:
+        if cfg.lora is not None and cfg.trainable:
+            model.name_or_path = str(Path(base).resolve())  # what the adapter's config names as its base
+            peft_model = inject(model, cfg.lora, adapter)
+        elif adapter is not None:
+            model = load_merged(model, adapter)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        if adapter is None:
+            raise
+        raise MemberLoadError(
+            f"member {cfg.id!r}: cannot apply the adapter in {adapter} to {base} ({_brief(err)}); it needs "
+            "adapter_config.json and adapter_model.safetensors as PeftModel.save_pretrained writes them, for "
+            "this base model"
+        ) from err
+    if cfg.trainable and peft_model is None:
         # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
         # every update to rounding. Compute runs in bf16 under autocast (vlm_corl.members.precision).
         model.float()
     if not cfg.trainable:
         model.requires_grad_(False)
     serving = rollout_dtype(rollout, device, checkpoint_dtype)
-    return Member(cfg, family, model, processor, tokenizer, device, checkpoint_dtype, serving)
+    member = Member(cfg, family, model, processor, tokenizer, device, checkpoint_dtype, serving)
+    if peft_model is not None:
+        member.peft, member.lora_scaling = peft_model, scalings(model)
+        if adapter is not None:  # the adapter read back when resuming
+            check_finite_weights(model, f"member {cfg.id!r} ({path})")
+    return member
 
 
 def _brief(err: BaseException) -> str:

@@ -10,6 +10,8 @@ weights, which is how our members train: fp32 masters, bf16 compute by autocast)
 - ZeRO-3: the module's fp32 partitions, the fp32 master partitions, gradients and moments all split: 20P/G; with
   the HF rollout engine also a full copy in the rollout dtype (2P in bf16); CPU offload moves the optimizer's
   part (16P/G) and, with `offload_param`, the weights (4P/G) to host memory;
+- a LoRA member trains only its A adapter parameters: the states above for A, plus its frozen base in its loaded
+  dtype (2P in bf16; split over G under ZeRO-3);
 - a frozen peer holds its weights in its loaded dtype (2P in bf16); a KL reference the same; an EMA teacher 4P;
 - a vLLM engine holds its weights in the rollout dtype (2P in bf16) besides its KV cache, which
   `rollout.vllm.gpu_memory_utilization` bounds (the planner counts that share).
@@ -37,23 +39,32 @@ class Layout:
     frozen_bytes: int = 2  # bytes per parameter of a frozen member's loaded dtype
     kl_reference: bool = False
     ema_teacher: bool = False
+    adapters: int = 0  # a LoRA member's adapter parameters (fp32, the only ones trained); 0 = full fine-tuning
 
 
 def member_bytes(params: int, layout: Layout) -> dict[str, float]:
-    """Bytes per rank of a member of `params` parameters, by part (see the module docstring)."""
+    """Bytes per rank of a member of `params` parameters, by part (see the module docstring). A LoRA member
+    (`layout.adapters`) holds its frozen base in its loaded dtype (split over G under ZeRO-3) and the trained
+    states above for the adapters alone."""
     p, g = float(params), layout.ranks
     parts = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "full_copy": 0.0, "engine_weights": 0.0}
+    a = float(layout.adapters) if layout.trainable and layout.adapters else p  # the trained parameters
     if not layout.trainable:
         parts["weights"] = layout.frozen_bytes * p
     elif layout.zero is None:
-        parts.update(weights=4 * p, gradients=4 * p, optimizer=8 * p)
+        parts.update(weights=4 * a, gradients=4 * a, optimizer=8 * a)
     else:
-        split = 4 * p / g  # gradients, DeepSpeed's fp32 master partition: each 4 bytes per parameter over G
-        parts["weights"] = 4 * p if layout.zero == 2 else (0.0 if layout.offload_params else 4 * p / g)
+        split = 4 * a / g  # gradients, DeepSpeed's fp32 master partition: each 4 bytes per parameter over G
+        parts["weights"] = 4 * a if layout.zero == 2 else (0.0 if layout.offload_params else 4 * a / g)
         parts["gradients"] = 0.0 if layout.offload_optimizer else split
         parts["optimizer"] = 0.0 if layout.offload_optimizer else 3 * split  # master + two moments
         if layout.zero == 3 and layout.engine == "hf":
             parts["full_copy"] = layout.rollout_bytes * p
+    if layout.trainable and layout.adapters:  # the frozen base beside the adapters, in its loaded dtype
+        if layout.zero != 3:
+            parts["weights"] += layout.frozen_bytes * p
+        elif not layout.offload_params:
+            parts["weights"] += layout.frozen_bytes * p / g
     if layout.engine == "vllm":
         parts["engine_weights"] = layout.rollout_bytes * p
     if layout.kl_reference:

@@ -25,7 +25,7 @@ from vlm_corl.distributed.world import PlacementError, place_members, shard
 from vlm_corl.members.memory import GB, Layout, member_bytes
 from vlm_corl.members.precision import rollout_dtype, update_autocast_dtype
 from vlm_corl.planning import estimates as est
-from vlm_corl.planning.shapes import DTYPE_BYTES, ModelShape, model_shape
+from vlm_corl.planning.shapes import DTYPE_BYTES, ModelShape, adapter_count, model_shape
 
 RESERVE_BYTES = 1e9  # CUDA context and NCCL buffers, per GPU
 RESERVE_SHARE = 0.05  # allocator fragmentation: this share of the device stays out of the plan
@@ -187,7 +187,17 @@ def member_layout(cfg: CohortConfig, member: MemberConfig, ranks: int, zero: dic
         frozen_bytes=_loaded_bytes(member, shape),
         kl_reference=cfg.algo.kl_beta > 0 and member.trainable,
         ema_teacher=cfg.reward.custom is None and cfg.reward.mode == "co_rewarding_2" and member.trainable,
+        adapters=adapters(member),
     )
+
+
+def adapters(member: MemberConfig) -> int:
+    """The adapter parameters of a LoRA member (0 for any other)."""
+    lora = member.lora
+    if lora is None or not member.trainable:
+        return 0
+    targets = tuple(lora.target_modules) if lora.target_modules else None
+    return adapter_count(str(member.model), lora.r, targets, lora.vision)
 
 
 def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
@@ -247,7 +257,8 @@ def _member_items(
             add(f"activations_{tower}", nbytes, "update")
         add("logits", est.logits_bytes(micro, r.max_new_tokens, shape.vocab, compute), "update")
         if compute == 2 and layout.zero != 3:  # autocast's bf16 casts of the fp32 weights, kept for the backward
-            add("autocast_weights", 2 * shape.params, "update")
+            fp32_base = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base loaded in bf16 needs none
+            add("autocast_weights", 2 * ((shape.params if fp32_base else 0) + layout.adapters), "update")
     max_model_len = r.max_prompt_tokens + r.max_new_tokens
     if layout.engine == "vllm":
         _vllm_items(cfg, m, shape, layout, rows, max_model_len, engines_here, hw, plan, add)
@@ -257,7 +268,8 @@ def _member_items(
         )
         for part, nbytes in hf.items():
             add(f"rollout_{part}", nbytes, "rollout")
-        casts = m.trainable and layout.zero != 3 and layout.rollout_bytes < 4
+        fp32_weights = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base in bf16 samples as it is
+        casts = m.trainable and layout.zero != 3 and layout.rollout_bytes < 4 and fp32_weights
         if casts:  # the rollout's autocast caches one bf16 cast of each fp32 master
             add("autocast_weights", layout.rollout_bytes * shape.params, "rollout")
 

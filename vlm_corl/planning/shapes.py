@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from vlm_corl.members.lora import VISION_TOWERS, adapter_parameters
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Vision towers that do not take an image at its own resolution: tiles (or one fixed square) of image_size.
@@ -63,9 +65,9 @@ def _side(value) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
-@lru_cache(maxsize=64)
-def model_shape(model_dir: str) -> ModelShape:
-    """The `ModelShape` of the model whose config.json is in `model_dir` (cached per directory)."""
+@lru_cache(maxsize=8)
+def _meta_model(model_dir: str):
+    """(config, the model on the `meta` device) of the config.json in `model_dir`: shapes without weights."""
     import torch
     from transformers import AutoConfig
 
@@ -74,11 +76,27 @@ def model_shape(model_dir: str) -> ModelShape:
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = detect_family(model_dir).model_class.from_config(config)
+        return config, detect_family(model_dir).model_class.from_config(config)
+
+
+@lru_cache(maxsize=64)
+def adapter_count(model_dir: str, r: int, targets: tuple[str, ...] | None, vision: bool) -> int:
+    """Parameters LoRA adapters of rank `r` add to the model in `model_dir` (`vlm_corl.members.lora`)."""
+    from vlm_corl.config.schema import LoraConfig
+
+    lora = LoraConfig(r=r, target_modules=list(targets) if targets else None, vision=vision)
+    return adapter_parameters(_meta_model(model_dir)[1], lora)
+
+
+@lru_cache(maxsize=64)
+def model_shape(model_dir: str) -> ModelShape:
+    """The `ModelShape` of the model whose config.json is in `model_dir` (cached per directory)."""
+
+    import vlm_corl.members.families  # noqa: F401  (registers the vision families)
+
+    config, model = _meta_model(model_dir)
     params = list(model.parameters())  # tied weights appear once
-    vision_module = next(
-        (m for name, m in model.named_modules() if name.endswith(("visual", "vision_tower", "vision_model"))), None
-    )
+    vision_module = next((m for name, m in model.named_modules() if name.endswith(VISION_TOWERS)), None)
     text = config.get_text_config()
     heads = text.num_attention_heads
     raw = json.loads((Path(model_dir) / "config.json").read_text())

@@ -63,6 +63,7 @@ from vlm_corl.training.guard import (
 from vlm_corl.training.metrics import cohort_unanimity, member_metrics, unanimity
 from vlm_corl.training.numerics import NonFiniteStopped
 from vlm_corl.training.rewards import CohortBatch
+from vlm_corl.training.samples import sample_rows, samples_due
 from vlm_corl.training.setup import CohortRun, start_run
 from vlm_corl.training.slots import (
     Slot,
@@ -263,6 +264,13 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
             memory,
         )
         rows, warnings = metrics_rows(run, outcome)
+        if samples_due(step + 1, cfg.logging.samples_every):
+            mode = cfg.reward.mode if cfg.reward.custom is None else "custom"
+            sampled = sample_rows(
+                step + 1, batch, cohort, scored, advantages, mode, cfg.reward.vote_threshold,
+                cfg.logging.samples_per_step, run.category_key,
+            )  # fmt: skip
+            run.sink.write_samples(sampled, step + 1)
         return rows, warnings
 
 
@@ -581,7 +589,8 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
     for spec in run.specs:
         cfg_of = next(m for m in run.cfg.members if m.id == spec.member_id)
         model_id = spec.id if spec.teacher else spec.member_id
-        required[model_id] = required_files(trainable=cfg_of.trainable and not spec.teacher)
+        own = cfg_of.trainable and not spec.teacher
+        required[model_id] = required_files(trainable=own, lora=own and cfg_of.lora is not None)
         if run.cfg.train.deepspeed and cfg_of.trainable and not spec.teacher:  # one optimizer partition per rank
             required[model_id] = required[model_id][:-1] + state_files(len(run.placement[spec.member_id]))
     state = {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}

@@ -149,48 +149,54 @@ def _step_of(line: str, path: Path) -> float:
 
 
 class MetricsSink:
-    """Appends one JSON object per member per step to metrics.jsonl, and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per member per step to metrics.jsonl (evaluation rows to eval.jsonl, sampled
+    responses to samples.jsonl) and reports the numbers to the run's trackers (`vlm_corl.training.trackers`)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, trackers: Sequence = ()):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.eval_path = Path(run_dir) / "eval.jsonl"
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # imported here: it pulls in tensorboard
-
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self.samples_path = Path(run_dir) / "samples.jsonl"
+        self.trackers = list(trackers)
 
     def write(self, rows: list[dict]) -> None:
-        """Step rows (one per member) to metrics.jsonl; TensorBoard tags <member>/<key>."""
+        """Step rows (one per member) to metrics.jsonl; tracker series <member>/<key>."""
         self._append(self.path, rows, lambda row: row["member"])
 
     def write_eval(self, rows: list[dict]) -> None:
-        """Evaluation rows to eval.jsonl; TensorBoard tags <member>/eval/<benchmark>/<key>."""
+        """Evaluation rows to eval.jsonl; tracker series <member>/eval/<benchmark>/<key>."""
         self._append(self.eval_path, rows, lambda row: f"{row['member']}/eval/{row['benchmark']}")
+
+    def write_samples(self, rows: list[dict], step: int) -> None:
+        """One step's sampled questions (`vlm_corl.training.samples`) to samples.jsonl and the trackers."""
+        with self.samples_path.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        for tracker in self.trackers:
+            tracker.samples(rows, step)
 
     def _append(self, path: Path, rows: list[dict], tag_prefix) -> None:
         with path.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-                if self.writer is None:
-                    continue
-                for key, value in row.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "n"):
-                        self.writer.add_scalar(f"{tag_prefix(row)}/{key}", value, row["step"])
-        if self.writer is not None:
-            self.writer.flush()
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        by_step: dict[int, dict[str, float]] = {}
+        for row in rows:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("step", "n"):
+                    by_step.setdefault(row["step"], {})[f"{tag_prefix(row)}/{key}"] = value
+        for step, values in sorted(by_step.items()):  # one call per step: W&B wants each step's values together
+            for tracker in self.trackers:
+                tracker.scalars(values, step)
 
     def truncate_after(self, step: int) -> tuple[list[dict], list[dict]]:
         """On resume, drop rows of steps after the checkpoint (they will be recomputed); returns the metrics and
         the evaluation rows kept, the histories the collapse detectors and the summary continue from."""
         kept: dict[Path, list[str]] = {}
-        for path in (self.path, self.eval_path):
+        for path in (self.path, self.eval_path, self.samples_path):
             lines = path.read_text().splitlines() if path.exists() else []
             kept[path] = [line for line in lines if line and _step_of(line, path) <= step]
             if path.exists():
                 path.write_text("".join(r + "\n" for r in kept[path]))
         return tuple([json.loads(line) for line in kept[path]] for path in (self.path, self.eval_path))
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+    def close(self, summary: dict | None = None) -> None:
+        """End the trackers' runs, giving them the run's summary."""
+        for tracker in self.trackers:
+            tracker.finish(summary)

@@ -15,6 +15,7 @@ import torch
 from vlm_corl.cli import output_dir
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
+from vlm_corl.config.loading import config_to_dict
 from vlm_corl.config.schema import DatasetConfig
 from vlm_corl.data.loaders import DataError, load_examples, loader_category
 from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
@@ -32,6 +33,7 @@ from vlm_corl.training.metrics import MetricsSink
 from vlm_corl.training.numerics import NonFiniteTracker
 from vlm_corl.training.rewards import RewardSpec, resolve_reward
 from vlm_corl.training.slots import Slot, SlotSpec, build_slots, check_views, slot_specs
+from vlm_corl.training.trackers import start_trackers
 
 log = logging.getLogger("vlm_corl")
 
@@ -105,7 +107,9 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     max_images = max(len(ex.images) for ex in examples)
     slots = build_slots(cfg, members, specs, max_images, resume_from)
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
-    sink = MetricsSink(run_dir, cfg.logging.tensorboard) if world.is_main else None
+    sink = None
+    if world.is_main:
+        sink = MetricsSink(run_dir, start_trackers(cfg.logging.report_to, run_dir, config_to_dict(cfg), cfg.name))
     start, history, eval_history = _restore(state, sampler, world, sink)
     collapse = CollapseTracker(recent=cfg.logging.category_window - 1)
     collapse.restore(history)  # the rows themselves are not kept: a long run's memory stays flat
@@ -265,7 +269,10 @@ def load_training_examples(spec: DatasetConfig) -> tuple[list, object]:
     return kept, data.report
 
 
-RUN_FILES = ("metrics.jsonl", "eval.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard", BEST_DIR)
+RUN_FILES = (
+    "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json", "config.yaml", "checkpoints", "tensorboard",
+    "wandb", "mlruns", "plan.json", BEST_DIR,
+)  # fmt: skip
 
 
 def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
@@ -278,7 +285,7 @@ def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
     except UserError as err:
         raise ConfigError([str(err)], ["output_dir"]) from None
     found = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not found or found == ["config.yaml"]:
+    if set(found) <= {"config.yaml", "plan.json"}:  # a launch that stopped before its first step
         return
     if not cfg.train.overwrite:
         go_on = "continue it with train.resume=true, " if latest_checkpoint(run_dir) else ""

@@ -128,7 +128,7 @@ def check_views(examples: Sequence[Example], slots: Sequence[SlotSpec | Slot], f
 
 def load_teacher(student: Member, resume_from: Path | None) -> Member:
     """The EMA teacher: the student's initial weights, or the teacher saved in the checkpoint when resuming."""
-    cfg = replace(student.cfg, id=student.id + TEACHER_SUFFIX, trainable=False)
+    cfg = replace(student.cfg, id=student.id + TEACHER_SUFFIX, trainable=False, lora=None)
     source = resume_from / cfg.id if resume_from else student.cfg.model
     teacher = load_member(cfg, source, student.device)
     # fp32 like its student: an EMA step of (1 - 0.9999) x a small difference vanishes in bf16 rounding. It

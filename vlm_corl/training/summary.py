@@ -42,8 +42,8 @@ def finish_run(run: CohortRun, stopped: dict | None) -> dict:
     summary["data"] = {"kept": report.kept, "skipped": skipped, "skipped_examples": examples}
     summary["environment"] = environment(run.world)
     if run.sink is not None:
-        run.sink.close()
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.sink.close(summary)
     return summary
 
 

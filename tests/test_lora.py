@@ -1,0 +1,202 @@
+"""LoRA members (vlm_corl.members.lora, members[i].lora): only the adapters train and the base stays bit-identical;
+the checkpoint is a PEFT adapter (megabytes, loadable with PeftModel.from_pretrained); the merged weights a LoRA
+member serves are W + alpha/r B A under the base's names (what PEFT's merge gives); `export --merge` writes a model
+`from_pretrained` loads, equal to the member; resume is bit-identical; ZeRO-2 and ZeRO-3 train it; the planner
+counts the adapters; a frozen member with lora is a config error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cohort_helpers import ROOT, cohort, metrics, python_m, trained_fields, weights
+from safetensors.torch import load_file
+
+from vlm_corl.config import config_from_dict
+from vlm_corl.config.parse import ConfigError
+from vlm_corl.config.schema import LoraConfig, MemberConfig
+from vlm_corl.members.lora import merged_weights, scalings, target_modules
+from vlm_corl.members.member import load_member
+from vlm_corl.training.loop import run_cohort
+
+LORA = {"r": 4, "alpha": 8.0}
+
+
+def _config(tmp: Path, base_models: dict, **train) -> dict:
+    cfg = cohort(
+        tmp,
+        [("q", base_models["qwen2_vl"]), ("m", base_models["mllama"])],
+        reward={"mode": "ring"},
+        train={"max_steps": 2, "lr": 1e-2, "save_every": 1, "warmup_ratio": 0.0, **train},
+    )
+    cfg["members"][0]["lora"] = dict(LORA)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def lora_run(base_models, tmp_path_factory) -> Path:
+    """A 2-step ring cohort: q (Qwen2-VL) trains LoRA adapters, m (Mllama) trains fully."""
+    tmp = tmp_path_factory.mktemp("lora")
+    cfg = _config(tmp, base_models)
+    (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
+    run_cohort(config_from_dict(cfg))
+    return tmp / "run"
+
+
+def test_only_the_adapters_train_and_the_checkpoint_is_a_peft_adapter(lora_run, base_models):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    step = lora_run / "checkpoints" / "step-2"
+    q, m = step / "q", step / "m"
+    assert not (q / "model.safetensors").exists() and (q / "adapter_config.json").is_file()
+    adapter = load_file(q / "adapter_model.safetensors")
+    base_file = base_models["qwen2_vl"] / "model.safetensors"
+    assert (q / "adapter_model.safetensors").stat().st_size < base_file.stat().st_size / 10
+    assert all(t.dtype == torch.float32 for t in adapter.values())
+    lora_b = [t for k, t in adapter.items() if "lora_B" in k]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: it changed
+    # the adapter loads onto its base with PEFT's own loader; the base's tensors are the base model's, bit for bit
+    base = AutoModelForImageTextToText.from_pretrained(base_models["qwen2_vl"])
+    peft_model = PeftModel.from_pretrained(base, str(q))
+    original = AutoModelForImageTextToText.from_pretrained(base_models["qwen2_vl"]).state_dict()
+    loaded = {
+        k.replace("base_model.model.", "").replace(".base_layer", ""): v
+        for k, v in peft_model.state_dict().items()
+        if "lora_" not in k
+    }
+    assert set(original) <= set(loaded)
+    assert all(torch.equal(original[k], loaded[k]) for k in original)
+    # the full member trained as before: its weights moved
+    assert any(not torch.equal(t, weights(base_models["mllama"])[k]) for k, t in weights(m).items())
+
+
+def test_merged_weights_are_peft_merge(tiny_zoo):
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), lora=LoraConfig(**LORA)))
+    with torch.no_grad():
+        for name, p in member.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # B is zero at the start: give the merge something to add
+    merged = {k: v.clone() for k, v in member.full_weights()}
+    reference = member.peft.merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    assert all(torch.allclose(merged[k].float(), reference[k].float(), atol=1e-6) for k in reference)
+    adapted = [k for k in merged if k.endswith(".q_proj.weight")]
+    plain = load_member(MemberConfig(id="p", model=str(tiny_zoo["qwen2_vl"]), trainable=False)).model.state_dict()
+    assert set(merged) == set(plain)  # the base model's own names
+    assert adapted and all(not torch.equal(merged[k], plain[k]) for k in adapted)
+
+
+def test_merging_holds_a_layer_until_its_three_parts_arrive():
+    a, b, w = torch.ones(2, 3), torch.full((4, 2), 0.5), torch.zeros(4, 3)
+    stream = [("x.lora_B.default.weight", b), ("x.base_layer.bias", torch.ones(4)), ("x.lora_A.default.weight", a)]
+    stream += [("y", torch.ones(1)), ("x.base_layer.weight", w)]
+    out = dict(merged_weights(iter(stream), {"x": 2.0}))
+    assert list(out) == ["x.bias", "y", "x.weight"]
+    assert torch.equal(out["x.weight"], torch.full((4, 3), 2.0))  # 2 * (0.5 * 1 * 2)
+    with pytest.raises(RuntimeError, match="missing parts"):
+        list(merged_weights(iter(stream[:2]), {"x": 2.0}))
+
+
+def test_default_targets_are_the_language_models_projections(tiny_zoo):
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_5_vl"]), trainable=False))
+    names = target_modules(member.model, LoraConfig())
+    assert names and all(n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj") for n in names)  # fmt: skip
+    assert not any(".visual." in n for n in names)  # Qwen2.5-VL's vision MLP has gate/up/down_proj too
+    vision = target_modules(member.model, LoraConfig(vision=True))
+    assert any(".visual." in n for n in vision) and set(names) < set(vision)
+
+
+def test_export_merge_gives_a_model_from_pretrained_loads_equal_to_the_member(lora_run, base_models, tmp_path):
+    result = python_m("vlm_corl.export", lora_run, "--out", tmp_path / "out", "--merge")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "out" / "m" / "model.safetensors").is_file()
+    exported = load_member(MemberConfig(id="e", model=str(tmp_path / "out" / "q"), trainable=False))
+    cfg = MemberConfig(id="q", model=str(base_models["qwen2_vl"]), lora=LoraConfig(**LORA))
+    trained = load_member(cfg, lora_run / "checkpoints" / "step-2" / "q")  # the base + its checkpoint's adapter
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        assert torch.allclose(exported.model(input_ids=ids).logits, trained.model(input_ids=ids).logits, atol=1e-5)
+    # without --merge: the adapter as it is, no optimizer state
+    result = python_m("vlm_corl.export", lora_run, "--out", tmp_path / "adapters", "--member", "q")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == ["q"]
+    assert (tmp_path / "adapters" / "q" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "adapters" / "q" / "trainer_state.pt").exists()
+    bad = python_m("vlm_corl.export", lora_run, "--out", tmp_path / "x", "--member", "nobody")
+    assert bad.returncode == 2 and "--member nobody: not in" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_lora_checkpoint_evaluates_like_a_model(lora_run, tmp_path):
+    out = tmp_path / "eval"
+    result = python_m("vlm_corl.eval", "--models", lora_run, "--benchmarks", "easyvqa", "--limit", "3", "--out", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {Path(k).name for k in results} == {"q", "m"}
+
+
+def test_resume_of_a_lora_member_is_bit_identical(lora_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    shutil.rmtree(run / "checkpoints" / "step-2")  # as if the run had died during step 2
+    cfg = yaml.safe_load((lora_run.parent / "c.yaml").read_text())
+    cfg["output_dir"] = str(run)
+    cfg["train"]["resume"] = True
+    run_cohort(config_from_dict(cfg))
+    for name in ("adapter_model.safetensors",):
+        a = load_file(lora_run / "checkpoints" / "step-2" / "q" / name)
+        b = load_file(run / "checkpoints" / "step-2" / "q" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert trained_fields(metrics(run)) == trained_fields(metrics(lora_run))
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_deepspeed_trains_a_lora_member(base_models, tmp_path, zero):
+    cfg = _config(tmp_path, base_models, deepspeed=str(ROOT / "configs" / "deepspeed" / f"{zero}.json"), max_steps=1)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = python_m("vlm_corl.train", "--config", path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapter = load_file(tmp_path / "run" / "checkpoints" / "step-1" / "q" / "adapter_model.safetensors")
+    assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
+
+
+def test_the_planner_counts_adapters_not_the_whole_model(tiny_zoo, tmp_path):
+    from vlm_corl.planning.cohort import Hardware, plan_cohort
+
+    full = config_from_dict(cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote"}))
+    lora = replace(full, members=[replace(full.members[0], lora=LoraConfig(**LORA))])
+    hw = Hardware(processes=1, device_bytes=80e9, cuda=True)
+
+    def parts(cfg):
+        return {i.part: i.bytes for i in plan_cohort(cfg, hw).ranks[0].items}
+
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), lora=LoraConfig(**LORA)))
+    adapters = sum(p.numel() for p in member.model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in member.model.parameters() if not p.requires_grad)
+    got, whole = parts(lora), parts(full)
+    assert got["optimizer"] == 8 * adapters and got["gradients"] == 4 * adapters
+    assert got["weights"] == 4 * base + 4 * adapters  # the tiny base is fp32 on disk
+    assert whole["optimizer"] == 8 * base
+
+
+def test_lora_on_a_frozen_member_is_a_config_error(tiny_zoo, tmp_path):
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"]), ("m", tiny_zoo["mllama"])])
+    cfg["members"][1].update(trainable=False, lora=LORA)
+    with pytest.raises(ConfigError, match=r"members\[1\]\.lora: a frozen peer trains no adapters"):
+        config_from_dict(cfg)
+    cfg["members"][1].update(trainable=True, lora={"r": 0})
+    with pytest.raises(ConfigError, match=r"members\[1\]\.lora\.r"):
+        config_from_dict(cfg)
+
+
+def test_scalings_are_alpha_over_r(tiny_zoo):
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), lora=LoraConfig(r=4, alpha=12.0)))
+    assert set(scalings(member.model).values()) == {3.0}
+    assert all(p.dtype == torch.float32 for p in member.model.parameters() if p.requires_grad)

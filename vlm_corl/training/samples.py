@@ -1,0 +1,105 @@
+"""What the members actually answered: a few questions of a step, each member's K responses, extracted answers
+and vote, the label it was rewarded against and which slots' votes gave it, its rewards and advantages, and the
+gold answer where known (diagnostic only). Written by world rank 0 to samples.jsonl (and the trackers) every
+`logging.samples_every` steps; `python -m vlm_corl.report RUN_DIR` turns them into a page a person can read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vlm_corl.data.answers import answers_equivalent
+from vlm_corl.data.records import Example
+from vlm_corl.training.rewards import CohortBatch, RewardOutput, member_votes
+
+
+def samples_due(step: int, every: int) -> bool:
+    """Whether 1-based `step` writes samples: the first step, then every `every` steps (0 = never)."""
+    return every > 0 and (step == 1 or step % every == 0)
+
+
+def label_sources(mode: str, n: int, slots: int) -> list[int] | str:
+    """The slots whose votes a reward mode may take slot `n`'s label from ("gold" for `gt`): ring the previous
+    slot, the paired modes the partner, self_vote itself, the peer modes every other slot."""
+    if mode == "gt":
+        return "gold"
+    if mode == "ring":
+        return [(n - 1) % slots]
+    if mode in ("co_rewarding_1", "co_rewarding_2"):
+        return [n ^ 1]
+    if mode == "self_vote":
+        return [n]
+    return [m for m in range(slots) if m != n]
+
+
+def sample_rows(
+    step: int,
+    examples: list[Example],
+    batch: CohortBatch,
+    scored: RewardOutput,
+    advantages: list[torch.Tensor],
+    mode: str,
+    vote_threshold: float,
+    count: int,
+    category_key: str | None = None,
+) -> list[dict]:
+    """One row per sampled question (the step's first `count`): per slot its responses, answers, vote, label,
+    `label_from` (the candidate source slots whose vote is the label; ["gold"] under gt), rewards, advantages."""
+    votes = member_votes(batch, vote_threshold)
+    ids = batch.member_ids
+    rows = []
+    for j, ex in enumerate(examples[:count]):
+        members = {}
+        for n, sid in enumerate(ids):
+            label = scored.labels[n][j]
+            sources = label_sources(mode, n, len(ids))
+            if sources == "gold":
+                label_from = ["gold"] if label is not None else []
+            else:
+                label_from = [
+                    ids[m] for m in sources if label is not None and answers_equivalent(label, votes[m][j], ex.choices)
+                ]
+            members[sid] = {
+                "responses": batch.texts[n][j],
+                "answers": batch.answers[n][j],
+                "vote": votes[n][j],
+                "label": label,
+                "label_from": label_from,
+                "rewards": [round(float(r), 4) for r in scored.rewards[n][j]],
+                "advantages": [round(float(a), 4) for a in advantages[n][j]],
+            }
+        image = ex.images[0] if ex.images and isinstance(ex.images[0], (str, Path)) else None
+        rows.append(
+            {
+                "step": step,
+                "example_id": ex.id,
+                "question": ex.question,
+                "image": str(image) if image is not None else None,
+                "category": ex.metadata.get(category_key) if category_key else None,
+                "gold": ex.answer,
+                "members": members,
+            }
+        )
+    return rows
+
+
+def sample_markdown(row: dict, image: str | None = None) -> str:
+    """One sampled question as Markdown: the question (its picture from `image`, a path relative to the page,
+    else its file named), gold (diagnostic), and each member's responses, answers, vote, label, where the label
+    came from, rewards and advantages."""
+    lines = [f"**{row['example_id']}** (step {row['step']}): {row['question']}"]
+    if image:
+        lines.append(f"\n![{row['example_id']}]({image})\n")
+    elif row.get("image"):
+        lines.append(f"image: `{row['image']}`")
+    if row.get("gold") is not None:
+        lines.append(f"gold (diagnostic only): `{row['gold']}`")
+    for mid, m in row["members"].items():
+        lines.append(
+            f"\n*{mid}*: vote `{m['vote']}`, label `{m['label']}` from {', '.join(m['label_from']) or 'nobody'}"
+        )
+        for text, answer, reward, adv in zip(m["responses"], m["answers"], m["rewards"], m["advantages"]):
+            lines.append(f"- `{answer}` reward {reward:.2f} adv {adv:+.2f}: {text!r}")
+    return "\n".join(lines)
