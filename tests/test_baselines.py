@@ -132,3 +132,33 @@ def test_views_come_from_a_paraphrase_cache_and_gaps_stop_the_run(base_models, t
     cfg["data"]["view_fallback"] = "original"
     summary = run_cohort(config_from_dict(cfg))
     assert len(metrics(tmp_path / "run")) == 2 and summary["view_fallbacks"]["qwen"] > 0
+
+
+def test_peers_ema_labels_come_from_the_other_members_teachers():
+    # slots: a, a.teacher, b, b.teacher, c, c.teacher; the teachers vote y, x, y; the students' own votes are s
+    answers = [[[v] * 2] for v in ("s", "y", "s", "x", "s", "y")]
+    batch = CohortBatch(("a", "a.t", "b", "b.t", "c", "c.t"), answers, [[["t"] * 2]] * 6, [[[True] * 2]] * 6, [None],
+                        [None])  # fmt: skip
+    out = REWARDS.get("peers_ema").fn(batch, RewardConfig())
+    # a: b's and c's teachers vote x and y: a tie abstains; b: a's y and c's y -> y; c: a's y and b's x tie
+    assert out.labels == [[None], [None], ["y"], [None], [None], [None]]
+    assert out.rewards[2].tolist() == [[0.0, 0.0]] and REWARDS.get("peers_ema").layout == "ema_teacher"
+    batch = CohortBatch(("a", "a.t", "b", "b.t"), answers[:4], [[["t"] * 2]] * 4, [[[True] * 2]] * 4, [None], [None])
+    out = REWARDS.get("peers_ema").fn(batch, RewardConfig())
+    assert out.labels == [["x"], [None], ["y"], [None]]  # a pair: each member learns from the other's teacher
+    assert out.rewards[0].tolist() == [[0.0, 0.0]] and out.rewards[2].tolist() == [[0.0, 0.0]]
+    batch.answers[0][0][:] = ["x", "z"]
+    assert REWARDS.get("peers_ema").fn(batch, RewardConfig()).rewards[0].tolist() == [[1.0, 0.0]]
+
+
+def test_peers_ema_trains_members_with_their_teachers(base_models, tmp_path):
+    members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"])]
+    cfg = cohort(tmp_path, members, reward={"mode": "peers_ema"})
+    summary = run_cohort(config_from_dict(cfg))
+    rows = metrics(tmp_path / "run")
+    assert [r["member"] for r in rows[:4]] == ["qwen", "qwen.teacher", "llama", "llama.teacher"]
+    assert all(r["abstain_rate"] == 1.0 for r in rows if r["member"].endswith(".teacher"))  # teachers never train
+    checkpoint = Path(summary["checkpoint"])
+    for mid, base in (("qwen", "qwen2_vl"), ("llama", "mllama")):
+        before, teacher = weights(base_models[base]), weights(checkpoint / f"{mid}.teacher")
+        assert any(not torch.equal(teacher[k], before[k]) for k in before)  # each teacher followed its student

@@ -36,7 +36,8 @@ def vllm_engines_by_rank(
     cfg: CohortConfig, placement: dict[str, tuple[int, ...]], teachers: bool
 ) -> dict[int, list[str]]:
     """{rank: the vLLM engines it builds, in build order}: one per hosted member on vLLM, then one per EMA
-    teacher (`teachers`: the reward keeps one per member, co_rewarding_2), as `training.slots.build_slots` does."""
+    teacher (`teachers`: the reward keeps one per member, co_rewarding_2 and peers_ema), as
+    `training.slots.build_slots` does."""
     ranks = sorted({r for rs in placement.values() for r in rs})
     built: dict[int, list[str]] = {r: [] for r in ranks}
     on_vllm = [m for m in cfg.members if member_engine(cfg, m) == "vllm"]

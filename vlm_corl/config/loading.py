@@ -21,7 +21,7 @@ from vlm_corl.config.parse import (
     yaml_kind,
     yaml_problem,
 )
-from vlm_corl.config.schema import PEER_MODES, CohortConfig
+from vlm_corl.config.schema import PEER_MODES, CohortConfig, has_teachers
 from vlm_corl.errors import UserError
 from vlm_corl.members.lora import base_model_dir, is_adapter_dir
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
@@ -57,7 +57,7 @@ def _layout_problems(cfg: CohortConfig, problems: Problems, processes: int | Non
         if given:  # otherwise `train` reports it against the launch it gets
             problems.add("members", str(err))
         return
-    teachers = cfg.reward.custom is None and cfg.reward.mode == "co_rewarding_2"
+    teachers = has_teachers(cfg)
     for path, message in engine_layout_problems(cfg, placement, teachers):
         problems.add(path, message)
 

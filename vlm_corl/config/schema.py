@@ -11,9 +11,19 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal
 
 RewardMode = Literal[
-    "ring", "peers", "soft", "gt", "self_vote", "self_certainty", "entropy", "co_rewarding_1", "co_rewarding_2"
+    "ring",
+    "peers",
+    "soft",
+    "peers_ema",
+    "gt",
+    "self_vote",
+    "self_certainty",
+    "entropy",
+    "co_rewarding_1",
+    "co_rewarding_2",
 ]
-PEER_MODES = ("ring", "peers", "soft")  # label_n comes from the other members' votes
+PEER_MODES = ("ring", "peers", "soft", "peers_ema")  # label_n comes from the other members' votes
+TEACHER_MODES = ("co_rewarding_2", "peers_ema")  # each trained member keeps an EMA teacher (a slowly updated copy)
 
 # Qwen-VL reads one image token per 28x28 pixels: 1280 tokens at the image cap, which the prompt limit must hold
 # with room for the text (InternVL's 12 tiles + thumbnail are 3,328 tokens).
@@ -191,7 +201,11 @@ class RolloutConfig:
 class RewardConfig:
     """How each response is scored (docs/method.md)."""
 
-    mode: RewardMode = _f("reward: ring | peers | soft (Co-RL) or a baseline", "ring")
+    mode: RewardMode = _f(
+        "reward: ring | peers | soft | peers_ema (Co-RL; peers_ema: the other members' EMA teachers vote) or a "
+        "baseline",
+        "ring",
+    )
     custom: str | None = _f(
         "module:function of a custom cohort reward, used instead of mode; null = mode",
         None,
@@ -204,8 +218,10 @@ class RewardConfig:
     answer_style: Literal["auto", "boxed", "answer_tags"] = _f(
         "answer extraction: auto (follow each member's prompt style) | boxed | answer_tags", "auto"
     )
-    teacher_decay_start: float = _f("co_rewarding_2: EMA teacher decay at step 0 (cosine schedule)", 0.99, gt=0, lt=1)
-    teacher_decay_end: float = _f("co_rewarding_2: EMA teacher decay at the last step", 0.9999, gt=0, lt=1)
+    teacher_decay_start: float = _f(
+        "co_rewarding_2, peers_ema: EMA teacher decay at step 0 (cosine schedule)", 0.99, gt=0, lt=1
+    )
+    teacher_decay_end: float = _f("co_rewarding_2, peers_ema: EMA teacher decay at the last step", 0.9999, gt=0, lt=1)
 
 
 @dataclass(kw_only=True)
@@ -366,3 +382,8 @@ class CohortConfig:
     train: TrainConfig = _f("optimisation and checkpoints", factory=TrainConfig)
     eval: EvalConfig = _f("evaluation", factory=EvalConfig)
     logging: LoggingConfig = _f("logging", factory=LoggingConfig)
+
+
+def has_teachers(cfg: CohortConfig) -> bool:
+    """Whether the run's reward keeps an EMA teacher per trained member (its slots, engines and memory)."""
+    return cfg.reward.custom is None and cfg.reward.mode in TEACHER_MODES

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine, vllm_engines_by_rank
-from vlm_corl.config.schema import CohortConfig, MemberConfig
+from vlm_corl.config.schema import CohortConfig, MemberConfig, has_teachers
 from vlm_corl.distributed.world import PlacementError, place_members, shard
 from vlm_corl.members.memory import GB, Layout, member_bytes
 from vlm_corl.members.precision import rollout_dtype, update_autocast_dtype
@@ -186,7 +186,7 @@ def member_layout(cfg: CohortConfig, member: MemberConfig, ranks: int, zero: dic
         rollout_bytes=serving,
         frozen_bytes=_loaded_bytes(member, shape),
         kl_reference=cfg.algo.kl_beta > 0 and member.trainable,
-        ema_teacher=cfg.reward.custom is None and cfg.reward.mode == "co_rewarding_2" and member.trainable,
+        ema_teacher=has_teachers(cfg) and member.trainable,
         adapters=adapters(member),
     )
 
@@ -203,7 +203,7 @@ def adapters(member: MemberConfig) -> int:
 def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
     """The memory plan of `cfg` launched on `hardware` (raises PlacementError if the members cannot be placed)."""
     placement = place_members(cfg.members, hardware.processes)
-    teachers = cfg.reward.custom is None and cfg.reward.mode == "co_rewarding_2"
+    teachers = has_teachers(cfg)
     engines = vllm_engines_by_rank(cfg, placement, teachers)
     zero = zero_settings(cfg)
     ranks = []
@@ -345,7 +345,7 @@ def layout_problems(cfg: CohortConfig, processes: int) -> list[str]:
         placement = place_members(cfg.members, processes)
     except PlacementError as err:
         return [str(err)]
-    teachers = cfg.reward.custom is None and cfg.reward.mode == "co_rewarding_2"
+    teachers = has_teachers(cfg)
     problems = [f"{path}: {msg}" for path, msg in engine_layout_problems(cfg, placement, teachers)]
     widest = max(len(r) for r in placement.values())
     if cfg.data.batch_size < widest:

@@ -238,5 +238,24 @@ def paired_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
     return _label_reward([votes[i ^ 1] for i in range(len(votes))], batch, cfg)
 
 
+def peers_ema_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """Co-RL peers with slowly updated voters: member n's label is the plurality of the OTHER members' EMA
+    teachers' votes (a tie abstains). Slots come in pairs (2k: member k, 2k+1: its teacher, as co_rewarding_2
+    lays them out); a teacher's own label is None (it does not train).
+
+    Why: under `peers` the labels move with the learners, so a cohort can chase its own drift (the easy-vqa
+    experiment: labels 0.95 right at the start decayed with the members); frozen peers' labels stay put but never
+    improve. A teacher follows its member with the EMA's lag (reward.teacher_decay_start/end)."""
+    votes = member_votes(batch, cfg.vote_threshold)
+    teachers = votes[1::2]
+    labels: list[list[str | None]] = []
+    for i in range(len(teachers)):
+        others = [t for k, t in enumerate(teachers) if k != i]
+        labels.append([consensus([o[j] for o in others], batch.choices[j]) for j in range(len(votes[0]))])
+        labels.append([None] * len(votes[0]))
+    return _label_reward(labels, batch, cfg)
+
+
 REWARDS.register("co_rewarding_1")(RewardSpec(paired_reward, layout="two_views"))
 REWARDS.register("co_rewarding_2")(RewardSpec(paired_reward, layout="ema_teacher"))
+REWARDS.register("peers_ema")(RewardSpec(peers_ema_reward, layout="ema_teacher"))

@@ -29,6 +29,8 @@ def label_sources(mode: str, n: int, slots: int) -> list[int] | str:
         return [(n - 1) % slots]
     if mode in ("co_rewarding_1", "co_rewarding_2"):
         return [n ^ 1]
+    if mode == "peers_ema":  # slots alternate member, its teacher: the other members' teachers vote
+        return [m for m in range(1, slots, 2) if m != n + 1] if n % 2 == 0 else []
     if mode == "self_vote":
         return [n]
     return [m for m in range(slots) if m != n]
