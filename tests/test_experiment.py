@@ -308,14 +308,15 @@ def test_easyvqa_try_names_the_mistake(tmp_path, capsys, args, message):
 
 
 def test_the_readme_summary_is_the_published_experiment():
-    """The README's experiment block is regenerated from docs/easyvqa/results.json (`--publish`), never edited."""
+    """The experiment page's summary block is regenerated from docs/easyvqa/results.json (`--publish`), never
+    edited."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     results = json.loads((root / "docs" / "easyvqa" / "results.json").read_text())
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "experiment.md").read_text()
     expected = analysis.replace_block(readme, analysis.README_BLOCK, analysis.summary_md(results))
-    assert readme == expected, "README.md's easyvqa-summary block drifted: rerun the experiment's --publish"
+    assert readme == expected, "docs/experiment.md's easyvqa-summary block drifted: rerun the experiment's --publish"
     # the published run is the full experiment on test, not a --quick or --tune one
     assert results["split"] == "test"
     assert {k: v for k, v in results["budget"].items() if k not in ("seeds",)} == {

@@ -14,7 +14,7 @@
 Resumable: each base model and each run leaves a result file (base/<id>/base.json, runs/<run>/result.json);
 a restarted experiment with the same budget skips them. Writes results.json, results.md (the tables, the
 probe-vs-gain analysis, a verdict on each claim) and PNG plots. Every choice was made on validation, never on
-test (README, the experiment's section).
+test (docs/experiment.md).
 """
 
 from __future__ import annotations
@@ -440,7 +440,9 @@ def main(argv=None) -> int:
         help="afterwards, copy results.json/md and the plots to DIR (docs/easyvqa) and rewrite --readme's summary",
     )
     parser.add_argument(
-        "--readme", default="README.md", help="the file whose easyvqa-summary block --publish rewrites ('' = none)"
+        "--readme",
+        default="docs/experiment.md",
+        help="the page whose easyvqa-summary block --publish rewrites ('' = none)",
     )
     args = parser.parse_args(argv)
     if args.seeds == 1:

@@ -1,5 +1,5 @@
-"""The memory figures the docs quote, produced by the planner: the README's per-rank table of the released
-architectures (configs/models/) and the plan block in each GPU recipe (configs/cohorts/gpu_*.yaml).
+"""The memory figures the docs quote, produced by the planner: the per-rank table of the released
+architectures (configs/models/) in docs/scaling.md and the plan block in each GPU recipe (configs/cohorts/gpu_*.yaml).
 
     python -m vlm_corl.planning.tables            # rewrite both in place
     python -m vlm_corl.planning.tables --check    # exit 1 if either drifted (what the test suite checks)
@@ -116,9 +116,9 @@ def recipe_block(recipe: Path, args: str) -> str:
 
 
 def regenerate(root: Path = ROOT) -> dict[Path, str]:
-    """{file: its text with the planner's figures} for README.md and every recipe with a plan block."""
+    """{file: its text with the planner's figures} for docs/scaling.md and every recipe with a plan block."""
     out = {}
-    readme = root / "README.md"
+    readme = root / "docs" / "scaling.md"
     text = readme.read_text()
     out[readme] = re.sub(
         r"(<!-- memory-table: [^>]*-->\n)(.*?)(<!-- /memory-table -->)",
