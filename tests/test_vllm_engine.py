@@ -14,6 +14,7 @@ VLM_CORL_SMALL_ZOO=DIR, or the Qwen2-VL cases are skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import os
@@ -24,7 +25,7 @@ import torch
 from PIL import Image
 
 from vlm_corl.config import MemberConfig
-from vlm_corl.config.schema import RolloutConfig
+from vlm_corl.config.schema import LoraConfig, RolloutConfig, VllmConfig
 from vlm_corl.data.records import Example
 from vlm_corl.members.engines.vllm import VLLMEngine, patch_qwen_vl_for_vllm_cpu
 from vlm_corl.members.member import load_member
@@ -160,6 +161,28 @@ def test_sync_weights_makes_vllm_follow_the_member(setup):
         model.load_state_dict(saved)
         setup.vllm.sync_weights()
     assert _tokens(setup.vllm.generate(setup.prompts, GREEDY)) == before
+
+
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_a_lora_member_s_engine_decodes_what_its_merged_model_decodes(text, sync):
+    """A LoRA member's engine follows its updates, synced with the merged weights (base + alpha/r B A) or with
+    the adapter alone (vLLM's LoRA serving over the base it loaded once): after an update of the adapters it
+    decodes greedily what the member itself (the base with its adapters) decodes."""
+    member = load_member(MemberConfig(id="lora", model=text.member.cfg.model, lora=LoraConfig(r=4, alpha=8.0)))
+    rollout = dataclasses.replace(ROLLOUT, vllm=VllmConfig(lora_sync=sync))
+    engine = VLLMEngine(member, rollout, kv_cache_memory_bytes=KV_BYTES)
+    hf = make_engine("hf", member)
+    before = _tokens(engine.generate(text.prompts, GREEDY))
+    assert before == _tokens(text.vllm.generate(text.prompts, GREEDY))  # B is zero: the base model's output
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an update that moved only the adapters
+        for p in member.model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    changed = _tokens(hf.generate(text.prompts, GREEDY))
+    assert changed != before, "the adapters did not change the greedy output: the test proves nothing"
+    engine.sync_weights()
+    assert _tokens(engine.generate(text.prompts, GREEDY)) == changed
 
 
 def test_k_samples_per_prompt_seeded(text):

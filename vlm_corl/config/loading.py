@@ -137,6 +137,13 @@ def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
                 "float16 training needs loss scaling, which this trainer does not do: use bfloat16 or auto (a "
                 "trainable member keeps fp32 master weights anyway; train.mixed_precision=bf16 for bf16 compute)",
             )
+        if m.lora is not None and m.lora.vision and cfg.rollout.vllm.lora_sync == "adapter":
+            if member_engine(cfg, m) == "vllm":
+                problems.add(
+                    f"members[{i}].lora.vision",
+                    "vLLM serves adapters of the language model only: with adapters in the vision tower use "
+                    "rollout.vllm.lora_sync: merged",
+                )
         if m.lora is not None and not m.trainable:
             problems.add(
                 f"members[{i}].lora",

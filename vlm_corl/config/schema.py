@@ -165,6 +165,12 @@ class VllmConfig:
     kv_cache_memory_bytes: int | None = _f(
         "KV cache size in bytes (needed on CPU, where the share above is of RAM); null = use the share", None, ge=1
     )
+    lora_sync: Literal["merged", "adapter"] = _f(
+        "how a LoRA member's engine follows its updates: merged (the merged weights are pushed, one layer at a "
+        "time) | adapter (only the adapter is written and served by vLLM's LoRA support: the base is loaded once; "
+        "language-model adapters only, ranks up to 512)",
+        "merged",
+    )
 
 
 @dataclass(kw_only=True)

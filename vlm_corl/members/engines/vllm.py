@@ -18,9 +18,13 @@ import importlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import types
+import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,7 +86,12 @@ class VLLMEngine:
                 member.id,
             )
         self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
-        self._sleep_level = 2 if member.cfg.trainable else 1
+        # A LoRA member with lora_sync=adapter: vLLM serves its adapter over the base it loaded once (the base
+        # never changes, so it must survive sleep: level 1); each sync writes the adapter anew.
+        self._adapters = AdapterSync(member) if member.peft is not None and settings.lora_sync == "adapter" else None
+        if self._adapters is not None:
+            llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(member.cfg.lora.r))
+        self._sleep_level = 2 if member.cfg.trainable and self._adapters is None else 1
         self._checked_prompt_ids = not member.is_vision  # vLLM's tokens of the first image prompt vs ours, once
         budget = _memory_budget(settings, share)
         vision = {}
@@ -121,6 +130,9 @@ class VLLMEngine:
         """Load the member's current weights into the engine (woken first). The weights stream tensor by
         tensor (`Member.full_weights`: references to the live module, or under ZeRO-3 gathered a bucket at a
         time over the member's ranks, which all sync together); vLLM copies each into its own."""
+        if self._adapters is not None:
+            self._adapters.write()
+            return
         if "weights" in self._asleep:
             self._wake(["weights"])
         weights = self.member.full_weights()
@@ -135,8 +147,9 @@ class VLLMEngine:
         sampling = [self._sampling(params, i) for i in range(len(prompts))]
         # The chat text already holds the template's BOS: the processor vLLM runs on an image prompt must not
         # add another (Gemma-3, Llama), or rollouts would come from another prompt than the one trained on.
+        adapter = {"lora_request": self._adapters.request()} if self._adapters is not None else {}
         outputs = self._llm.generate(
-            requests, sampling, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}
+            requests, sampling, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}, **adapter
         )
         self._check_prompt_ids(prompts, outputs)
         if self._sleep:
@@ -218,6 +231,43 @@ class VLLMEngine:
             logprobs=0 if exact else None,
             logit_bias=self._bias,
         )
+
+
+# The ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest rank vLLM's LoRA support is built for that holds an adapter of rank `r`."""
+    fits = [k for k in VLLM_LORA_RANKS if k >= r]
+    if not fits:
+        raise UserError(f"lora.r={r}: vLLM serves adapters up to rank 512; use rollout.vllm.lora_sync: merged")
+    return fits[0]
+
+
+class AdapterSync:
+    """A LoRA member's adapter as vLLM serves it: each `write` saves the current adapter (PEFT's format) into a
+    new folder of a private temporary directory under a new id (vLLM caches adapters by id); the previous
+    folder is removed once the new one is written."""
+
+    def __init__(self, member):
+        self.member, self.version = member, 0
+        self.root = Path(tempfile.mkdtemp(prefix=f"corl-lora-{member.id}-"))
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+
+    def write(self) -> None:
+        adapter = self.member.adapter_weights()  # under ZeRO-3 a collective: every rank of the member calls it
+        self.version += 1
+        self.member.peft.save_pretrained(self.path(self.version), state_dict=adapter, safe_serialization=True)
+        shutil.rmtree(self.path(self.version - 1), ignore_errors=True)
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def request(self):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"{self.member.id}-v{self.version}", self.version, str(self.path(self.version)))
 
 
 def _token_logprobs(positions, token_ids: list[int]) -> list[float]:
