@@ -14,7 +14,9 @@ On CUDA (`--size real`, the default there): two members with released architectu
    (plan.json: peak and phases of rank 0) against the measured peaks (`peak_over_plan`);
 4. `zero3`: the Qwen2-VL member alone under DeepSpeed ZeRO-3 in one process (partitioned from the host, its HF
    copy in bf16): step time and peaks, and the plan;
-5. `resume`: the same member trained in a subprocess that is killed (SIGKILL) after its first checkpoint, then
+5. `lora`: the Qwen2-VL member as a LoRA member (base frozen in bf16, fp32 adapters r 16): step time, peaks
+   against the plan, the adapter checkpoint's size;
+6. `resume`: the same member trained in a subprocess that is killed (SIGKILL) after its first checkpoint, then
    resumed to the end: every step's row is there once, the last checkpoint complete, the losses finite.
 vLLM is not run: it cannot be installed on the lent machine (no package index, its wheel is far too large).
 Checks past `--deadline` seconds are skipped (and say so), so the JSON always comes back. Without CUDA the same
@@ -69,14 +71,16 @@ def build_members(size: str, work: Path) -> tuple[dict[str, Path], dict]:
     return paths, {"parameters": params, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def cohort_file(work: Path, name: str, members: dict[str, Path], settings: dict, **train) -> Path:
+def cohort_file(
+    work: Path, name: str, members: dict[str, Path], settings: dict, lora: dict | None = None, **train
+) -> Path:
     """A cohort file for `members` on easy-vqa: dense rewards (self-certainty: every sequence trains on a random
     model), bf16 compute where CUDA is (the defaults), gradient checkpointing."""
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     cfg = {
         "output_dir": str(out / "run"),
-        "members": [{"id": k, "model": str(p)} for k, p in members.items()],
+        "members": [{"id": k, "model": str(p), **({"lora": lora} if lora else {})} for k, p in members.items()],
         "data": {"train": {"loader": "easyvqa", "limit": 512}, "batch_size": settings["batch"]},
         "rollout": {"n": settings["n"], "max_new_tokens": settings["max_new_tokens"]},
         "reward": {"mode": "self_certainty"},
@@ -147,6 +151,24 @@ def zero3_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
     run_cohort(load_config(path))
     report = step_report(rows_of(work / "zero3" / "run"), work / "zero3" / "run")
     report["wall_s"] = round(time.perf_counter() - start, 1)
+    return report
+
+
+def lora_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
+    """The Qwen2-VL member as a LoRA member (its base frozen in bf16 on CUDA, fp32 adapters): step times and
+    peaks against the plan, the adapter checkpoint's size against the model's."""
+    from vlm_corl.config import load_config
+    from vlm_corl.training.loop import run_cohort
+
+    one = {"qwen": members["qwen"]}
+    path = cohort_file(work, "lora", one, settings, lora={"r": 16, "alpha": 32})
+    start = time.perf_counter()
+    summary = run_cohort(load_config(path))
+    report = step_report(rows_of(work / "lora" / "run"), work / "lora" / "run")
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    adapter = Path(summary["checkpoint"]) / "qwen" / "adapter_model.safetensors"
+    report["adapter_mb"] = round(adapter.stat().st_size / 2**20, 2)
+    report["model_mb"] = round(sum(f.stat().st_size for f in members["qwen"].glob("*.safetensors")) / 2**20, 1)
     return report
 
 
@@ -234,7 +256,7 @@ def main(argv=None) -> int:
             result[name] = None
     cli.quiet_library_bars()
     settings = SIZES[args.size]
-    checks = {"members": None, "rollout_precision": None, "train": None, "zero3": None, "resume": None}
+    checks = {"members": None, "rollout_precision": None, "train": None, "zero3": None, "lora": None, "resume": None}
     members: dict[str, Path] = {}
     for name in checks:
         if time.perf_counter() - began > args.deadline:
@@ -251,6 +273,8 @@ def main(argv=None) -> int:
                 result[name] = train_check(members, work, settings, args.steps)
             elif name == "zero3":
                 result[name] = zero3_check(members, work, settings)
+            elif name == "lora":
+                result[name] = lora_check(members, work, settings)
             else:
                 result[name] = resume_check(members, work, settings)
         except Exception as err:  # noqa: BLE001 - report every check, even after one fails

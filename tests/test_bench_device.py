@@ -42,8 +42,8 @@ def test_rollout_benchmark_hf_side(tiny_zoo):
 
 def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     """bench/gpu_check.sh at the tiny size on the CPU: every check it runs on a lent GPU (real-size members,
-    rollout precision, training with its memory plan, ZeRO-3, a kill and resume) runs here too and reports its
-    JSON."""
+    rollout precision, training with its memory plan, ZeRO-3, a LoRA member, a kill and resume) runs here too and
+    reports its JSON."""
     proc = subprocess.run(
         ["bash", "bench/gpu_check.sh", "--size", "tiny", "--steps", "2", "--out", str(tmp_path)],
         cwd=ROOT,
@@ -58,11 +58,12 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert result["members"]["parameters"]["qwen"] > 0
     cached = result["rollout_precision"]["autocast_cached"]["weight_casts_per_call"]
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
-    for run in ("train", "zero3"):
+    for run in ("train", "zero3", "lora"):
         qwen = result[run]["qwen"]
         assert result[run]["steps"] == 2 and qwen["time_step"] > 0 and qwen["tokens_per_s"] > 0 and qwen["loss_finite"]
         assert qwen["prompt_cache_mb"] > 0 and result[run]["plan"]["fits"] and result[run]["plan"]["peak_gb"] > 0
     assert result["resume"]["ok"] and result["resume"]["steps_logged"] == [1, 2, 3]
+    assert 0 < result["lora"]["adapter_mb"] < result["lora"]["model_mb"]
 
 
 def test_soak_bench_at_its_smallest_size_does_not_grow():

@@ -189,7 +189,7 @@ def test_empty_section_means_defaults(models):
 @pytest.mark.parametrize(
     "raw_update, expected",
     [
-        ({"reward": {"mode": "rign"}}, "reward.mode: 'rign' is not valid; choose one of: ring, peers, soft, gt,"),
+        ({"reward": {"mode": "rign"}}, "reward.mode: 'rign' is not valid; choose one of: ring, peers, soft, peers_ema"),
         ({"algo": {"kl_estimator": "k2"}}, "algo.kl_estimator: 'k2' is not valid; choose one of: k1, k3"),
         ({"train": {"resume": "maybe"}}, "train.resume: expected true or false or auto, got string 'maybe'"),
         ({"train": {"mixed_precision": "bf32"}}, "choose one of: auto, no, bf16"),

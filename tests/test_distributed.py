@@ -145,8 +145,8 @@ def test_a_run_directory_holds_one_run(tiny_zoo, tmp_path, caplog):
     run_cohort(config_from_dict(cfg))
     with pytest.raises(
         ConfigError,
-        match=r"already holds a run \(metrics.jsonl, summary.json, config.yaml, "
-        r"checkpoints\): continue it with train.resume=true",
+        match=r"already holds a run \(metrics.jsonl, samples.jsonl, summary.json, config.yaml, "
+        r"checkpoints, plan.json\): continue it with train.resume=true",
     ):
         run_cohort(config_from_dict(cfg))
     with pytest.raises(ConfigError, match="train.max_steps=2 but .* is already at step 2"):

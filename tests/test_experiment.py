@@ -205,7 +205,7 @@ def test_quick_experiment_end_to_end(tmp_path):
     assert results["budget"]["rl_steps"] == 3 and "3 steps" in (out / "results.md").read_text()
     methods = results["methods"]
     roles = {m["role"]: name for name, m in methods.items() if m["role"]}
-    assert set(roles) == {"pick", "homogeneous", "self_vote", "gt", "pick_ring", "paraphrased", "frozen"}
+    assert set(roles) == {"pick", "pick_ema", "homogeneous", "self_vote", "gt", "pick_ring", "paraphrased", "frozen"}
     # the probe ranked every candidate and the pick is its best cohort of three or more families
     ranking = results["probe"]["ranking"]
     assert len(ranking) == len(design.candidates())
