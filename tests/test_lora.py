@@ -157,8 +157,21 @@ def test_resume_of_a_lora_member_is_bit_identical(lora_run, tmp_path):
 
 
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_deepspeed_trains_a_lora_member(base_models, tmp_path, zero):
-    cfg = _config(tmp_path, base_models, deepspeed=str(ROOT / "configs" / "deepspeed" / f"{zero}.json"), max_steps=1)
+def test_deepspeed_trains_a_lora_member_on_a_bf16_base(base_models, tmp_path, zero):
+    """As on a GPU: the base frozen in bf16 (its checkpoint's dtype), the adapters fp32, DeepSpeed over both."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    bf16 = tmp_path / "qwen_bf16"
+    AutoModelForImageTextToText.from_pretrained(base_models["qwen2_vl"], dtype=torch.bfloat16).save_pretrained(bf16)
+    AutoProcessor.from_pretrained(base_models["qwen2_vl"]).save_pretrained(bf16)
+    member = load_member(MemberConfig(id="q", model=str(bf16), lora=LoraConfig(**LORA)))
+    assert {p.dtype for p in member.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    cfg = _config(
+        tmp_path,
+        {**base_models, "qwen2_vl": bf16},
+        deepspeed=str(ROOT / "configs" / "deepspeed" / f"{zero}.json"),
+        max_steps=1,
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     result = python_m("vlm_corl.train", "--config", path)
