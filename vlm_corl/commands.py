@@ -5,6 +5,7 @@ Under a launcher: `accelerate launch -m vlm_corl.train ...` or `torchrun ... $(w
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from collections.abc import Sequence
@@ -39,7 +40,10 @@ def usage() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
-        print(usage())
+        try:
+            print(usage(), flush=True)
+        except BrokenPipeError:  # `corl --help | head`: the reader has gone, which is fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
