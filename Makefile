@@ -30,9 +30,10 @@ TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist load
 
-## DeepSpeed ZeRO-2/3 members on rank groups (4 gloo processes, exact resume): slow, run by CI after `make test`.
+## DeepSpeed ZeRO-2/3 members on rank groups (4 gloo processes, exact resume) and LoRA members under ZeRO-2/3:
+## slow, run by CI after `make test`.
 test-scale: setup
-	$(PY) -m pytest -m slow tests/test_scale_out.py
+	$(PY) -m pytest -m slow tests/test_scale_out.py tests/test_lora.py
 
 ## Slower suites, excluded from the default run.
 test-slow: setup

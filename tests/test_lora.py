@@ -1,8 +1,8 @@
 """LoRA members (vlm_corl.members.lora, members[i].lora): only the adapters train and the base stays bit-identical;
 the checkpoint is a PEFT adapter (megabytes, loadable with PeftModel.from_pretrained); the merged weights a LoRA
 member serves are W + alpha/r B A under the base's names (what PEFT's merge gives); `export --merge` writes a model
-`from_pretrained` loads, equal to the member; resume is bit-identical; ZeRO-2 and ZeRO-3 train it; the planner
-counts the adapters; a frozen member with lora is a config error."""
+`from_pretrained` loads, equal to the member; resume is bit-identical; ZeRO-2 and ZeRO-3 train it on a bf16 base
+(slow: make test-scale); the planner counts the adapters; a frozen member with lora is a config error."""
 
 from __future__ import annotations
 
@@ -159,6 +159,7 @@ def test_resume_of_a_lora_member_is_bit_identical(lora_run, tmp_path):
     assert trained_fields(metrics(run)) == trained_fields(metrics(lora_run))
 
 
+@pytest.mark.slow  # DeepSpeed in a subprocess per stage: in `make test-scale` with the other ZeRO runs
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_deepspeed_trains_a_lora_member_on_a_bf16_base(base_models, tmp_path, zero):
     """As on a GPU: the base frozen in bf16 (its checkpoint's dtype), the adapters fp32, DeepSpeed over both."""
