@@ -163,14 +163,24 @@ def test_sync_weights_makes_vllm_follow_the_member(setup):
     assert _tokens(setup.vllm.generate(setup.prompts, GREEDY)) == before
 
 
+@pytest.fixture(scope="module")
+def lora_engines(text) -> dict:
+    """{lora_sync: (a LoRA member on the text model, its vLLM engine)}. Module-scoped like the other engines: an
+    engine released mid-module tears down vLLM's process-wide parallel state under the ones still in use."""
+    engines = {}
+    for sync in ("merged", "adapter"):
+        member = load_member(MemberConfig(id=f"lora-{sync}", model=text.member.cfg.model, lora=LoraConfig(r=4)))
+        rollout = dataclasses.replace(ROLLOUT, vllm=VllmConfig(lora_sync=sync))
+        engines[sync] = member, VLLMEngine(member, rollout, kv_cache_memory_bytes=KV_BYTES)
+    return engines
+
+
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
-def test_a_lora_member_s_engine_decodes_what_its_merged_model_decodes(text, sync):
+def test_a_lora_member_s_engine_decodes_what_its_merged_model_decodes(text, lora_engines, sync):
     """A LoRA member's engine follows its updates, synced with the merged weights (base + alpha/r B A) or with
     the adapter alone (vLLM's LoRA serving over the base it loaded once): after an update of the adapters it
     decodes greedily what the member itself (the base with its adapters) decodes."""
-    member = load_member(MemberConfig(id="lora", model=text.member.cfg.model, lora=LoraConfig(r=4, alpha=8.0)))
-    rollout = dataclasses.replace(ROLLOUT, vllm=VllmConfig(lora_sync=sync))
-    engine = VLLMEngine(member, rollout, kv_cache_memory_bytes=KV_BYTES)
+    member, engine = lora_engines[sync]
     hf = make_engine("hf", member)
     before = _tokens(engine.generate(text.prompts, GREEDY))
     assert before == _tokens(text.vllm.generate(text.prompts, GREEDY))  # B is zero: the base model's output
