@@ -115,8 +115,7 @@ def test_default_targets_are_the_language_models_projections(tiny_zoo):
 
 
 def test_export_merge_gives_a_model_from_pretrained_loads_equal_to_the_member(lora_run, base_models, tmp_path, capsys):
-    result = python_m("vlm_corl.export", lora_run, "--out", tmp_path / "out", "--merge")
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert cli.run(export.main, [str(lora_run), "--out", str(tmp_path / "out"), "--merge"]) == 0
     assert (tmp_path / "out" / "m" / "model.safetensors").is_file()
     exported = load_member(MemberConfig(id="e", model=str(tmp_path / "out" / "q"), trainable=False))
     cfg = MemberConfig(id="q", model=str(base_models["qwen2_vl"]), lora=LoraConfig(**LORA))

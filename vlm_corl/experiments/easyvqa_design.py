@@ -180,7 +180,8 @@ def plan_methods(ranking: list[dict], budget: Budget) -> list[Method]:
     main, more = budget.seeds, budget.more_seeds
     methods = [
         Method(f"peers, picked {pick}", "peers", pick, (_run(d),), main, "pick"),
-        Method(f"peers_ema, picked {pick}", "peers_ema", pick, (_run(d),), main, "pick_ema"),
+        # slowly updated voters: exploratory so far (docs/experiment.md), so with the other methods' seed count
+        Method(f"peers_ema, picked {pick}", "peers_ema", pick, (_run(d),), more, "pick_ema"),
         Method(f"peers, {h}", "peers", h, (_run(homog),), main, "homogeneous"),
         Method("self_vote (TTRL)", "self_vote", pick, (_run(d),), main, "self_vote"),
         Method("gt (labels)", "gt", pick, (_run(d),), main, "gt"),
