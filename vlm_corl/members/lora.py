@@ -94,13 +94,13 @@ def scalings(model: torch.nn.Module) -> dict[str, float]:
 
 
 def merged_weights(
-    named: Iterable[tuple[str, torch.Tensor]], scaling: dict[str, float]
+    named: Iterable[tuple[str, torch.Tensor]], scaling: dict[str, float], copy: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's (name, tensor) with every adapter merged in: a stream of a LoRA model's tensors
     (`<layer>.base_layer.weight`, `<layer>.lora_A.default.weight`, `<layer>.lora_B.default.weight`, ...) becomes
     `<layer>.weight` = W + scaling * B @ A (fp32), the other tensors renamed or passed through. A layer's parts
-    are held (copied: a streamed ZeRO-3 tensor may be released once the stream moves on) only until all three
-    arrived."""
+    are held only until all three arrived; with `copy` as copies (a streamed ZeRO-3 tensor may be released once
+    the stream moves on), else as the references the stream gave (the live module's)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
         layer, part = _lora_part(name, scaling)
@@ -108,7 +108,7 @@ def merged_weights(
             yield name.replace(".base_layer.", "."), tensor
             continue
         parts = pending.setdefault(layer, {})
-        parts[part] = tensor.detach().clone()
+        parts[part] = tensor.detach().clone() if copy else tensor.detach()
         if len(parts) == 3:
             del pending[layer]
             weight = parts["weight"].float() + scaling[layer] * (parts["B"].float() @ parts["A"].float())

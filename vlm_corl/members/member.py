@@ -113,7 +113,9 @@ class Member:
         the end) that gathers a bucket of parameters at a time, never a second full copy. A LoRA member's are
         merged (base + adapters, under the base model's names), one layer at a time."""
         raw = self.deepspeed.full_weights() if self.deepspeed is not None else named_tensors(self.model)
-        return merged_weights(raw, self.lora_scaling) if self.peft is not None else raw
+        if self.peft is None:
+            return raw
+        return merged_weights(raw, self.lora_scaling, copy=self.streams_weights)  # ZeRO-3's gathers are released
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
         """A LoRA member's adapter tensors (host copies, PEFT's names); a collective under ZeRO-3 as above."""
