@@ -143,11 +143,13 @@ def test_the_methods_follow_the_pick():
     methods = design.plan_methods(_ranking(), design.FULL)
     by_role = {m.role: m for m in methods if m.role}
     pick = by_role["pick"]
-    assert pick.cohort == "qwen2_vl+qwen2_5_vl+mllama" and pick.mode == "peers" and pick.seeds == 5
+    assert pick.cohort == "qwen2_vl+qwen2_5_vl+mllama" and pick.mode == "peers_ema" and pick.seeds == 5
+    assert by_role["pick_peers"].mode == "peers" and by_role["pick_peers"].trained == pick.trained
     assert list(pick.trained) == ["qwen2_vl", "qwen2_5_vl", "mllama"]
     homog = by_role["homogeneous"]  # equal size, one family
     recipes = design.base_recipes(design.FULL)
     assert [recipes[b].family for b in homog.trained.values()] == ["qwen2_vl"] * 3 and homog.cohort == "homogeneous 3"
+    assert homog.mode == pick.mode
     assert len({recipes[b].init_seed for b in homog.trained.values()}) == 3  # three initialisations
     assert by_role["self_vote"].trained == by_role["gt"].trained == pick.trained
     para = by_role["paraphrased"]
@@ -165,7 +167,7 @@ def test_the_methods_follow_the_pick():
     assert [m.mode for m in spread if m.cohort.count("+") == 1] == ["ring", "ring"]  # pairs: the ring
     assert "qwen2_vl+qwen2_5_vl+mllama+gemma3+internvl" in {m.cohort for m in spread}
     assert len({m.name for m in methods}) == len(methods)
-    label_free = [m for m in methods if m.mode in ("peers", "ring") and m.role != "frozen"]
+    label_free = [m for m in methods if m.mode in ("peers", "peers_ema", "ring") and m.role != "frozen"]
     assert len(label_free) >= 8  # the probe-vs-gain analysis
 
 
@@ -205,7 +207,7 @@ def test_quick_experiment_end_to_end(tmp_path):
     assert results["budget"]["rl_steps"] == 3 and "3 steps" in (out / "results.md").read_text()
     methods = results["methods"]
     roles = {m["role"]: name for name, m in methods.items() if m["role"]}
-    assert set(roles) == {"pick", "pick_ema", "homogeneous", "self_vote", "gt", "pick_ring", "paraphrased", "frozen"}
+    assert set(roles) == {"pick", "pick_peers", "homogeneous", "self_vote", "gt", "pick_ring", "paraphrased", "frozen"}
     # the probe ranked every candidate and the pick is its best cohort of three or more families
     ranking = results["probe"]["ranking"]
     assert len(ranking) == len(design.candidates())
@@ -288,7 +290,7 @@ def test_quick_experiment_end_to_end(tmp_path):
     "args, message",
     [
         (["--method", "gt-labels"], "no built base model gemma3, internvl, mllama"),
-        (["--method", "nope"], "is not a method of the experiment; one of: peers-picked-"),
+        (["--method", "nope"], "is not a method of the experiment; one of: peers-ema-picked-"),
         (["--method", "gt-labels", "rollout.nn=3"], "unknown key 'rollout.nn'"),
         (["--method", "gt-labels", "train.lr=abc"], "train.lr: expected a number"),
     ],

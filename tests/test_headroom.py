@@ -144,6 +144,16 @@ def test_rank_cohorts_best_first_and_bad_records():
     assert [r["cohort"] for r in ranked] == ["teaches w", "misleads"]
     assert ranked[0]["modes"]["peers"]["headroom"]["all"]["mean"] == pytest.approx(1 / 3)
     assert ranked[0]["rank"] == 1 and ranked[1]["rank"] == 2
+    # equal headroom; only one's learner has a sample that earns the right label: it ranks first by default
+    mixed = records([["blue", "blue", "blue", "red"]] * 6, gold)
+    recs |= {"m": mixed}
+    pair = {"constant learner": ["r1", "r2", "w"], "learner that can reach it": ["r1", "r2", "m"]}
+    cohorts = {n: {m: recs[m] for m in ms} for n, ms in pair.items()}
+    ranked = rank_cohorts(cohorts)
+    assert [r["cohort"] for r in ranked] == ["learner that can reach it", "constant learner"]
+    assert [r["modes"]["peers"]["reachable"]["all"]["mean"] for r in ranked] == pytest.approx([1 / 3, 0.0])
+    by_headroom = rank_cohorts(cohorts, by="headroom")  # a tie there: kept in the given order
+    assert [r["cohort"] for r in by_headroom] == ["constant learner", "learner that can reach it"]
     with pytest.raises(ValueError, match="different questions"):
         cohort_labels({"a": right, "b": right[:3]}, "peers")
     with pytest.raises(ValueError, match="no sampled answers"):

@@ -247,11 +247,15 @@ def cohort_report(records: Mapping[str, Sequence[Mapping]], modes: Sequence[str]
     }
 
 
-def rank_cohorts(cohorts: Mapping[str, Mapping[str, Sequence[Mapping]]], mode: str = "peers") -> list[dict]:
+def rank_cohorts(
+    cohorts: Mapping[str, Mapping[str, Sequence[Mapping]]], mode: str = "peers", by: str = "reachable"
+) -> list[dict]:
     """Every candidate cohort ({name: {member id: its sampled records}}, members in ring order) with its
-    `cohort_report`, best first by the cohort's mean headroom under `mode`, numbered by "rank"."""
+    `cohort_report`, best first by the cohort's mean `by` ("reachable" or "headroom") under `mode`, numbered by
+    "rank". Reachable by default: headroom a member's samples never reach (a member with one constant answer on
+    a type) cannot be learnt, and in the easy-vqa experiment it was most of the best cohort's headroom."""
     reports = [{"cohort": name, **cohort_report(records)} for name, records in cohorts.items()]
-    reports.sort(key=lambda r: -r["modes"][mode]["headroom"]["all"]["mean"])
+    reports.sort(key=lambda r: (-r["modes"][mode][by]["all"]["mean"], -r["modes"][mode]["headroom"]["all"]["mean"]))
     for rank, r in enumerate(reports, 1):
         r["rank"] = rank
     return reports

@@ -21,7 +21,8 @@ flagged: expect collapse to a wrong consensus on that type.
 Label headroom (`--samples K`, default 4; vlm_corl.headroom): one more pass per model, K answers per question at
 the training temperature, and for every cohort of two or more models and every reward topology (ring, peers,
 soft, self_vote, gt), computed by the reward modes' own code: how often each member's label is right where its
-own vote is wrong, minus the reverse. Cohorts are ranked best first by their `peers` headroom, with the
+own vote is wrong, minus the reverse. Cohorts are ranked best first by the part of their `peers` headroom the
+members' own samples can reach (a member with one constant answer learns nothing from anyone), with the
 confidence prediction (the most self-consistent member's vote), κ and p_A + p_B of the votes beside it. It is
 the bound on what a label-free reward can teach a greedily scored member; a pair's ring (or peers) headroom sums
 to zero, so a pair can only trade gains between its two members.

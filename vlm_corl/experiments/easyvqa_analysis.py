@@ -130,7 +130,7 @@ def rank_test(x: Sequence[float], y: Sequence[float]) -> dict:
     return {"rho": rho, "n": n, "t": t, "significant": abs(t) > t975(n - 2)}
 
 
-LABEL_FREE = ("peers", "ring", "soft")
+LABEL_FREE = ("peers", "peers_ema", "ring", "soft")
 
 
 def probe_vs_gain(results: Mapping, seeded: Mapping) -> dict:
@@ -240,10 +240,13 @@ def claims(results: Mapping, seeded: Mapping, table: Mapping, pg: Mapping) -> li
     else:
         predicts = "supported" if rho["rho"] >= PREDICTS else "not supported"
     worst = min(members, key=lambda mid: members[mid]["mean"])
+    picked = results["methods"][pick]
+    also = [(picked_by, table[r[picked_by]]["cohort"]["gain"]) for picked_by in ("pick_peers",) if picked_by in r]
     return [
         {
-            "claim": f"(a) the cohort the probe picks ({results['methods'][pick]['cohort']}) gains >= +5 points",
-            "evidence": f"gain {pts(gain)}",
+            "claim": f"(a) the cohort the probe picks ({picked['cohort']}, {picked['mode']}) gains >= +5 points",
+            "evidence": f"gain {pts(gain)}"
+            + "".join(f"; with {results['methods'][r[role]]['mode']}: {pts(g)}" for role, g in also),
             "verdict": verdict(gain, 0.05, above=True),
         },
         {
