@@ -104,6 +104,39 @@ def test_merging_holds_a_layer_until_its_three_parts_arrive():
         list(merged_weights(iter(stream[:2]), {"x": 2.0}))
 
 
+def test_merging_copies_the_held_parts_only_where_the_stream_releases_them(monkeypatch):
+    """ZeRO-3's stream frees a gathered tensor once it moves on (zeroed here): the held parts must be copies
+    then; a plain member's tensors stay valid, so they are held by reference (no copy of every projection)."""
+
+    def releasing(stream):
+        for name, tensor in stream:
+            yield name, tensor
+            tensor.zero_()  # the bucket is released
+
+    def stream():
+        return [("x.lora_B.default.weight", torch.full((4, 2), 0.5)), ("x.lora_A.default.weight", torch.ones(2, 3))] + [
+            ("x.base_layer.weight", torch.zeros(4, 3))
+        ]
+
+    copied = dict(merged_weights(releasing(stream()), {"x": 2.0}, copy=True))
+    assert torch.equal(copied["x.weight"], torch.full((4, 3), 2.0))
+    by_reference = dict(merged_weights(releasing(stream()), {"x": 2.0}, copy=False))
+    assert torch.equal(by_reference["x.weight"], torch.zeros(4, 3))  # what a released stream would give uncopied
+
+    # the decision: Member.full_weights copies exactly when ZeRO-3 streams the weights
+    import vlm_corl.members.member as member_module
+
+    seen = []
+    monkeypatch.setattr(member_module, "merged_weights", lambda raw, scaling, copy: seen.append(copy) or raw)
+    monkeypatch.setattr(member_module, "named_tensors", lambda model: [])
+    for stage, expected in ((None, False), (2, False), (3, True)):
+        fake = member_module.Member.__new__(member_module.Member)
+        fake.peft, fake.model, fake.lora_scaling = object(), None, {}
+        fake.deepspeed = None if stage is None else type("DS", (), {"stage": stage, "full_weights": lambda self: []})()
+        fake.full_weights()
+        assert seen[-1] is expected, stage
+
+
 def test_default_targets_are_the_language_models_projections(tiny_zoo):
     member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_5_vl"]), trainable=False))
     names = target_modules(member.model, LoraConfig())
