@@ -1,4 +1,5 @@
-"""Shared fixtures, built once per test session: the offline tiny-model zoo and two warm-started base models."""
+"""Shared fixtures: the offline tiny-model zoo and two warm-started base models (built once per test session), and
+the recording stand-in for `vllm` (tests/fake_vllm.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_vllm import fake_vllm  # noqa: F401 (a fixture: the recording stand-in for vllm)
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples

@@ -6,12 +6,11 @@ CUDA kernels) is measured by bench/gpu_check.sh on a lent GPU; the docstrings sa
 from __future__ import annotations
 
 import json
-import sys
-import types
 from dataclasses import replace
 
 import pytest
 import torch
+from fake_vllm import FakeLLM
 from safetensors import safe_open
 
 from vlm_corl.config import MemberConfig
@@ -306,63 +305,6 @@ def test_chat_template_kwargs_reach_the_template(tiny_zoo):
 # ---- vLLM, through a recording stand-in ----------------------------------------------------------------------
 
 
-class FakeLLM:
-    """Records what the engine asks of vllm.LLM; answers with the prompt tokens it was told to (`prompt_ids`)."""
-
-    instances: list = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.calls = kwargs, []
-        self.prompt_ids = None  # None: echo the request's own ids
-        self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset_encoder"))
-        FakeLLM.instances.append(self)
-
-    def generate(self, requests, sampling, use_tqdm=False, tokenization_kwargs=None):
-        self.calls.append(("generate", tokenization_kwargs))
-        outs = []
-        for req, sp in zip(requests, sampling):
-            completion = types.SimpleNamespace(index=0, token_ids=[5, 6], finish_reason="stop", logprobs=None)
-            ids = self.prompt_ids if self.prompt_ids is not None else req.get("prompt_token_ids", [1, 2])
-            outs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=[completion] * sp.n))
-        return outs
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags):
-        self.calls.append(("wake_up", tuple(tags)))
-
-    def apply_model(self, fn):
-        self.calls.append("load_weights")
-
-    def collective_rpc(self, method, kwargs=None):
-        self.calls.append("load_weights")
-        for _ in kwargs["weights_iterator"]:
-            pass
-
-    def reset_prefix_cache(self):
-        self.calls.append("reset_prefix")
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    """`vllm` replaced by a recorder, on a pretend CUDA machine (sleep mode on): the engine's own code runs."""
-    vllm = types.ModuleType("vllm")
-    vllm.LLM = FakeLLM
-    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: False)
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
-    from vlm_corl.members.engines import vllm as engine_module
-
-    events = []
-    monkeypatch.setattr(engine_module.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(engine_module.torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    FakeLLM.instances = []
-    return events
-
-
 def _vllm_engine(member, sleep=True):
     rollout = RolloutConfig(max_prompt_tokens=512, max_new_tokens=8, vllm=VllmConfig(enable_sleep_mode=sleep))
     return make_engine("vllm", member, rollout, 1, 1.0, max_image_pixels=12345)
@@ -381,24 +323,49 @@ def test_the_vllm_engine_serves_bf16_and_reads_the_trainers_image_cap(tiny_zoo, 
     assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
 
 
-@pytest.mark.parametrize("trainable, level", [(True, 2), (False, 1)])
-def test_sleeping_engines_release_the_allocator_before_waking(tiny_zoo, easyvqa, fake_vllm, trainable, level):
+def test_sleeping_engines_release_the_allocator_before_waking_and_refuse_to_generate(tiny_zoo, easyvqa, fake_vllm):
     """After an update PyTorch's caching allocator still holds its peak, out of vLLM's reach: it is emptied
     before every wake_up (else the wake-up runs out of memory). A trained member sleeps at level 2 (its weights
-    are re-synced anyway; level 1 would copy them to pinned host memory every step), a frozen peer at 1."""
-    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=trainable), device=CPU)
+    are re-synced anyway; level 1 would copy them to pinned host memory every step); the sync wakes the weights
+    alone and pushes them, then `wake` takes the KV cache back. Asleep, the engine refuses to generate."""
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"])), device=CPU)
     engine = _vllm_engine(m)
     llm = FakeLLM.instances[-1]
     prompts = [Renderer(m, "original", 10**6, 10**6)(ex) for ex in easyvqa[:2]]
     llm.prompt_ids = prompts[0].inputs["input_ids"][0].tolist()  # vLLM read what we did
-    engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
+    params = SamplingParams(n=2, max_new_tokens=4)
+    engine.generate(prompts, params)
+    engine.generate(prompts, params)  # no sleep between rollouts (in-loop eval chunks, co_rewarding_1's views)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="generate called while its vLLM engine sleeps .weights discarded"):
+        engine.generate(prompts, params)
+    with pytest.raises(RuntimeError, match="sync_weights must come before wake"):
+        engine.wake()
     engine.sync_weights()
-    engine.generate(prompts, SamplingParams(n=2, max_new_tokens=4))
-    calls = [c for c in llm.calls if c not in ("reset_prefix", "reset_encoder")]
-    assert ("sleep", level) in calls
-    wakes = [i for i, c in enumerate(calls) if isinstance(c, tuple) and c[0] == "wake_up"]
-    assert wakes and len(fake_vllm) == len(wakes)  # one empty_cache per wake_up
-    assert calls[wakes[0]] == ("wake_up", ("weights",)) and calls[wakes[0] + 1] == "load_weights"
+    engine.wake()
+    engine.generate(prompts, params)
+    gen = ("generate", {"add_special_tokens": False})
+    assert llm.engine_calls() == [
+        "push", gen, gen, ("sleep", 2), ("wake_up", ("weights",)), "push", ("wake_up", ("kv_cache",)), gen,
+    ]  # fmt: skip
+    assert fake_vllm == ["empty_cache", "empty_cache"]  # one per wake_up
+
+
+def test_a_lora_member_serving_its_adapter_sleeps_at_level_1(tiny_zoo, fake_vllm, monkeypatch):
+    """vLLM serves the adapter over the base it loaded once: the base must survive the sleep (level 1)."""
+    from vlm_corl.config.schema import LoraConfig
+    from vlm_corl.members.engines import vllm as engine_module
+
+    monkeypatch.setattr(engine_module.AdapterSync, "write", lambda self: None)
+    monkeypatch.setattr(engine_module.AdapterSync, "request", lambda self: None)
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"]), lora=LoraConfig(r=4)), device=CPU)
+    rollout = RolloutConfig(max_prompt_tokens=512, max_new_tokens=8)
+    rollout = replace(rollout, vllm=VllmConfig(enable_sleep_mode=True, lora_sync="adapter"))
+    engine = make_engine("vllm", m, rollout, 1, 1.0)
+    engine.sleep()
+    engine.sync_weights()
+    engine.wake()
+    assert FakeLLM.instances[-1].engine_calls() == [("sleep", 1), ("wake_up", ("kv_cache", "weights"))]
 
 
 def test_vllm_reads_image_prompts_without_a_second_bos_and_must_agree_with_our_tokens(tiny_zoo, easyvqa, fake_vllm):
@@ -461,6 +428,32 @@ def test_hf_copy_of_a_zero3_member_is_in_the_rollout_dtype(tiny_zoo):
     m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), stage_on_cpu=True)
     copy = hf_copy(m.model, torch.device("meta"), torch.bfloat16)
     assert {(p.dtype, p.device.type, p.requires_grad) for p in copy.parameters()} == {(torch.bfloat16, "meta", False)}
+
+
+def test_hf_copy_keeps_rope_buffers_in_fp32(tiny_zoo):
+    """Review 2, N4: casting the whole module rounds every rotary inv_freq to bf16, an angle error that grows
+    with the position; the copy casts parameters only, so at long positions its logits stay as close to the
+    fp32 model's as its bf16 weights allow, closer than a copy with bf16 buffers."""
+    import copy as copying
+
+    from vlm_corl.members.deepspeed_update import hf_copy
+
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), stage_on_cpu=True)
+    fp32 = {n: b for n, b in m.model.named_buffers() if b.is_floating_point()}
+    assert any(n.endswith("inv_freq") for n in fp32)
+    ours = hf_copy(m.model, CPU, torch.bfloat16)
+    assert {n: b.dtype for n, b in ours.named_buffers() if n in fp32} == {n: torch.float32 for n in fp32}
+    assert all(torch.equal(b, fp32[n]) for n, b in ours.named_buffers() if n in fp32)
+    assert torch.equal(next(ours.parameters()), next(m.model.parameters()).to(torch.bfloat16))
+    exact = hf_copy(m.model, CPU, torch.float32)  # a float32 copy is the model itself
+    ids = torch.randint(10, 200, (1, 2048), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m.model(input_ids=ids).logits[0, -256:]
+        assert torch.equal(exact(input_ids=ids).logits[0, -256:], want)
+        rounded = copying.deepcopy(m.model).to(torch.bfloat16)  # what casting the whole module gave
+        err_ours = (ours(input_ids=ids).logits[0, -256:].float() - want).abs().mean()
+        err_rounded = (rounded(input_ids=ids).logits[0, -256:].float() - want).abs().mean()
+    assert err_ours < err_rounded
 
 
 def test_rollout_autocast_reads_the_weights_the_rollout_runs_on(tiny_zoo):

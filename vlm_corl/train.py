@@ -23,7 +23,7 @@ from vlm_corl.distributed.world import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
 from vlm_corl.members.rollout import release_engines
 from vlm_corl.training.guard import CollapseStopped
-from vlm_corl.training.numerics import NonFiniteStopped
+from vlm_corl.training.numerics import NonFiniteStopped, RolloutMismatchStopped
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
@@ -58,8 +58,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     except RankFailure as err:  # another rank died or hung: where every rank was, and how to resume
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (CollapseStopped, NonFiniteStopped) as err:  # the collapse guard (train.on_collapse=stop|rollback) or
-        # the numerical guard: who, where, and what was kept
+    except (CollapseStopped, NonFiniteStopped, RolloutMismatchStopped) as err:
+        # the collapse guard (train.on_collapse=stop|rollback), the numerical or the rollout guard: who, where,
+        # and what was kept
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"stopped: {err}", file=sys.stderr)
         return err.exit_status

@@ -252,6 +252,14 @@ class AlgoConfig:
         "none",
     )
     rollout_is_cap: float = _f("truncation C of the importance weight (algo.rollout_is)", 2.0, ge=1)
+    rollout_is_max_abs_dlogp: float = _f(
+        "with algo.rollout_is: stop the run (exit 3, naming the member) when a step's rollouts, each the first "
+        "after a weight sync, differ from the policy by more than this mean |log pi_train - log pi_rollout| per "
+        "token (an engine serving other weights than the trainer's; bf16 kernels differ by ~0.01-0.05); 0 = "
+        "never stop",
+        1.0,
+        ge=0,
+    )
 
 
 @dataclass(kw_only=True)

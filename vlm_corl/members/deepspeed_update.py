@@ -169,9 +169,16 @@ def attach_deepspeed(
 
 
 def hf_copy(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A frozen copy of a (host) model for HF rollouts beside its ZeRO-3 partitions, in the rollout dtype on
-    the member's device (cast a tensor at a time by `Module.to`)."""
-    return copy.deepcopy(model).eval().requires_grad_(False).to(device=device, dtype=dtype)
+    """A frozen copy of a (host) model for HF rollouts beside its ZeRO-3 partitions, on the member's device:
+    its parameters in the rollout dtype, its buffers as they are. Rotary `inv_freq` buffers are fp32 on
+    purpose: transformers upcasts them in the forward, which cannot undo a bf16 rounding (angles drift with the
+    position). Each parameter is cast as it is copied (tied ones once), so the host never holds a second fp32
+    model (an 11B member would need 44 GB more per rank)."""
+    cast = {
+        id(p): torch.nn.Parameter(p.detach().to(device=device, dtype=dtype), requires_grad=False)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, cast).eval().to(device)  # the buffers move, keeping their dtype
 
 
 def partition_zero3(model: torch.nn.Module, ds_config: dict, dp_group, mp_group, device: torch.device) -> None:

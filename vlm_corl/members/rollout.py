@@ -96,6 +96,15 @@ class RolloutEngine(Protocol):
         """Make the engine sample from the member's latest weights (no-op when it shares the module)."""
         ...
 
+    def sleep(self) -> None:
+        """Before the member's update: give back the device memory the update needs (vLLM's sleep mode).
+        Until `sync_weights` and `wake`, the engine may not generate."""
+        ...
+
+    def wake(self) -> None:
+        """After the sync: take the memory back, ready to generate."""
+        ...
+
 
 def make_engine(
     name: str,

@@ -61,7 +61,7 @@ from vlm_corl.training.guard import (
     write_best,
 )
 from vlm_corl.training.metrics import cohort_unanimity, member_metrics, unanimity
-from vlm_corl.training.numerics import NonFiniteStopped
+from vlm_corl.training.numerics import NonFiniteStopped, check_rollout_mismatch
 from vlm_corl.training.rewards import CohortBatch
 from vlm_corl.training.samples import sample_rows, samples_due
 from vlm_corl.training.setup import CohortRun, start_run
@@ -250,6 +250,8 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
     with timer("log"):
         updates, rollout_s, memory = _gather_step_facts(run, updates, rollout_s, timer)
         run.updates = updates  # every member's update stats, on every rank (the numerical guard reads them)
+        if cfg.algo.rollout_is != "none":
+            check_rollout_mismatch(step + 1, updates, cfg.algo.rollout_is_max_abs_dlogp, latest_checkpoint(run.run_dir))
         if not run.world.is_main:
             return [], []
         outcome = StepOutcome(
@@ -482,6 +484,8 @@ def update_phase(
     (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
     Returns {member id: update stats}."""
     cfg, updates = run.cfg, {}
+    for engine in {id(s.engine): s.engine for s in run.slots if s.member.cfg.trainable}.values():
+        engine.sleep()  # the update needs the memory (vLLM sleep mode; sync_phase wakes them)
     for m in run.members:
         if not m.cfg.trainable:
             continue
@@ -510,12 +514,13 @@ def update_phase(
 def sync_phase(run: CohortRun) -> None:
     """The engines of trained members and EMA teachers load the new weights, so the next rollout samples from
     the updated policy (a no-op for the HF engine, which samples from the live module; frozen peers never
-    re-sync)."""
-    synced = set()
-    for s in run.slots:
-        if id(s.engine) not in synced and (s.member.cfg.trainable or s.follows is not None):
+    re-sync); then every engine the update put to sleep wakes (weights first, then its KV cache)."""
+    engines = {id(s.engine): s for s in run.slots}
+    for s in engines.values():
+        if s.member.cfg.trainable or s.follows is not None:
             s.engine.sync_weights()
-            synced.add(id(s.engine))
+    for s in engines.values():
+        s.engine.wake()
 
 
 def batch_totals(

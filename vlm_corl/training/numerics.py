@@ -78,3 +78,31 @@ class NonFiniteTracker:
                     f"updated with them, and {resume}. Lower its learning rate (members[i].lr or train.lr) or "
                     "train.grad_clip, check its data, then resume"
                 )
+
+
+class RolloutMismatchStopped(Exception):
+    """A member's rollout engine sampled from other probabilities than its policy's (algo.rollout_is_max_abs_dlogp):
+    the run stops (exit 3) before the step's checkpoint."""
+
+    exit_status = EXIT_STATUS
+
+
+def check_rollout_mismatch(step: int, updates: dict[str, dict], limit: float, checkpoint: Path | None) -> None:
+    """Raise RolloutMismatchStopped when a member's mean |log pi_train - log pi_rollout| per token at `step`
+    (`is_abs_dlogp` of its update stats, the same on every rank) is over `limit` (0: never). Every step's
+    rollout is the first after a sync, so this catches an engine serving weights the trainer never pushed (a
+    woken engine whose weights were discarded, a sync that missed a tensor) at the step it first happens."""
+    if not limit:
+        return
+    over = {mid: s["is_abs_dlogp"] for mid, s in updates.items() if s.get("is_abs_dlogp", 0.0) > limit}
+    if not over:
+        return
+    mid, gap = max(over.items(), key=lambda kv: kv[1])
+    kept = f"the last complete checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+    raise RolloutMismatchStopped(
+        f"rollout guard: at step {step} member {mid!r}'s rollout engine gave its sampled tokens log-probs "
+        f"{gap:.3g} nats per token away from its policy's (algo.rollout_is_max_abs_dlogp={limit:g}): the engine "
+        f"serves other weights than the trainer's, so its rollouts are not the policy's. This step's update "
+        f"was weighted by the off-policy correction and is not checkpointed; {kept}. Report it with the run's "
+        "config (members[i].engine: hf rolls out from the trainer's own module meanwhile)"
+    )

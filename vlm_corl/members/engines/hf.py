@@ -41,6 +41,12 @@ class HFEngine:
     def sync_weights(self) -> None:
         """Nothing to do: sampling uses the member's live module."""
 
+    def sleep(self) -> None:
+        """Nothing to release: the engine holds no memory of its own."""
+
+    def wake(self) -> None:
+        """Nothing to take back."""
+
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[RolloutGroup]:
         member = self.member
         tok = member.tokenizer

