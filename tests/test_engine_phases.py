@@ -89,3 +89,17 @@ def test_the_rollout_guard_passes_matching_engines_and_is_off_at_zero(tiny_zoo, 
     rows = metrics(tmp_path / "run")
     assert all(0 <= r["is_abs_dlogp"] < 1e-3 for r in rows)  # the HF engine samples from the policy itself
     check_rollout_mismatch(1, {"a": {"is_abs_dlogp": 50.0}}, 0.0, None)  # 0: never stops
+
+
+@pytest.mark.parametrize("recipe", ["gpu_1node_3vlm.yaml", "gpu_1gpu_2vlm.yaml"])
+def test_the_gpu_recipes_compare_every_rollout_with_the_policy(recipe):
+    """Both GPU recipes keep the engine's log-probs and stop on a mismatch (the guard above): a vLLM engine
+    serving other weights than the trainer's shows at the first step it happens."""
+    from pathlib import Path
+
+    from vlm_corl.config import read_raw_config
+    from vlm_corl.config.schema import AlgoConfig
+
+    raw = read_raw_config(Path(__file__).resolve().parents[1] / "configs" / "cohorts" / recipe)
+    assert raw["algo"]["rollout_is"] == "token_truncated"
+    assert raw["algo"].get("rollout_is_max_abs_dlogp", AlgoConfig().rollout_is_max_abs_dlogp) > 0

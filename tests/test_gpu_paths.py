@@ -207,6 +207,62 @@ def test_deepspeed_members_get_no_gradients_or_adam_state_before_deepspeed(tiny_
     assert all(p.grad is None for p in m.model.parameters()) and not m.optimizer.state
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_adam_state_exists_before_any_engine_and_the_first_step_is_unchanged(stage):
+    """Review 2, M4: ZeRO's client AdamW would create its moments at the first step, after vLLM took its share;
+    `allocate_zero_adam_state` creates them when the engine is built, over the flat partitions as each stage
+    hands them to the optimizer (stage 3 empties its param groups between steps), and the first real step is
+    bit-identical to a lazy one. The stand-in has the attributes DeepSpeed 0.19's optimizers keep (the real
+    ones run in tests/zero3_stream_worker.py and the ZeRO-2 numerics test)."""
+    from types import SimpleNamespace
+
+    from vlm_corl.members.deepspeed_update import allocate_zero_adam_state
+
+    def zero_optimizer():
+        torch.manual_seed(0)
+        flats = [torch.randn(7, requires_grad=True), torch.randn(5, requires_grad=True)]
+        if stage == 3:  # two sub-groups of one param group, offload's gradient buffer kept on the first
+            inner = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1, weight_decay=0.1)
+            inner.param_groups[0]["params"] = []
+            flats[0].grad = torch.full_like(flats[0], 3.0)
+            return flats, SimpleNamespace(
+                optimizer=inner, fp32_partitioned_groups_flat=flats, sub_group_to_group_id=[0, 0]
+            )
+        inner = torch.optim.AdamW([{"params": [flats[0]]}, {"params": [flats[1]], "lr": 0.2}], lr=0.1, weight_decay=0.1)
+        return flats, SimpleNamespace(optimizer=inner, single_partition_of_fp32_groups=flats)
+
+    def real_step(flats, zero):  # what the ZeRO step does: the partitions' gradients filled, then the step
+        groups = zero.optimizer.param_groups
+        for i, f in enumerate(flats):
+            f.grad = torch.full_like(f, 0.5 + i)
+        if stage == 2:  # its groups hold their partitions
+            zero.optimizer.step()
+            return
+        for i, f in enumerate(flats):  # stage 3: one sub-group at a time
+            zero.optimizer.param_groups = [{**groups[zero.sub_group_to_group_id[i]], "params": [f]}]
+            zero.optimizer.step()
+            zero.optimizer.param_groups = groups
+
+    eager_flats, eager = zero_optimizer()
+    before = [f.detach().clone() for f in eager_flats]
+    held = [f.grad for f in eager_flats]
+    allocate_zero_adam_state(eager, stage)
+    assert all(torch.equal(a, b) for a, b in zip(before, eager_flats))  # learning rate 0: weights untouched
+    assert [f.grad for f in eager_flats] == held  # the gradient slots as they were (None, or offload's buffer)
+    for f in eager_flats:
+        state = eager.optimizer.state[f]
+        assert state["step"].item() == 0 and state["exp_avg"].shape == f.shape and not state["exp_avg"].any()
+    assert [g["lr"] for g in eager.optimizer.param_groups] == ([0.1] if stage == 3 else [0.1, 0.2])
+    lazy_flats, lazy = zero_optimizer()
+    real_step(eager_flats, eager)
+    real_step(lazy_flats, lazy)
+    assert all(torch.equal(a, b) for a, b in zip(eager_flats, lazy_flats))
+    assert all(
+        torch.equal(eager.optimizer.state[a]["exp_avg_sq"], lazy.optimizer.state[b]["exp_avg_sq"])
+        for a, b in zip(eager_flats, lazy_flats)
+    )
+
+
 def test_adamw_is_fused_on_cuda(tiny_zoo):
     """One kernel per step without foreach's full-size temporaries (CUDA; the kernel itself runs on a GPU)."""
     m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])))

@@ -22,6 +22,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "VLLM_CPU_
 CHECKS = (
     "initial_equal",
     "partitioned_before_initialize",
+    "adam_state_at_build",
     "refresh_in_buckets",
     "updated",
     "stream_equals_copy",

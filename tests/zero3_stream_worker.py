@@ -75,6 +75,13 @@ def main() -> None:
     result = {"initial_equal": all(torch.equal(original[k], t) for k, t in part.full_weights())}
     # ZeRO-3 weights are partitioned before DeepSpeed sees the module, and no gradient is allocated first
     result["partitioned_before_initialize"] = SEEN["initialize"] == [True, True]
+    # Adam's moments exist before the first step (before any vLLM engine would be built), over every partition
+    zero = part.deepspeed.optimizer
+    states = [zero.optimizer.state.get(f, {}) for f in zero.fp32_partitioned_groups_flat]
+    result["adam_state_at_build"] = all(
+        s and s["step"].item() == 0 and s["exp_avg_sq"].shape == f.shape
+        for s, f in zip(states, zero.fp32_partitioned_groups_flat)
+    )
 
     render = Renderer(part, "original", 10**6, 10**6)
     examples = load_examples(

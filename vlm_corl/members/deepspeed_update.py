@@ -154,7 +154,8 @@ def attach_deepspeed(
 
     ZeRO-3 members are loaded on the host (`load_member(stage_on_cpu=True)`): with `keep_full_copy` (the HF
     rollout engine) their copy is made there, then the weights are partitioned onto the device before the
-    optimizer and DeepSpeed see them. Nothing allocates gradients or Adam state before DeepSpeed does."""
+    optimizer and DeepSpeed see them. Nothing allocates gradients or Adam state before DeepSpeed does; DeepSpeed's
+    gradient partitions and the Adam moments exist when this returns (`allocate_zero_adam_state`)."""
     ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, dist.get_world_size(dp_group))
     full_copy = None
     if ds_config["zero_optimization"]["stage"] == 3:
@@ -231,6 +232,7 @@ class DeepSpeedUpdate:
         self.module = self.engine.module
         if self.stage == 3:
             _patch_zero3_trace_check()
+        allocate_zero_adam_state(self.optimizer, self.stage)
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -335,6 +337,36 @@ class DeepSpeedUpdate:
         self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
         self.scheduler.load_state_dict(state["scheduler"])
         self.engine.global_steps = state["global_steps"]
+
+
+def allocate_zero_adam_state(zero_optimizer, stage: int) -> None:
+    """Create the client AdamW's moments over ZeRO's flat fp32 partitions now, as its first step would (torch's
+    optimizers create them lazily and neither ZeRO optimizer steps at init, DeepSpeed 0.19): a step at learning
+    rate 0 on zero gradients, its step count reset, so the first real step is bit-identical to a lazy one. Run
+    before any vLLM engine is built, so vLLM's start-up check sees the 8 bytes per parameter / G already taken
+    (else they appear at step 1, over what vLLM was promised). Each partition's gradient slot is restored (CPU
+    offload keeps its buffers there)."""
+    if stage == 3:
+        flats = [
+            (zero_optimizer.sub_group_to_group_id[i], f)
+            for i, f in enumerate(zero_optimizer.fp32_partitioned_groups_flat)
+        ]
+    else:
+        flats = list(enumerate(zero_optimizer.single_partition_of_fp32_groups))
+    inner = zero_optimizer.optimizer
+    groups, held = inner.param_groups, [f.grad for _, f in flats]
+    try:
+        # the partitions as the ZeRO step hands them over (stage 3 empties the groups between steps)
+        inner.param_groups = [{**groups[g], "params": [f], "lr": 0.0} for g, f in flats]
+        for _, f in flats:
+            f.grad = torch.zeros_like(f)
+        inner.step()
+    finally:
+        inner.param_groups = groups
+        for (_, f), grad in zip(flats, held):
+            f.grad = grad
+    for _, f in flats:
+        inner.state[f]["step"].zero_()
 
 
 def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -222,8 +222,9 @@ class Member:
 
         Without DeepSpeed the gradients and Adam's moments exist from here on (torch allocates the moments at the
         first step), so a vLLM engine built after this measures free memory with them already taken. Under
-        DeepSpeed (`deepspeed`) the engine keeps gradients and moments in its own buffers, allocated when it is
-        built: nothing is allocated here."""
+        DeepSpeed (`deepspeed`) the engine keeps gradients and moments in its own buffers over its partitions:
+        nothing is allocated here, and `attach_deepspeed` creates the moments once the engine exists, also
+        before any vLLM engine."""
         if train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.autocast_dtype = update_autocast_dtype(train.mixed_precision, self.device)
