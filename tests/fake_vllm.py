@@ -7,6 +7,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 
 class FakeLLM:
@@ -19,6 +20,9 @@ class FakeLLM:
     instances: list = []
 
     def __init__(self, **kwargs):
+        # as vLLM's Worker.__init__ does (VLLM_FLOAT32_MATMUL_PRECISION, "highest" by default): TF32 off
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
         self.kwargs, self.calls = kwargs, []
         self.prompt_ids = None  # None: echo the request's own ids
         self.weights_valid = True  # the engine loaded the checkpoint
@@ -76,4 +80,7 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(engine_module, "sleep_mode_supported", lambda: True)
     monkeypatch.setattr(engine_module.torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     FakeLLM.instances = []
-    return events
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield events
+    torch.set_float32_matmul_precision(matmul)  # what a build changed, whatever the engine put back
+    torch.backends.cudnn.allow_tf32 = cudnn

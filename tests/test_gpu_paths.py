@@ -407,6 +407,17 @@ def test_sleeping_engines_release_the_allocator_before_waking_and_refuse_to_gene
     assert fake_vllm == ["empty_cache", "empty_cache"]  # one per wake_up
 
 
+def test_building_a_vllm_engine_keeps_the_trainers_tf32_setting(tiny_zoo, fake_vllm):
+    """Review 2, minor: vLLM's worker sets the process's fp32 matmul precision to "highest" (TF32 off for the
+    update's fp32 matmuls, ~8x slower on an H100); the engine puts the trainer's setting back after the build."""
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), device=CPU)
+    _vllm_engine(m)
+    assert FakeLLM.instances  # the stand-in ran, and turned TF32 off as vLLM does
+    assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+
+
 def test_a_lora_member_serving_its_adapter_sleeps_at_level_1(tiny_zoo, fake_vllm, monkeypatch):
     """vLLM serves the adapter over the base it loaded once: the base must survive the sleep (level 1)."""
     from vlm_corl.config.schema import LoraConfig
@@ -476,32 +487,32 @@ def test_every_trainer_state_exists_before_the_first_engine_is_built(tiny_zoo, t
     assert seen == [True, True]
 
 
-def test_hf_copy_of_a_zero3_member_is_in_the_rollout_dtype(tiny_zoo):
+def test_rollout_copy_of_a_zero3_member_is_in_the_rollout_dtype(tiny_zoo):
     """The full copy ZeRO-3 keeps for HF rollouts is a rollout module: bf16 on a GPU (2 bytes per parameter
     beside the partitions, not 4), on the member's device."""
-    from vlm_corl.members.deepspeed_update import hf_copy
+    from vlm_corl.members.precision import rollout_copy
 
     m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), stage_on_cpu=True)
-    copy = hf_copy(m.model, torch.device("meta"), torch.bfloat16)
+    copy = rollout_copy(m.model, torch.device("meta"), torch.bfloat16)
     assert {(p.dtype, p.device.type, p.requires_grad) for p in copy.parameters()} == {(torch.bfloat16, "meta", False)}
 
 
-def test_hf_copy_keeps_rope_buffers_in_fp32(tiny_zoo):
+def test_rollout_copy_keeps_rope_buffers_in_fp32(tiny_zoo):
     """Review 2, N4: casting the whole module rounds every rotary inv_freq to bf16, an angle error that grows
     with the position; the copy casts parameters only, so at long positions its logits stay as close to the
     fp32 model's as its bf16 weights allow, closer than a copy with bf16 buffers."""
     import copy as copying
 
-    from vlm_corl.members.deepspeed_update import hf_copy
+    from vlm_corl.members.precision import rollout_copy
 
     m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), stage_on_cpu=True)
     fp32 = {n: b for n, b in m.model.named_buffers() if b.is_floating_point()}
     assert any(n.endswith("inv_freq") for n in fp32)
-    ours = hf_copy(m.model, CPU, torch.bfloat16)
+    ours = rollout_copy(m.model, CPU, torch.bfloat16)
     assert {n: b.dtype for n, b in ours.named_buffers() if n in fp32} == {n: torch.float32 for n in fp32}
     assert all(torch.equal(b, fp32[n]) for n, b in ours.named_buffers() if n in fp32)
     assert torch.equal(next(ours.parameters()), next(m.model.parameters()).to(torch.bfloat16))
-    exact = hf_copy(m.model, CPU, torch.float32)  # a float32 copy is the model itself
+    exact = rollout_copy(m.model, CPU, torch.float32)  # a float32 copy is the model itself
     ids = torch.randint(10, 200, (1, 2048), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = m.model(input_ids=ids).logits[0, -256:]
@@ -510,6 +521,45 @@ def test_hf_copy_keeps_rope_buffers_in_fp32(tiny_zoo):
         err_ours = (ours(input_ids=ids).logits[0, -256:].float() - want).abs().mean()
         err_rounded = (rounded(input_ids=ids).logits[0, -256:].float() - want).abs().mean()
     assert err_ours < err_rounded
+
+
+def test_frozen_peers_are_served_from_one_copy_in_the_rollout_dtype(tiny_zoo):
+    """Review 2, minor: autocast caches only casts of weights that require grad, so a frozen fp32 peer under
+    bf16 autocast recast every weight at every decoded token. A frozen member's parameters are cast once at
+    load (buffers such as RoPE's inv_freq stay fp32) and it rolls out without autocast; a trained member keeps
+    its fp32 masters and autocasts."""
+    path = str(tiny_zoo["qwen3"])
+    frozen = load_member(MemberConfig(id="f", model=path, trainable=False), device=CPU, rollout="bfloat16")
+    assert {p.dtype for p in frozen.model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for n, b in frozen.model.named_buffers() if n.endswith("inv_freq")} == {torch.float32}
+    assert not frozen.rollout_autocast()._enabled
+    trained = load_member(MemberConfig(id="t", model=path), device=CPU, rollout="bfloat16")
+    assert {p.dtype for p in trained.model.parameters()} == {torch.float32} and trained.rollout_autocast()._enabled
+    kept = load_member(MemberConfig(id="k", model=path, trainable=False), device=CPU)  # fp32 rollouts: as loaded
+    assert {p.dtype for p in kept.model.parameters()} == {torch.float32}
+
+
+def test_an_ema_teacher_keeps_fp32_weights_and_samples_from_a_bf16_copy_refreshed_at_each_sync(tiny_zoo):
+    """co_rewarding_2's teacher moves by EMA steps too small for bf16, so its weights stay fp32; with the HF
+    engine it samples from one bf16 copy (no per-token recast), which the sync refreshes after every EMA step.
+    With vLLM the engine keeps its own copy: none here."""
+    from vlm_corl.training.slots import ema_update, load_teacher
+
+    student = load_member(MemberConfig(id="s", model=str(tiny_zoo["qwen3"])), device=CPU, rollout="bfloat16")
+    teacher = load_teacher(student, None)
+    assert {p.dtype for p in teacher.model.parameters()} == {torch.float32}
+    assert teacher.generation_module is teacher.rollout_copy and not teacher.rollout_autocast()._enabled
+    assert {p.dtype for p in teacher.rollout_copy.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        for p in student.model.parameters():
+            p.add_(0.5)
+    ema_update(teacher.model, student.full_weights(), 0.5)
+    stale = next(teacher.rollout_copy.parameters()).clone()
+    make_engine("hf", teacher).sync_weights()
+    fresh = [p.to(torch.bfloat16) for p in teacher.model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(teacher.rollout_copy.parameters(), fresh))
+    assert not torch.equal(stale, next(teacher.rollout_copy.parameters()))
+    assert load_teacher(student, None, hf_rollouts=False).rollout_copy is None
 
 
 def test_rollout_autocast_reads_the_weights_the_rollout_runs_on(tiny_zoo):

@@ -29,7 +29,6 @@ How the update is driven (measured with deepspeed 0.19.8, torch 2.14.1, CPU/gloo
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from vlm_corl.distributed.checkpoint import read_state
 from vlm_corl.errors import UserError
+from vlm_corl.members.precision import rollout_copy
 
 STATE_FILE = "deepspeed_state.{}.pt"
 _REFUSED = {
@@ -160,26 +160,13 @@ def attach_deepspeed(
     full_copy = None
     if ds_config["zero_optimization"]["stage"] == 3:
         if keep_full_copy:
-            full_copy = hf_copy(member.model, member.device, member.rollout_dtype)
+            full_copy = rollout_copy(member.model, member.device, member.rollout_dtype)
         partition_zero3(member.model, ds_config, dp_group, mp_group, member.device)
     else:
         member.model.to(member.device)
     member.setup_optimizer(train, total_updates, deepspeed=True)
     bucket = bucket_bytes if bucket_bytes is not None else int(train.gather_bucket_mb * (1 << 20))
     member.deepspeed = DeepSpeedUpdate(member, ds_config, dp_group, mp_group, full_copy, bucket)
-
-
-def hf_copy(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A frozen copy of a (host) model for HF rollouts beside its ZeRO-3 partitions, on the member's device:
-    its parameters in the rollout dtype, its buffers as they are. Rotary `inv_freq` buffers are fp32 on
-    purpose: transformers upcasts them in the forward, which cannot undo a bf16 rounding (angles drift with the
-    position). Each parameter is cast as it is copied (tied ones once), so the host never holds a second fp32
-    model (an 11B member would need 44 GB more per rank)."""
-    cast = {
-        id(p): torch.nn.Parameter(p.detach().to(device=device, dtype=dtype), requires_grad=False)
-        for p in model.parameters()
-    }
-    return copy.deepcopy(model, cast).eval().to(device)  # the buffers move, keeping their dtype
 
 
 def partition_zero3(model: torch.nn.Module, ds_config: dict, dp_group, mp_group, device: torch.device) -> None:

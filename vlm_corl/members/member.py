@@ -33,7 +33,7 @@ from vlm_corl.members.lora import (
     merged_weights,
     scalings,
 )
-from vlm_corl.members.precision import DTYPES, rollout_dtype, update_autocast_dtype
+from vlm_corl.members.precision import DTYPES, cast_parameters, rollout_dtype, serves_lower, update_autocast_dtype
 from vlm_corl.members.rollout import Policy
 from vlm_corl.registry import FAMILIES
 
@@ -72,6 +72,9 @@ class Member:
         self.deepspeed = None  # a DeepSpeedUpdate when train.deepspeed is set (vlm_corl.members.deepspeed_update)
         self.peft = None  # PEFT's wrapper of a LoRA member (its adapters are injected into `model` itself)
         self.lora_scaling: dict[str, float] = {}  # adapted layer -> alpha / r (vlm_corl.members.lora)
+        # An EMA teacher's copy in the rollout dtype for HF rollouts (its fp32 weights are what the EMA steps
+        # move); refreshed by the HF engine's sync (`refresh_rollout_copy`)
+        self.rollout_copy: torch.nn.Module | None = None
 
     @property
     def id(self) -> str:
@@ -94,7 +97,17 @@ class Member:
     def generation_module(self) -> torch.nn.Module:
         """The module HF rollouts and scoring passes run: the live model, or under DeepSpeed ZeRO-3 with the HF
         engine the full copy refreshed after every update (a partitioned member has none: see `partitioned`)."""
+        if self.rollout_copy is not None:
+            return self.rollout_copy
         return self.deepspeed.full_model if self.deepspeed is not None else self.model
+
+    @torch.no_grad()
+    def refresh_rollout_copy(self) -> None:
+        """Copy the current weights into the rollout-dtype copy, where there is one (an EMA teacher)."""
+        if self.rollout_copy is None:
+            return
+        for copied, weight in zip(self.rollout_copy.parameters(), self.model.parameters()):  # one structure
+            copied.copy_(weight)
 
     @property
     def partitioned(self) -> bool:
@@ -212,7 +225,7 @@ class Member:
         masters sampled in bf16). Under torch.no_grad (as the HF engine runs it) autocast caches its weight casts
         for the whole context: a rollout casts each weight once, not once per decoded token."""
         weights = next((self.model if self.partitioned else self.generation_module).parameters()).dtype
-        lower = self.rollout_dtype != weights and self.rollout_dtype in (torch.bfloat16, torch.float16)
+        lower = serves_lower(self.rollout_dtype, weights)
         return torch.autocast(self.device.type, dtype=self.rollout_dtype if lower else torch.bfloat16, enabled=lower)
 
     # ---- optimisation -----------------------------------------------------------------------------------
@@ -534,9 +547,11 @@ def load_member(
         # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
         # every update to rounding. Compute runs in bf16 under autocast (vlm_corl.members.precision).
         model.float()
+    serving = rollout_dtype(rollout, device, checkpoint_dtype)
     if not cfg.trainable:
         model.requires_grad_(False)
-    serving = rollout_dtype(rollout, device, checkpoint_dtype)
+        if serves_lower(serving, model.dtype):  # a frozen peer of fp32 weights: one copy, in bf16
+            cast_parameters(model, serving)
     member = Member(cfg, family, model, processor, tokenizer, device, checkpoint_dtype, serving)
     if peft_model is not None:
         member.peft, member.lora_scaling = peft_model, scalings(model)

@@ -9,6 +9,8 @@ On a CPU the defaults keep the checkpoint's dtype, so the test suite's fp32 tiny
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,3 +29,30 @@ def rollout_dtype(setting: str, device: torch.device, checkpoint_dtype: torch.dt
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else checkpoint_dtype
     return DTYPES[setting]
+
+
+def serves_lower(rollout: torch.dtype, weights: torch.dtype) -> bool:
+    """Whether rollouts compute below the weights' precision (fp32 weights served in bf16 or fp16)."""
+    return rollout != weights and rollout in (torch.bfloat16, torch.float16)
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast a frozen model's floating parameters to `dtype` in place, once (a member that never trains: served
+    in the rollout dtype, where autocast would recast every frozen weight at every decoded token, since it
+    caches only casts of weights that require grad). Buffers keep their dtype: rotary `inv_freq` is fp32 on
+    purpose (transformers upcasts it in the forward, which cannot undo a bf16 rounding)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
+def rollout_copy(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A frozen copy of `model` to sample from, on `device`: its parameters in the rollout `dtype`, its buffers
+    as they are (see `cast_parameters`). Each parameter is cast as it is copied (tied ones once), so the host
+    never holds a second full-precision model (an 11B member would need 44 GB more per rank). The HF engine's
+    copy of a ZeRO-3 member, and of an EMA teacher, whose fp32 weights the EMA steps need."""
+    cast = {
+        id(p): torch.nn.Parameter(p.detach().to(device=device, dtype=dtype), requires_grad=False)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, cast).eval().to(device)  # the buffers move, keeping their dtype

@@ -21,6 +21,7 @@ import torch
 from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.data.records import ViewError, parse_view
 from vlm_corl.members.member import Member, load_member
+from vlm_corl.members.precision import rollout_copy, serves_lower
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import RolloutEngine, make_engine
 
@@ -93,7 +94,7 @@ def build_slots(
             continue
         model, engine, follows = member, engines[member.id], None
         if spec.teacher:
-            model = load_teacher(member, resume_from)
+            model = load_teacher(member, resume_from, hf_rollouts=kind[member.id] == "hf")
             engine, follows = engine_for(model, kind[member.id]), member
         renderer = Renderer(
             model,
@@ -126,15 +127,19 @@ def check_views(examples: Sequence[Example], slots: Sequence[SlotSpec | Slot], f
     return {sid: len(ids) for sid, ids in missing.items()}
 
 
-def load_teacher(student: Member, resume_from: Path | None) -> Member:
-    """The EMA teacher: the student's initial weights, or the teacher saved in the checkpoint when resuming."""
+def load_teacher(student: Member, resume_from: Path | None, hf_rollouts: bool = True) -> Member:
+    """The EMA teacher: the student's initial weights, or the teacher saved in the checkpoint when resuming.
+    With `hf_rollouts` (the HF engine) and a rollout dtype below fp32 it also gets a copy in that dtype to
+    sample from, refreshed at every sync (a vLLM engine keeps its own)."""
     cfg = replace(student.cfg, id=student.id + TEACHER_SUFFIX, trainable=False, lora=None)
     source = resume_from / cfg.id if resume_from else student.cfg.model
-    teacher = load_member(cfg, source, student.device)
+    teacher = load_member(cfg, source, student.device, rollout="float32")  # the weights as saved, not cast
     # fp32 like its student: an EMA step of (1 - 0.9999) x a small difference vanishes in bf16 rounding. It
     # rolls out and is saved like its student (rollout and checkpoint dtypes).
     teacher.model.float().eval()
     teacher.checkpoint_dtype, teacher.rollout_dtype = student.checkpoint_dtype, student.rollout_dtype
+    if hf_rollouts and serves_lower(teacher.rollout_dtype, torch.float32):
+        teacher.rollout_copy = rollout_copy(teacher.model, teacher.device, teacher.rollout_dtype)
     return teacher
 
 

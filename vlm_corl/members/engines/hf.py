@@ -39,7 +39,8 @@ class HFEngine:
         self.member = member
 
     def sync_weights(self) -> None:
-        """Nothing to do: sampling uses the member's live module."""
+        """Sampling uses the member's live module; an EMA teacher's rollout-dtype copy takes its new weights."""
+        self.member.refresh_rollout_copy()
 
     def sleep(self) -> None:
         """Nothing to release: the engine holds no memory of its own."""

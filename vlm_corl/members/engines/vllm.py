@@ -12,6 +12,7 @@ Nothing here imports vllm at module level: importing this module must not load t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib
@@ -107,22 +108,23 @@ class VLLMEngine:
                 # for Qwen2.5-VL), which would reserve encoder memory for images that never come.
                 vision["mm_processor_kwargs"] = {"max_pixels": max_image_pixels}
         try:
-            self._llm = LLM(
-                model=str(member.cfg.model),
-                dtype=member.rollout_dtype,
-                trust_remote_code=member.cfg.trust_remote_code,
-                max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
-                tensor_parallel_size=settings.tensor_parallel_size,
-                enforce_eager=settings.enforce_eager,
-                enable_sleep_mode=self._sleep,
-                **budget,
-                # Under torchrun/accelerate every rank runs its own engine inside its process.
-                distributed_executor_backend="external_launcher" if distributed else "uni",
-                # Log-probs after the logit bias and temperature: the distribution the update trains.
-                logprobs_mode="processed_logprobs",
-                **vision,
-                **llm_kwargs,
-            )
+            with _trainer_matmul_precision():
+                self._llm = LLM(
+                    model=str(member.cfg.model),
+                    dtype=member.rollout_dtype,
+                    trust_remote_code=member.cfg.trust_remote_code,
+                    max_model_len=rollout.max_prompt_tokens + rollout.max_new_tokens,
+                    tensor_parallel_size=settings.tensor_parallel_size,
+                    enforce_eager=settings.enforce_eager,
+                    enable_sleep_mode=self._sleep,
+                    **budget,
+                    # Under torchrun/accelerate every rank runs its own engine inside its process.
+                    distributed_executor_backend="external_launcher" if distributed else "uni",
+                    # Log-probs after the logit bias and temperature: the distribution the update trains.
+                    logprobs_mode="processed_logprobs",
+                    **vision,
+                    **llm_kwargs,
+                )
         except (ValueError, RuntimeError) as err:
             if not _is_memory_error(err):
                 raise
@@ -316,6 +318,19 @@ def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
+
+
+@contextlib.contextmanager
+def _trainer_matmul_precision() -> Iterator[None]:
+    """Keep the trainer's fp32 matmul settings across an engine build: vLLM's worker sets
+    `torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION)` ("highest" by default) for the whole
+    process, which would turn TF32 off for every fp32 matmul of the update from then on."""
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
 
 
 def sleep_mode_supported() -> bool:
