@@ -42,7 +42,8 @@ def test_rollout_benchmark_hf_side(tiny_zoo):
 
 def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     """bench/gpu_check.sh at the tiny size on the CPU: every check it runs on a lent GPU (real-size members,
-    rollout precision, training with its memory plan, ZeRO-3, a LoRA member, a kill and resume) runs here too and
+    rollout precision, the ZeRO-3 copy's fp32 RoPE buffers, training with its memory plan, ZeRO-2 and ZeRO-3, a
+    LoRA member, a kill and resume) runs here too and
     reports its JSON."""
     proc = subprocess.run(
         ["bash", "bench/gpu_check.sh", "--size", "tiny", "--steps", "2", "--out", str(tmp_path)],
@@ -58,7 +59,11 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert result["members"]["parameters"]["qwen"] > 0
     cached = result["rollout_precision"]["autocast_cached"]["weight_casts_per_call"]
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
-    for run in ("train", "zero3", "lora"):
+    assert result["sleep_wake"]["skipped"] and result["rope_buffers"]["inv_freq_dtypes"] == ["torch.float32"]
+    errors = result["rope_buffers"]["mean_abs_logit_error"]
+    assert result["rope_buffers"]["ok"] and errors["fp32_buffers"] <= errors["bf16_buffers"]
+    assert result["zero2"]["update_plan_gb"] > 0  # the measured peak beside it needs CUDA
+    for run in ("train", "zero2", "zero3", "lora"):
         qwen = result[run]["qwen"]
         assert result[run]["steps"] == 2 and qwen["time_step"] > 0 and qwen["tokens_per_s"] > 0 and qwen["loss_finite"]
         assert qwen["prompt_cache_mb"] > 0 and result[run]["plan"]["fits"] and result[run]["plan"]["peak_gb"] > 0
