@@ -21,7 +21,8 @@ from vlm_corl import cli, export
 from vlm_corl.config import config_from_dict
 from vlm_corl.config.parse import ConfigError
 from vlm_corl.config.schema import LoraConfig, MemberConfig
-from vlm_corl.members.lora import merged_weights, scalings, target_modules
+from vlm_corl.members.deepspeed_update import named_tensors
+from vlm_corl.members.lora import adapter_tensors, merged_weights, scalings, target_modules
 from vlm_corl.members.member import load_member
 from vlm_corl.training.loop import run_cohort
 
@@ -135,6 +136,34 @@ def test_merging_copies_the_held_parts_only_where_the_stream_releases_them(monke
         fake.deepspeed = None if stage is None else type("DS", (), {"stage": stage, "full_weights": lambda self: []})()
         fake.full_weights()
         assert seen[-1] is expected, stage
+
+
+def test_the_adapter_sync_under_zero3_gathers_the_adapters_alone(tiny_zoo, monkeypatch):
+    """Review 2, 2b: a LoRA member serving its adapter (lora_sync: adapter) writes it at every sync; under ZeRO-3
+    that gathered every base parameter to pick out a few MB. Only the trainable (adapter) parameters are
+    gathered now, and the adapter is the same as from the whole stream."""
+    import contextlib
+
+    import deepspeed
+
+    from vlm_corl.members.deepspeed_update import DeepSpeedUpdate
+
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"]), lora=LoraConfig(r=4)))
+    gathered = []
+
+    def gather(params, modifier_rank=None):
+        gathered.extend(params)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gather)
+    update = DeepSpeedUpdate.__new__(DeepSpeedUpdate)  # the stream alone, over the member's (unpartitioned) module
+    update.stage, update.module, update.bucket_bytes = 3, member.model, 1 << 20
+    member.deepspeed = update
+    adapter = member.adapter_weights()
+    adapters = [p for p in member.model.parameters() if p.requires_grad]
+    assert adapters and [id(p) for p in gathered] == [id(p) for p in adapters]
+    whole = adapter_tensors(named_tensors(member.model))
+    assert sorted(adapter) == sorted(whole) and all(torch.equal(adapter[k], whole[k]) for k in whole)
 
 
 def test_default_targets_are_the_language_models_projections(tiny_zoo):

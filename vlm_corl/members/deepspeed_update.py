@@ -244,24 +244,29 @@ class DeepSpeedUpdate:
             raise RuntimeError("a partitioned ZeRO-3 member has no full module: stream its weights (full_weights)")
         return self.full_copy if self.full_copy is not None else self.module
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(state-dict name, full fp32 tensor) of every parameter and persistent buffer; under ZeRO-3 a
         collective over the group (every rank of the member iterates to the end, in the same order), also when
         the HF engine's copy exists (it holds the rollout dtype, not the masters).
 
         ZeRO-3: parameters are gathered a bucket of `bucket_bytes` at a time; a yielded tensor is valid until
         the next one of another bucket is asked for (consumers copy it: vLLM's loader, the EMA lerp, the
-        checkpoint writer's host copy)."""
+        checkpoint writer's host copy). `trainable_only`: the parameters that train, without buffers (a LoRA
+        member's adapters: each sync gathers a few MB, not the frozen base)."""
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad or not trainable_only]
         if self.stage != 3:
-            yield from named_tensors(self.module)
+            yield from ((n, p.data) for n, p in named)
+            if not trainable_only:
+                yield from _persistent_buffers(self.module)
             return
         import deepspeed
 
-        for bucket in _buckets(list(self.module.named_parameters()), self.bucket_bytes):
+        for bucket in _buckets(named, self.bucket_bytes):
             with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
                 for name, p in bucket:
                     yield name, p.data
-        yield from _persistent_buffers(self.module)
+        if not trainable_only:
+            yield from _persistent_buffers(self.module)
 
     def backward(self, loss: torch.Tensor) -> None:
         # x group size: DeepSpeed averages over the group, our per-rank losses add up to the batch's loss.

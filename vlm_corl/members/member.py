@@ -131,8 +131,13 @@ class Member:
         return merged_weights(raw, self.lora_scaling, copy=self.streams_weights)  # ZeRO-3's gathers are released
 
     def adapter_weights(self) -> dict[str, torch.Tensor]:
-        """A LoRA member's adapter tensors (host copies, PEFT's names); a collective under ZeRO-3 as above."""
-        raw = self.deepspeed.full_weights() if self.deepspeed is not None else named_tensors(self.model)
+        """A LoRA member's adapter tensors (host copies, PEFT's names); a collective under ZeRO-3 as above, over
+        the adapters alone (the frozen base is never gathered for them)."""
+        raw = (
+            self.deepspeed.full_weights(trainable_only=True)
+            if self.deepspeed is not None
+            else named_tensors(self.model)
+        )
         return adapter_tensors(raw)
 
     @property
