@@ -146,6 +146,27 @@ def test_example_configs_parse(name, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------- per-field rules
 
 
+def test_a_renamed_or_removed_key_names_its_new_spelling(models):
+    """A cohort file written for an earlier version: the old key's message says what to write instead
+    (vlm_corl.config.renamed), in the file and in dotted overrides."""
+    assert one_problem(cohort(logging={"tensorboard": False})).startswith(
+        "'logging.tensorboard' was renamed or removed; use logging.report_to: write `report_to: [tensorboard]`"
+    )
+    raw = cohort()
+    raw["members"][1]["num_processes"] = 2
+    assert one_problem(raw).startswith("'members[1].num_processes' was renamed or removed; use members[].ranks")
+
+
+def test_the_renamed_table_names_no_live_field():
+    """A row for a key that exists again would hide it behind a wrong message; and each row says what to do."""
+    from vlm_corl.config.parse import _walk
+    from vlm_corl.config.renamed import RENAMED
+
+    live = {path for path, _, _ in _walk(CohortConfig)}
+    assert RENAMED and not set(RENAMED) & live
+    assert all(instead.split(":", 1)[0].split(" ")[0] in live for instead in RENAMED.values())  # the new key exists
+
+
 def test_unknown_keys_suggest_the_closest_valid_one(models):
     assert one_problem(cohort(rollout={"temprature": 0.5})) == (
         "unknown key 'rollout.temprature': did you mean 'temperature'?"

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from vlm_corl.config.renamed import renamed_hint
 from vlm_corl.config.schema import CohortConfig
 from vlm_corl.errors import UserError
 
@@ -155,7 +156,11 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def _unknown_key(path: str, key: Any, cls: type) -> str:
-    """The message for a key `cls` lacks, with the closest valid key or where a same-named field lives."""
+    """The message for a key `cls` lacks: its new spelling when it was renamed or removed
+    (vlm_corl.config.renamed), else the closest valid key or where a same-named field lives."""
+    renamed = renamed_hint(path)
+    if renamed is not None:
+        return renamed
     names = [f.name for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
     if close:
