@@ -62,7 +62,7 @@ GPU_BUNDLE := .gpu-bundle
 GPU_WHEELS := transformers==5.19.0 huggingface_hub==1.33.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
 	antlr4-python3-runtime==4.13.2 easy-vqa==1.0 qwen-vl-utils==0.0.14 hjson==3.1.0 py-cpuinfo==9.0.0 \
 	einops==0.8.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	psutil==7.2.2 msgpack==1.2.4 ninja==1.13.2 pyyaml==6.0.4 pillow==13.0.0
+	psutil==7.2.2 msgpack==1.2.4 ninja==1.13.2 pyyaml==6.0.4 pillow==13.0.0 peft==0.21.2
 gpu-bundle: setup
 	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)
 	$(VENV)/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -308,7 +308,7 @@ def main(argv=None) -> int:
 
     from vlm_corl import cli
 
-    for name in ("transformers", "deepspeed", "accelerate"):
+    for name in ("transformers", "deepspeed", "accelerate", "peft"):
         try:
             result[name] = version(name)
         except PackageNotFoundError:

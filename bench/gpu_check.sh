@@ -20,6 +20,7 @@ needs='import deepspeed, math_verify, easy_vqa, qwen_vl_utils, transformers, vlm
 from importlib.metadata import entry_points
 from packaging.version import Version
 assert Version(transformers.__version__) >= Version("5.19"), transformers.__version__
+import peft; assert Version(peft.__version__) >= Version("0.20"), peft.__version__  # what transformers 5.19 declares
 assert entry_points(group="vlm_corl.families"), "this project is not installed"'
 if ! "$PY" -c "$needs" 2>/dev/null; then
   if [ -d .gpu-bundle ]; then

@@ -56,6 +56,7 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     result = json.loads(proc.stdout)  # stdout holds only the JSON, whatever the libraries print
     assert proc.returncode == 0 and result["ok"], json.dumps(result)[-3000:]
     assert result["mode"] == "cpu fallback" and result["vllm"].startswith("skipped")
+    assert result["peft"] and result["transformers"]  # the versions the check ran with
     assert result["members"]["parameters"]["qwen"] > 0
     cached = result["rollout_precision"]["autocast_cached"]["weight_casts_per_call"]
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
