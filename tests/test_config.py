@@ -167,6 +167,18 @@ def test_the_renamed_table_names_no_live_field():
     assert all(instead.split(":", 1)[0].split(" ")[0] in live for instead in RENAMED.values())  # the new key exists
 
 
+def test_a_quoted_boolean_for_a_template_switch_is_refused(models):
+    """`enable_thinking: "no"` (quoted) reaches the template as a non-empty string, which is true there."""
+    raw = cohort()
+    raw["members"][0]["chat_template_kwargs"] = {"enable_thinking": "no", "name": "x"}
+    assert one_problem(raw) == (
+        "members[0].chat_template_kwargs.enable_thinking: the string 'no' is true in a chat template (any "
+        "non-empty string is): write enable_thinking: false, a YAML boolean, without quotes"
+    )
+    raw["members"][0]["chat_template_kwargs"] = {"enable_thinking": False}
+    assert config_from_dict(raw).members[0].chat_template_kwargs == {"enable_thinking": False}
+
+
 def test_unknown_keys_suggest_the_closest_valid_one(models):
     assert one_problem(cohort(rollout={"temprature": 0.5})) == (
         "unknown key 'rollout.temprature': did you mean 'temperature'?"

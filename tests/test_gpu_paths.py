@@ -353,6 +353,10 @@ def test_chat_template_kwargs_reach_the_template(tiny_zoo):
     assert m.apply_chat_template("2+2?", 0, None) == "NO-THINK 2+2?"
     m.cfg = replace(m.cfg, chat_template_kwargs={"enable_thinking": True})
     assert m.apply_chat_template("2+2?", 0, None) == "2+2?"
+    # another variable merges with the family's defaults (it used to replace them: thinking back on)
+    m.cfg = replace(m.cfg, chat_template_kwargs={"custom_flag": 1})
+    assert m.apply_chat_template("2+2?", 0, None) == "NO-THINK 2+2?"
+    assert m.chat_template_kwargs == {"enable_thinking": False, "custom_flag": 1}
     llama = load_member(MemberConfig(id="l", model=str(tiny_zoo["llama"]), trainable=False))
     llama.tokenizer.chat_template = template
     assert llama.apply_chat_template("2+2?", 0, None) == "2+2?"  # other families pass nothing

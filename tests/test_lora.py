@@ -264,6 +264,21 @@ def test_the_planner_counts_adapters_not_the_whole_model(tiny_zoo, tmp_path):
     assert whole["optimizer"] == 8 * base
 
 
+def test_a_lora_target_that_matches_no_layer_names_it_and_the_layers_there_are(tiny_zoo):
+    """A typo in lora.target_modules used to adapt only the entries that matched, silently."""
+    from vlm_corl.errors import UserError
+
+    typo = LoraConfig(r=4, target_modules=["q_proj", "v_prj"])
+    with pytest.raises(UserError) as err:
+        load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"]), lora=typo))
+    text = str(err.value)
+    assert text.startswith("member 'q': lora.target_modules: 'v_prj' matches no linear layer of the language model")
+    assert "q_proj" in text and "v_proj" in text and "down_proj" in text  # the names that exist
+    assert "'q_proj'" not in text.split("named")[0]  # the one that matched is not blamed
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"]), trainable=False))
+    assert target_modules(member.model, LoraConfig(target_modules=["q_proj", "v_proj"]))
+
+
 def test_lora_on_a_frozen_member_is_a_config_error(tiny_zoo, tmp_path):
     cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"]), ("m", tiny_zoo["mllama"])])
     cfg["members"][1].update(trainable=False, lora=LORA)

@@ -26,6 +26,10 @@ from vlm_corl.errors import UserError
 from vlm_corl.members.lora import base_model_dir, is_adapter_dir
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 
+# Strings a user means as booleans: a quoted "no" would switch a template's flag on (vlm_corl/config/loading.py)
+_TRUE_WORDS = {"yes", "y", "true", "on", "1"}
+_BOOLEAN_WORDS = _TRUE_WORDS | {"no", "n", "false", "off", "0"}
+
 
 def validate(cfg: CohortConfig, processes: int | None = None) -> None:
     """Cross-field checks (the per-field ones run while parsing); raises ConfigError listing every problem.
@@ -143,6 +147,13 @@ def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
                     f"members[{i}].lora.vision",
                     "vLLM serves adapters of the language model only: with adapters in the vision tower use "
                     "rollout.vllm.lora_sync: merged",
+                )
+        for key, value in (m.chat_template_kwargs or {}).items():
+            if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
+                problems.add(
+                    f"members[{i}].chat_template_kwargs.{key}",
+                    f"the string {value!r} is true in a chat template (any non-empty string is): write "
+                    f"{key}: {str(value.strip().lower() in _TRUE_WORDS).lower()}, a YAML boolean, without quotes",
                 )
         if m.lora is not None and not m.trainable:
             problems.add(

@@ -90,8 +90,8 @@ class MemberConfig:
         None,
     )
     chat_template_kwargs: dict[str, Any] | None = _f(
-        "extra variables for the chat template, e.g. {enable_thinking: false} for Qwen3; null = the family's "
-        "defaults (Qwen3: enable_thinking false)",
+        "extra variables for the chat template, merged over the family's defaults key by key (Qwen3: "
+        "enable_thinking false), e.g. {enable_thinking: true}",
         None,
     )
     lora: LoraConfig | None = _f(

@@ -38,19 +38,25 @@ def in_vision_tower(name: str) -> bool:
 def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """The full names of the linear layers that get adapters: those whose last name part is one of
     `lora.target_modules` (default: the language model's projections) outside the vision tower, and with
-    `lora.vision` every linear layer of the vision tower. Raises UserError when nothing matches."""
+    `lora.vision` every linear layer of the vision tower. Raises UserError when an entry the user gave matches
+    no linear layer of the language model (a typo would otherwise adapt only the entries that match), or when
+    nothing matches at all."""
     wanted = set(lora.target_modules or LM_PROJECTIONS)
-    names = []
+    names, available = [], set()
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
-        tower = in_vision_tower(name)
-        if (tower and lora.vision) or (not tower and name.rsplit(".", 1)[-1] in wanted):
+        tower, last = in_vision_tower(name), name.rsplit(".", 1)[-1]
+        available.update(() if tower else (last,))
+        if (tower and lora.vision) or (not tower and last in wanted):
             names.append(name)
-    if not names:
+    unmatched = sorted(wanted - available) if lora.target_modules else []
+    if unmatched or not names:
         raise UserError(
-            f"lora.target_modules: no linear layer of the model is named {sorted(wanted)}; name the last part of "
-            "its projections (e.g. q_proj), or leave it null for the language model's attention and MLP"
+            f"lora.target_modules: {', '.join(map(repr, unmatched or sorted(wanted)))} "
+            f"match{'es' if len(unmatched) == 1 else ''} no linear layer of the language model, whose layers "
+            f"are named {', '.join(sorted(available))}; name the last part of its projections, or leave "
+            "target_modules null for the language model's attention and MLP"
         )
     return names
 

@@ -205,9 +205,9 @@ class Member:
 
     @property
     def chat_template_kwargs(self) -> dict:
-        """Variables the chat template renders with: members[i].chat_template_kwargs, else the family's defaults."""
-        own = self.cfg.chat_template_kwargs
-        return dict(self.family.chat_template_kwargs) if own is None else dict(own)
+        """Variables the chat template renders with: the family's defaults, updated key by key with
+        members[i].chat_template_kwargs (giving one key keeps Qwen3's `enable_thinking: false`)."""
+        return {**dict(self.family.chat_template_kwargs), **(self.cfg.chat_template_kwargs or {})}
 
     def prepare_image(self, image, max_pixels: int):
         """A loaded picture at the size this member's model reads (`Family.prepare_image`; else unchanged)."""
@@ -537,7 +537,10 @@ def load_member(
     try:
         if cfg.lora is not None and cfg.trainable:
             model.name_or_path = str(Path(base).resolve())  # what the adapter's config names as its base
-            peft_model = inject(model, cfg.lora, adapter)
+            try:
+                peft_model = inject(model, cfg.lora, adapter)
+            except UserError as err:  # which member's lora settings
+                raise UserError(f"member {cfg.id!r}: {err}") from err
         elif adapter is not None:
             model = load_merged(model, adapter)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
