@@ -279,6 +279,24 @@ def test_a_lora_target_that_matches_no_layer_names_it_and_the_layers_there_are(t
     assert target_modules(member.model, LoraConfig(target_modules=["q_proj", "v_proj"]))
 
 
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_truncated_adapter_file_names_the_member_and_its_directory(lora_run, base_models, tmp_path, trainable):
+    """Resuming a LoRA member (trainable) or loading its checkpoint as a frozen peer or for export (merged)
+    from a torn adapter file: a MemberLoadError (exit 2) naming the directory, not safetensors' own error."""
+    from vlm_corl.members.member import MemberLoadError
+
+    torn = tmp_path / "q"
+    shutil.copytree(lora_run / "checkpoints" / "step-2" / "q", torn)
+    data = (torn / "adapter_model.safetensors").read_bytes()
+    (torn / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    if trainable:  # resuming: the member's base, its adapter read from the checkpoint
+        cfg = MemberConfig(id="q", model=str(base_models["qwen2_vl"]), lora=LoraConfig(**LORA))
+    else:
+        cfg = MemberConfig(id="q", model=str(torn), trainable=False)
+    with pytest.raises(MemberLoadError, match=rf"member 'q': cannot apply the adapter in {torn}"):
+        load_member(cfg, torn)
+
+
 def test_lora_on_a_frozen_member_is_a_config_error(tiny_zoo, tmp_path):
     cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"]), ("m", tiny_zoo["mllama"])])
     cfg["members"][1].update(trainable=False, lora=LORA)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoProcessor, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -543,7 +544,7 @@ def load_member(
                 raise UserError(f"member {cfg.id!r}: {err}") from err
         elif adapter is not None:
             model = load_merged(model, adapter)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # a truncated adapter file too
         if adapter is None:
             raise
         raise MemberLoadError(
