@@ -160,6 +160,24 @@ def test_a_run_directory_holds_one_run(tiny_zoo, tmp_path, caplog):
     assert summary["checkpoint"].endswith("step-1") and not (tmp_path / "run" / "checkpoints" / "step-3").exists()
 
 
+def test_a_torn_last_row_is_restored_from_the_checkpoint(tiny_zoo, tmp_path):
+    """A kill mid-write can leave member a's row of the checkpoint's step whole and b's torn: the resume puts
+    b's row back from the checkpoint (it used to restore rows only when no row of that step survived)."""
+    cfg = cohort(tmp_path, [("a", tiny_zoo["qwen2_vl"]), ("b", tiny_zoo["mllama"])], reward={"mode": "ring"})
+    cfg["train"].update(max_steps=2, save_every=2)
+    run_cohort(config_from_dict(cfg))
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    whole = {(json.loads(x)["step"], json.loads(x)["member"]): json.loads(x) for x in lines}
+    torn = [x for x in lines if (json.loads(x)["step"], json.loads(x)["member"]) != (2, "b")]
+    path.write_text("\n".join(torn) + "\n" + lines[-1][: len(lines[-1]) // 2])  # b's step-2 row torn
+    run_cohort(config_from_dict({**cfg, "train": {**cfg["train"], "resume": True, "max_steps": 3}}))
+    rows = metrics(tmp_path / "run")
+    assert sorted((r["step"], r["member"]) for r in rows) == [(s, m) for s in (1, 2, 3) for m in ("a", "b")]
+    restored = next(r for r in rows if (r["step"], r["member"]) == (2, "b"))
+    assert restored == {k: v for k, v in whole[(2, "b")].items() if not k.startswith("time_")}  # timed after
+
+
 def test_summary_records_dropped_records_and_the_environment(tiny_zoo, tmp_path):
     rows = [{"id": f"q{i}", "question": f"What is {i}?", "answer": str(i)} for i in range(6)] + [{"question": "no id?"}]
     rows += [{"id": "broken", "answer": "1"}]  # no question

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from vlm_corl.config import CohortConfig
 from vlm_corl.config.engine_layout import member_engine
+from vlm_corl.config.loading import config_to_dict
 from vlm_corl.config.schema import EvalConfig
 from vlm_corl.data.answers import extract_answer
 from vlm_corl.data.records import Example
@@ -599,6 +600,7 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
         if run.cfg.train.deepspeed and cfg_of.trainable and not spec.teacher:  # one optimizer partition per rank
             required[model_id] = required[model_id][:-1] + state_files(len(run.placement[spec.member_id]))
     state = {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}
+    state["config"] = config_to_dict(run.cfg)  # what the checkpoint means: a resume compares its own with it
     save_checkpoint(run.world, run.run_dir, step, [(m, writers[m.id]) for m in models], state, run.cfg.train.keep_last)
 
 

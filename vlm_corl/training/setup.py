@@ -16,6 +16,7 @@ from vlm_corl.cli import output_dir
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
 from vlm_corl.config.loading import config_to_dict
+from vlm_corl.config.resume_rules import changed_at_resume
 from vlm_corl.config.schema import DatasetConfig
 from vlm_corl.data.loaders import DataError, load_examples, loader_category
 from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
@@ -78,6 +79,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     run_dir = Path(cfg.output_dir)
     resume_from = _resume_point(cfg, run_dir)
     state = load_cohort_state(resume_from) if resume_from else None
+    if state is not None:
+        _check_resumed_config(state, cfg, resume_from)
     if state is not None and state["step"] >= cfg.train.max_steps:  # before anything expensive is loaded
         raise ConfigError(
             [
@@ -169,9 +172,12 @@ def _restore(state: dict | None, sampler: LockstepSampler, world: World, sink) -
     restore_rng(state["rng"], world)
     if sink is not None:
         history, eval_history = sink.truncate_after(start)
-        if not any(row["step"] == start for row in history):  # killed between checkpoint and metrics write
-            sink.write(state.get("rows", []))
-            history += state.get("rows", [])
+        # Killed between the checkpoint and the metrics write, or mid-write (one member's row whole, the next
+        # torn and dropped): every row of the checkpoint's step that did not survive comes from the checkpoint.
+        kept = {row["member"] for row in history if row["step"] == start}
+        missing = [row for row in state.get("rows", []) if row["member"] not in kept]
+        sink.write(missing)
+        history += missing
     return start, history, eval_history
 
 
@@ -301,6 +307,25 @@ def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
         for name in found:
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _check_resumed_config(state: dict, cfg: CohortConfig, checkpoint: Path) -> None:
+    """Refuse a resume whose config changes a field the checkpoint's meaning depends on (the rules and why:
+    vlm_corl.config.resume_rules), naming each field with its value there and here; a checkpoint written
+    before checkpoints kept their config is not checked."""
+    if "config" not in state:
+        log.warning("%s holds no config (written by an earlier version): the resumed config is not checked", checkpoint)
+        return
+    changed = changed_at_resume(state["config"], config_to_dict(cfg))
+    if changed:
+        raise ConfigError(
+            [
+                f"{path} changed since {checkpoint} was written ({old!r} there, {new!r} now): {why}. Put it back "
+                "to resume, or start a new run (another output_dir, or train.overwrite=true)"
+                for path, old, new, why in changed
+            ],
+            [path for path, *_ in changed],
+        )
 
 
 def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
