@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The memory plan (vlm_corl.planning) against what a real run allocates, on CPU: states and activations.
+"""The memory plan (vlm_corl.planning) against what a real run allocates, on CPU: states, activations, ZeRO's step.
 
 For each zoo size and update (plain data parallel, ZeRO-2, ZeRO-3 on DeepSpeed's CPU accelerator), a 2-member
 cohort (Qwen2-VL and Mllama, both on every rank, hosted in turn) is launched on --processes gloo ranks with
@@ -10,11 +10,16 @@ runs one training step, then measures:
   (`RankPlan.states_bytes`: weights, gradients, optimizer, full copies, DeepSpeed's buckets);
 - activations: the bytes autograd saved for the backward in one micro-batch (saved_tensors_hooks, parameters
   excluded), against the plan's activation and logits estimate at the step's real shapes (its longest prompt and
-  response, its images' patches), not at the config's upper bounds.
+  response, its images' patches), not at the config's upper bounds;
+- the ZeRO optimizer step's transient: the peak of the bytes allocated during each DeepSpeed member's
+  `optimizer.step()` over what was there when it began (torch.profiler's CPU memory events), through the end of
+  the client AdamW's step (not the all-gather of the updated weights after it: gloo's CPU all-gather allocates
+  full-size buffers NCCL's, in place, does not), against the plan's `step_flat_gradients` (the step's flat fp32
+  copy of the gradient partition: an upper bound, a partition of one tensor is flattened without a copy).
 Prints ONE JSON object: per case and rank, measured, planned and their ratio.
 
     python bench/plan_check.py                            # tiny and small, dp/zero2/zero3, 2 processes (~5 min)
-    python bench/plan_check.py --sizes tiny --updates dp  # the default suite's smallest run
+    python bench/plan_check.py --sizes tiny --updates dp,zero2  # the default suite's smallest run
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ def launcher(args) -> dict:
             report["cases"][case] = {"seconds": round(time.perf_counter() - start, 1), "ranks": ranks}
     states = [r["states_ratio"] for c in report["cases"].values() for r in c.get("ranks", [])]
     report["states_within_tolerance"] = bool(states) and all(abs(x - 1) <= TOLERANCE for x in states)
+    steps = [s["ratio"] for c in report["cases"].values() for r in c.get("ranks", []) for s in r["zero_step"].values()]
+    report["zero_step_within_plan"] = all(x is not None and x <= 1 + TOLERANCE for x in steps)
     report["errors"] = [k for k, c in report["cases"].items() if "error" in c]
     return report
 
@@ -143,14 +150,44 @@ def live_storages(skip: set[int]) -> dict[int, int]:
     return found
 
 
+class StepPeaks:
+    """Each DeepSpeed member's optimizer-step transient: the peak of the CPU bytes allocated during its ZeRO
+    optimizer's `step()` over what was allocated when it began, through the client AdamW's step (torch.profiler's
+    memory events: an op's own allocations at its start, frees where they happen)."""
+
+    def __init__(self, members):
+        self.peaks: dict[str, int] = {}
+        for m in members:
+            if getattr(m, "deepspeed", None) is not None:
+                self._wrap(m.id, m.deepspeed.optimizer)
+
+    def _wrap(self, member_id: str, optimizer) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        step = optimizer.step
+
+        def profiled(*args, **kwargs):
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out = step(*args, **kwargs)
+            events = sorted(prof.events(), key=lambda e: e.time_range.start)
+            # through the client AdamW's step (the flatten before it, its temporaries), not the all-gather after
+            end = max((e.time_range.end for e in events if e.name.startswith("Optimizer.step#")), default=float("inf"))
+            running = peak = 0
+            for event in (e for e in events if e.time_range.start <= end):
+                running += event.self_cpu_memory_usage
+                peak = max(peak, running)
+            self.peaks[member_id] = max(self.peaks.get(member_id, 0), peak)
+            return out
+
+        optimizer.step = profiled
+
+
 def worker(cfg_path: str, out: str) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from vlm_corl.config import load_config
-    from vlm_corl.planning import estimates as est
     from vlm_corl.planning.cohort import STATES, Hardware, plan_cohort
-    from vlm_corl.planning.shapes import model_shape
     from vlm_corl.training.loop import PhaseTimer, RenderAhead, step_phases
     from vlm_corl.training.setup import start_run
 
@@ -158,6 +195,7 @@ def worker(cfg_path: str, out: str) -> None:
     run = start_run(cfg)
     params = {p.untyped_storage().data_ptr() for m in run.members for p in m.model.parameters()}
     saved = SavedForBackward(params)
+    step_peaks = StepPeaks(run.members)
     renders = RenderAhead(run)
     at_steps = []  # live tensor bytes right after each optimizer step (gradients, moments and buckets all there)
 
@@ -181,19 +219,8 @@ def worker(cfg_path: str, out: str) -> None:
     mine = next(r for r in plan.ranks if r.rank == run.world.rank)
     planned = mine.states_bytes()
     buckets = sum(it.bytes for it in mine.items if it.part == "ds_buckets")
-    # The activation estimate at this step's real shapes: its longest prompt and the responses' length.
     prompt_tokens = max(int(p.inputs["input_ids"].shape[-1]) for s in run.slots for p in s.renderer.cached_prompts())
-    estimates = {}
-    for m in run.members:
-        shape = model_shape(str(m.cfg.model))
-        patches = est_patches(m, run)
-        micro = cfg.train.micro_batch_size
-        acts = est.activation_bytes(
-            shape, micro * (prompt_tokens + cfg.rollout.max_new_tokens), micro * patches, 4, False
-        )
-        estimates[m.id] = (
-            sum(acts.values()) + est.logits_bytes(micro, cfg.rollout.max_new_tokens, shape.vocab, 4) - (est.CHUNK_BYTES)
-        )
+    estimates = activation_estimates(run, prompt_tokens)
     row = {
         "rank": run.world.rank,
         "states_measured_mb": round(measured / 2**20, 2),
@@ -208,10 +235,41 @@ def worker(cfg_path: str, out: str) -> None:
         "activation_estimate_mb": round(max(estimates.values()) / 2**20, 3),
         "activation_ratio": round(saved.peak / max(estimates.values()), 3),
         "prompt_tokens": prompt_tokens,
+        "zero_step": zero_step(mine, step_peaks.peaks),
     }
     with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")
     run.world.barrier()
+
+
+def activation_estimates(run, prompt_tokens: int) -> dict[str, float]:
+    """{member: the plan's activation and logits estimate} at this step's real shapes: its longest prompt
+    (`prompt_tokens`), the responses' length, each member's images' patches (fp32, no checkpointing)."""
+    from vlm_corl.planning import estimates as est
+    from vlm_corl.planning.shapes import model_shape
+
+    cfg, out = run.cfg, {}
+    for m in run.members:
+        shape = model_shape(str(m.cfg.model))
+        micro = cfg.train.micro_batch_size
+        tokens = micro * (prompt_tokens + cfg.rollout.max_new_tokens)
+        acts = est.activation_bytes(shape, tokens, micro * est_patches(m, run), 4, False)
+        logits = est.logits_bytes(micro, cfg.rollout.max_new_tokens, shape.vocab, 4) - est.CHUNK_BYTES
+        out[m.id] = sum(acts.values()) + logits
+    return out
+
+
+def zero_step(rank_plan, peaks: dict[str, int]) -> dict[str, dict]:
+    """Per DeepSpeed member on this rank: the measured step transient against the plan's `step_flat_gradients`."""
+    out = {}
+    for member, peak in peaks.items():
+        flat = sum(it.bytes for it in rank_plan.items if it.member == member and it.part == "step_flat_gradients")
+        out[member] = {
+            "measured_mb": round(peak / 2**20, 3),
+            "planned_mb": round(flat / 2**20, 3),
+            "ratio": round(peak / flat, 3) if flat else None,
+        }
+    return out
 
 
 def est_patches(member, run) -> int:

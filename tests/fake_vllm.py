@@ -3,6 +3,7 @@ the stand-in keeps what a real engine's weight memory would hold, so a rollout f
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
@@ -71,6 +72,7 @@ def fake_vllm(monkeypatch):
     """`vllm` replaced by a recorder, on a pretend CUDA machine (sleep mode on); returns the list of
     `torch.cuda.empty_cache` calls."""
     vllm = types.ModuleType("vllm")
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # "installed" for importlib.util.find_spec
     vllm.LLM = FakeLLM
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", vllm)

@@ -3,6 +3,7 @@ what to do, before any training (no traceback); Ctrl-C exits 130 with the checkp
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -86,6 +87,11 @@ MISTAKES = {  # name: (overrides, a piece of the first line of the message)
     "fp16 training": (["members.0.dtype=float16"], "members[0].dtype: float16 training needs loss scaling"),
     "unknown key": (["train.lrr=0.1"], "unknown key 'train.lrr'"),
 }
+if importlib.util.find_spec("vllm") is None:  # the main environment (the vLLM lane's has it)
+    MISTAKES["vllm not installed"] = (  # refused before any model loads, with the install line
+        ["members.0.engine=vllm"],
+        "members[0].engine: member 'q' rolls out with vLLM, which is not installed here: pip install -e '.[vllm]'",
+    )
 
 
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))

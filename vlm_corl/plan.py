@@ -6,7 +6,10 @@ reference, EMA teacher, frozen peers, DeepSpeed's buffers, the vLLM engine's wei
 rollout's KV cache, and an update's activations and logits; the peak against the card, a verdict, and the
 changes that would make it fit, each with the memory it saves. `--suggest` searches the cheapest layout that
 fits and prints it as lines for the cohort file. No weights are read: parameter counts come from each member's
-config.json on the `meta` device (vlm_corl.planning). Exit 0 with the plan, 2 on a bad config or argument.
+config.json on the `meta` device (vlm_corl.planning); a member whose model directory is not downloaded yet but
+is named like a released architecture under configs/models/ is planned from that config.json (said on stderr).
+Beside the GPUs: the host memory of every node and the disk the checkpoints take. Exit 0 with the plan, 2 on a bad
+config or argument.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from vlm_corl import cli
-from vlm_corl.config import ConfigError, load_config
+from vlm_corl.config import ConfigError, load_config, read_raw_config
 from vlm_corl.errors import UserError
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import Hardware, layout_problems, plan_cohort
@@ -37,6 +41,21 @@ def memory_size(text: str) -> float:
     return float(found.group(1)) * UNITS[found.group(2).lower()]
 
 
+def released_stand_ins(config: str, overrides: Sequence[str]) -> list[str]:
+    """Overrides that plan a member whose model directory does not exist from the released architecture of the
+    same name under configs/models/ (config.json only: the planner reads no weights), each said on stderr."""
+    from vlm_corl.planning.tables import MODELS
+
+    out = []
+    for i, m in enumerate(read_raw_config(config, overrides).get("members") or []):
+        model = str(m.get("model", "")) if isinstance(m, dict) else ""
+        released = MODELS / Path(model).name
+        if model and not Path(model).exists() and (released / "config.json").is_file():
+            out.append(f"members.{i}.model={released}")
+            print(f"note: members[{i}].model {model} does not exist: planned with {released}", file=sys.stderr)
+    return out
+
+
 def main(argv: Sequence[str]) -> int:
     parser = cli.parser("python -m vlm_corl.plan", __doc__)
     parser.add_argument("--config", required=True, help="cohort YAML file")
@@ -49,9 +68,13 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     processes = args.nodes * args.gpus_per_node
     label = f"{args.nodes} node{'s' * (args.nodes > 1)} x {args.gpus_per_node} GPU{'s' * (args.gpus_per_node > 1)}"
-    hardware = Hardware(processes, args.gpu_memory, cuda=True, label=f"{label} of {args.gpu_memory / GB:.0f} GB")
+    hardware = Hardware(
+        processes, args.gpu_memory, cuda=True, label=f"{label} of {args.gpu_memory / GB:.0f} GB",
+        ranks_per_node=args.gpus_per_node,
+    )  # fmt: skip
     try:
-        cfg = load_config(args.config, args.overrides)
+        stand_ins = released_stand_ins(args.config, args.overrides)
+        cfg = load_config(args.config, [*args.overrides, *stand_ins])
     except ConfigError as err:
         raise UserError(f"{args.config}: " + "; ".join(err.problems)) from None
     problems = layout_problems(cfg, processes)

@@ -2,8 +2,12 @@
 
 - `shapes`: a model's sizes from its config.json alone (parameters on the meta device, dimensions);
 - `estimates`: pure byte estimates of activations, logits, KV caches and DeepSpeed's buffers;
-- `cohort`: the per-rank plan of a cohort on given hardware, by phase (resident, rollout, update);
+- `layout`: a member's layout read from the config (ZeRO settings, states layout, dtypes, trained parameters);
+- `cohort`: the per-rank plan of a cohort on given hardware, by phase (resident, rollout, update, step), with
+  `engines` (each vLLM engine's share, and the smallest KV cache of every engine slot over the ranks), `host`
+  (host memory per node) and `disk` (the checkpoints' disk);
 - `fixes`: the changes that would make a plan fit, each planned again; `suggest`: the cheapest layout that fits;
-- `render`: the plan as text; `check`: `train`'s check before any model loads; `tables`: the docs' figures.
+- `render`: the plan as text; `check`: `train`'s memory and disk checks before any model loads; `tables`: the
+  docs' figures.
 The states arithmetic itself (bytes per parameter by layout) is `vlm_corl.members.memory`.
 """

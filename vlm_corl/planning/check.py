@@ -1,17 +1,20 @@
 """`train`'s memory check: the plan of this launch (`plan_cohort` on the device every rank has), made on every
 rank before any model loads, so that a layout that cannot fit stops every rank alike with exit 2
-(`train.check_memory`)."""
+(`train.check_memory`); beside it the disk check: the free space on output_dir's disk against what the run's
+checkpoints will take (`vlm_corl.planning.disk`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from vlm_corl.config import CohortConfig, ConfigError
+from vlm_corl.errors import UserError
 from vlm_corl.members.member import member_family
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import CohortPlan, Hardware, plan_cohort
@@ -30,6 +33,7 @@ def check_mode(cfg: CohortConfig, device: torch.device) -> str:
 def launch_hardware(cfg: CohortConfig, device: torch.device, processes: int) -> Hardware:
     """The hardware this launch runs on: train.device_memory_gb, else the CUDA card's memory, else the host's RAM
     over the node's processes (LOCAL_WORLD_SIZE, as torchrun and accelerate set it)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
     if cfg.train.device_memory_gb is not None:
         per_rank, what = cfg.train.device_memory_gb * GB, "train.device_memory_gb"
     elif device.type == "cuda":
@@ -38,11 +42,10 @@ def launch_hardware(cfg: CohortConfig, device: torch.device, processes: int) -> 
             torch.cuda.get_device_name(device),
         )
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
         per_rank = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(local, 1)
         what = "host RAM"
     label = f"{processes} rank{'s' * (processes > 1)} of {per_rank / GB:.1f} GB ({what})"
-    return Hardware(processes, per_rank, cuda=device.type == "cuda", label=label)
+    return Hardware(processes, per_rank, cuda=device.type == "cuda", label=label, ranks_per_node=local)
 
 
 def check_launch(cfg: CohortConfig, device: torch.device, processes: int, is_main: bool) -> CohortPlan | None:
@@ -76,6 +79,59 @@ def check_launch(cfg: CohortConfig, device: torch.device, processes: int, is_mai
     if is_main:
         log.warning("%s\n%s", message, render_plan(plan, cfg.name))
     return plan
+
+
+class DiskTooSmall(UserError):
+    """output_dir's disk cannot hold the run's checkpoints (names both sizes, the directory and what to do)."""
+
+
+def check_disk(cfg: CohortConfig, world, plan: CohortPlan | None) -> None:
+    """Before any model loads: stop (train.check_memory error; auto on CUDA) or warn (warn; auto elsewhere) when
+    the free space on output_dir's disk is below what the checkpoints need (`plan.disk`, less what checkpoints
+    already in output_dir hold); nothing with check_memory off (`plan` None). Every rank reads the free space
+    and all decide on the smallest (one collective), so they stop alike."""
+    if plan is None or plan.disk is None:
+        return
+    mode = check_mode(cfg, world.device)
+    where = existing_parent(Path(cfg.output_dir))
+    need = plan.disk.total - held_bytes(Path(cfg.output_dir) / "checkpoints")
+    free = min(world.all_gather(shutil.disk_usage(where).free))
+    if free >= need:
+        return
+    disk = plan.disk
+    message = (
+        f"checkpoint disk: the run's checkpoints need {size(need)} ({size(disk.one)} per checkpoint x {disk.copies}: "
+        f"{disk.copies_text()}{f', and {size(disk.best)} of best weights' if disk.best else ''}) but the disk of "
+        f"output_dir {cfg.output_dir} ({where}) has {size(free)} free"
+    )
+    if mode == "error":
+        raise DiskTooSmall(
+            message + ": free space there, lower train.keep_last, or choose an output_dir on a larger disk (or set "
+            "train.check_memory: warn to try anyway)"
+        )
+    if world.is_main:
+        log.warning("%s; the run goes on (train.check_memory: %s) and stops when the disk fills", message, mode)
+
+
+def size(nbytes: float) -> str:
+    """Bytes as a person reads them: GB, or MB below a tenth of one."""
+    return f"{nbytes / GB:.2f} GB" if abs(nbytes) >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
+
+
+def existing_parent(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (where a directory not made yet will be)."""
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def held_bytes(directory: Path) -> float:
+    """Bytes of the files under `directory` (checkpoints already written: a resumed run's count toward
+    train.keep_last, an overwritten run's are removed); 0 when it does not exist."""
+    if not directory.is_dir():
+        return 0.0
+    return float(sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()))
 
 
 def against_plan(plan: CohortPlan | None, rank: int, peaks_gb: dict[str, float]) -> dict[str, float]:

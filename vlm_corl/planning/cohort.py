@@ -2,36 +2,44 @@
 takes (states, DeepSpeed buffers, vLLM engines and KV cache, the HF rollout's KV cache, an update's activations
 and logits), the peak, the headroom left on the card, a verdict, and the changes that would make it fit.
 
-A rank's memory is counted in three phases. Resident: what stays allocated through the step (every hosted
-member's states; a vLLM engine's whole share unless sleep mode frees it during updates). Rollout and update:
-what one member allocates on top while it rolls out or trains; members hosted on the same ranks take their
-turns, so a phase costs its largest member. The peak is resident + the larger phase. A card is usable up to its
-memory less a reserve for the CUDA context, communication buffers and allocator fragmentation (`RESERVE_*`).
+A rank's memory is counted in four phases. Resident: what stays allocated through the step (every hosted
+member's states, Adam's moments included: they exist before any vLLM engine is built; a vLLM engine's whole
+share unless sleep mode frees it during updates, and what sleep mode cannot free). Rollout, update and step:
+what one member allocates on top while it rolls out, runs its forward/backward passes, or takes its optimizer
+step (ZeRO's gradient partitions and the step's flat copy of them, `estimates.zero_step_bytes`); members hosted
+on the same ranks take their turns, so a phase costs its largest member. The peak is resident + the largest
+phase. A card is usable up to its memory less a reserve for the CUDA context, communication buffers and
+allocator fragmentation (`RESERVE_*`). Beside the GPU plan: the host memory of every node (`host`) and the
+checkpoints' disk (`disk`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from vlm_corl.config.engine_layout import engine_layout_problems, member_engine, vllm_engines_by_rank
+from vlm_corl.config.engine_layout import engine_layout_problems
 from vlm_corl.config.schema import CohortConfig, MemberConfig, has_teachers
 from vlm_corl.distributed.world import PlacementError, place_members, shard
 from vlm_corl.members.memory import GB, Layout, member_bytes
-from vlm_corl.members.precision import rollout_dtype, update_autocast_dtype
+from vlm_corl.members.precision import update_autocast_dtype
 from vlm_corl.planning import estimates as est
-from vlm_corl.planning.shapes import DTYPE_BYTES, ModelShape, adapter_count, model_shape
+from vlm_corl.planning.disk import DiskPlan, checkpoint_disk
+from vlm_corl.planning.engines import TEACHER, EngineShare, SlotKV, engine_shares, slot_minimum
+from vlm_corl.planning.host import HostPlan, host_memory
+from vlm_corl.planning.layout import adapters, member_layout, rollout_bytes, zero_settings  # noqa: F401 (re-exported)
+from vlm_corl.planning.shapes import ModelShape, model_shape
 
 RESERVE_BYTES = 1e9  # CUDA context and NCCL buffers, per GPU
 RESERVE_SHARE = 0.05  # allocator fragmentation: this share of the device stays out of the plan
-PHASES = ("resident", "rollout", "update")
+PHASES = ("resident", "rollout", "update", "step")
 # The parts that hold a member's weights and training state (the rest: engines, KV caches, activations, logits)
 STATES = ("weights", "gradients", "optimizer", "full_copy", "kl_reference", "ema_teacher", "ds_buckets")
+# Update-phase parts still there at the optimizer step (the backward's activations and logits are freed by then)
+STEP_KEEPS = ("gradients",)
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class Hardware:
     device_bytes: float
     cuda: bool = True  # precision defaults follow the device (bf16 on CUDA)
     label: str = ""
+    ranks_per_node: int = 0  # consecutive ranks per node (host memory is per node); 0 = all on one node
 
     @property
     def usable_bytes(self) -> float:
@@ -69,12 +78,14 @@ class RankPlan:
     capacity: float
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    engine_shares: float = 0.0  # the vLLM engines' shares, all of which vLLM's start-up check wants free
 
     def phase_bytes(self, phase: str) -> float:
-        """Resident: the sum; rollout and update: the largest member's (members on a rank take turns)."""
+        """Resident: the sum; rollout, update and step: the largest member's (members on a rank take turns). The
+        step also holds the member's update-phase gradient partitions (`STEP_KEEPS`)."""
         per_member: dict[str, float] = {}
         for it in self.items:
-            if it.phase == phase:
+            if it.phase == phase or (phase == "step" and it.phase == "update" and it.part in STEP_KEEPS):
                 per_member[it.member] = per_member.get(it.member, 0.0) + it.bytes
         if phase == "resident":
             return sum(per_member.values())
@@ -91,8 +102,17 @@ class RankPlan:
         return resident + max(during.values(), default=0.0)
 
     @property
+    def start_bytes(self) -> float:
+        """When the vLLM engines start (after every trainer state, Adam's moments included): the resident states
+        and each engine's whole share, which vLLM's start-up check wants free (`request_memory`); 0 without vLLM."""
+        if not self.engine_shares:
+            return 0.0
+        states = (it.bytes for it in self.items if it.phase == "resident" and "vllm" not in it.part)
+        return sum(states) + self.engine_shares
+
+    @property
     def peak(self) -> float:
-        return self.phase_bytes("resident") + max(self.phase_bytes("rollout"), self.phase_bytes("update"))
+        return max(self.phase_bytes("resident") + max(self.phase_bytes(p) for p in PHASES[1:]), self.start_bytes)
 
     @property
     def fits(self) -> bool:
@@ -111,6 +131,7 @@ class RankPlan:
             "fits": self.fits,
             "peak_gb": round(self.peak / GB, 3),
             **{f"{p}_gb": round(self.phase_bytes(p) / GB, 3) for p in PHASES},
+            "vllm_start_gb": round(self.start_bytes / GB, 3),
             "usable_gb": round(self.usable / GB, 3),
             "capacity_gb": round(self.capacity / GB, 3),
             "headroom_gb": round((self.usable - self.peak) / GB, 3),
@@ -133,6 +154,9 @@ class CohortPlan:
     placement: dict[str, tuple[int, ...]]
     ranks: list[RankPlan]
     fixes: list[dict] = field(default_factory=list)  # `vlm_corl.planning.fixes.fixes`, when asked for
+    engine_slots: list[dict] = field(default_factory=list)  # vLLM's KV cache per engine slot (`engines.SlotKV`)
+    host: HostPlan | None = None  # host memory per node
+    disk: DiskPlan | None = None  # the checkpoints' disk
 
     @property
     def fits(self) -> bool:
@@ -160,80 +184,74 @@ class CohortPlan:
             "worst_rank": self.worst.rank,
             "placement": {m: list(r) for m, r in self.placement.items()},
             "ranks": [r.to_dict() for r in self.ranks],
+            "vllm_kv_cache_by_slot": self.engine_slots,
+            **(self.host.to_dict() if self.host else {}),
+            **(self.disk.to_dict() if self.disk else {}),
             "fixes": self.fixes,
         }
 
 
-def zero_settings(cfg: CohortConfig) -> dict:
-    """The zero_optimization section of train.deepspeed ({} without DeepSpeed)."""
-    if not cfg.train.deepspeed:
-        return {}
-    return json.loads(Path(cfg.train.deepspeed).read_text()).get("zero_optimization", {"stage": 2})
+@dataclass(frozen=True)
+class _Launch:
+    """What a member's items depend on besides the member: the config, its ZeRO settings, the hardware, the
+    placement, and the vLLM engines (each rank's share, and each engine slot's smallest KV cache)."""
 
-
-def member_layout(cfg: CohortConfig, member: MemberConfig, ranks: int, zero: dict, cuda: bool) -> Layout:
-    """The states layout (`vlm_corl.members.memory.Layout`) of `member` on `ranks` ranks."""
-    shape = model_shape(str(member.model))
-    stage = zero.get("stage", 2) if zero and member.trainable else None
-    serving = _dtype_bytes(rollout_dtype(cfg.rollout.dtype, _device(cuda), _checkpoint_dtype(shape)))
-    return Layout(
-        trainable=member.trainable,
-        zero=stage,
-        ranks=ranks,
-        engine=member_engine(cfg, member),
-        offload_optimizer=stage is not None and "offload_optimizer" in zero,
-        offload_params=stage == 3 and "offload_param" in zero,
-        rollout_bytes=serving,
-        frozen_bytes=_loaded_bytes(member, shape),
-        kl_reference=cfg.algo.kl_beta > 0 and member.trainable,
-        ema_teacher=has_teachers(cfg) and member.trainable,
-        adapters=adapters(member),
-    )
-
-
-def adapters(member: MemberConfig) -> int:
-    """The adapter parameters of a LoRA member (0 for any other)."""
-    lora = member.lora
-    if lora is None or not member.trainable:
-        return 0
-    targets = tuple(lora.target_modules) if lora.target_modules else None
-    return adapter_count(str(member.model), lora.r, targets, lora.vision)
+    cfg: CohortConfig
+    zero: dict
+    hw: Hardware
+    placement: dict[str, tuple[int, ...]]
+    engines: dict[tuple[int, int], EngineShare]
+    slots: dict[int, SlotKV]
 
 
 def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
-    """The memory plan of `cfg` launched on `hardware` (raises PlacementError if the members cannot be placed)."""
+    """The memory plan of `cfg` launched on `hardware` (raises PlacementError if the members cannot be placed):
+    every rank's GPU, every node's host memory and the checkpoints' disk."""
     placement = place_members(cfg.members, hardware.processes)
-    teachers = has_teachers(cfg)
-    engines = vllm_engines_by_rank(cfg, placement, teachers)
-    zero = zero_settings(cfg)
+    serving = {m.id: rollout_bytes(cfg, m, hardware.cuda) for m in cfg.members}
+    shares = engine_shares(cfg, placement, hardware.device_bytes, hardware.cuda, lambda m: serving[m.id])
+    slots = slot_minimum(shares)
+    launch = _Launch(cfg, zero_settings(cfg), hardware, placement, shares, slots)
     ranks = []
     for rank in range(hardware.processes):
         plan = RankPlan(rank, [], [], hardware.usable_bytes, hardware.device_bytes)
+        if hardware.cuda:  # vLLM's start-up check of free GPU memory (on a CPU the KV cache is a set size)
+            plan.engine_shares = sum(s.share for (where, _), s in shares.items() if where == rank)
         for m in cfg.members:
             if rank in placement[m.id]:
                 plan.members.append(m.id)
-                _member_items(cfg, m, placement[m.id], rank, len(engines.get(rank, [])), zero, hardware, plan)
+                _member_items(launch, m, rank, plan)
         ranks.append(plan)
-    return CohortPlan(hardware, placement, ranks)
+    out = CohortPlan(hardware, placement, ranks, engine_slots=[s.to_dict(shares) for s in slots.values()])
+    out.host = host_memory(cfg, placement, _zero2_room(launch, ranks), hardware.ranks_per_node, hardware.cuda)
+    out.disk = checkpoint_disk(cfg, serving)
+    return out
 
 
-def _member_items(
-    cfg: CohortConfig,
-    m: MemberConfig,
-    ranks: tuple[int, ...],
-    rank: int,
-    engines_here: int,
-    zero: dict,
-    hw: Hardware,
-    plan: RankPlan,
-) -> None:
+def _zero2_room(launch: _Launch, ranks: list[RankPlan]) -> dict[int, dict[str, float]]:
+    """{rank: {member: GPU bytes free when its ZeRO-2 optimizer flattens its weights}}: the card less the CUDA
+    context, the states of the members loaded before it on the rank (members load in turn, before any rollout
+    engine or EMA teacher), and its own weights (on a CPU launch: 0, the flat copy is on the host either way)."""
+    out: dict[int, dict[str, float]] = {}
+    for plan in ranks:
+        before = 0.0
+        for member in plan.members:
+            mine = [it for it in plan.items if it.member == member and it.phase == "resident" and it.part in STATES]
+            own = sum(it.bytes for it in mine if it.part == "weights")
+            free = launch.hw.device_bytes - RESERVE_BYTES - before - own if launch.hw.cuda else 0.0
+            out.setdefault(plan.rank, {})[member] = free
+            before += sum(it.bytes for it in mine if it.part != "ema_teacher")
+    return out
+
+
+def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -> None:
     """Add member `m`'s items on `rank` to `plan` (and what cannot work to its problems)."""
+    cfg, hw = launch.cfg, launch.hw
+    ranks = launch.placement[m.id]
     shape = model_shape(str(m.model))
-    layout = member_layout(cfg, m, len(ranks), zero, hw.cuda)
-    r, t = cfg.rollout, cfg.train
+    layout = member_layout(cfg, m, len(ranks), launch.zero, hw.cuda)
+    r = cfg.rollout
     prompts = len(shard(cfg.data.batch_size, ranks, rank))
-    rows = prompts * r.n
-    patches = shape.patches_per_image(cfg.data.max_image_pixels)
 
     def add(part: str, nbytes: float, phase: str) -> None:
         if nbytes > 0:
@@ -246,80 +264,87 @@ def _member_items(
     if layout.ema_teacher:
         add("ema_teacher", 4 * shape.params, "resident")
     if m.trainable:
-        compute = 2 if update_autocast_dtype(t.mixed_precision, _device(hw.cuda)) is not None else 4
-        for part, nbytes in est.deepspeed_buffers(zero, shape).items():
-            add(part, nbytes, "resident" if part == "ds_buckets" else "update")
-        micro = min(t.micro_batch_size, rows)
-        acts = est.activation_bytes(
-            shape, micro * (r.max_prompt_tokens + r.max_new_tokens), micro * patches, compute, t.gradient_checkpointing
-        )
-        for tower, nbytes in acts.items():
-            add(f"activations_{tower}", nbytes, "update")
-        add("logits", est.logits_bytes(micro, r.max_new_tokens, shape.vocab, compute), "update")
-        if compute == 2 and layout.zero != 3:  # autocast's bf16 casts of the fp32 weights, kept for the backward
-            fp32_base = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base loaded in bf16 needs none
-            add("autocast_weights", 2 * ((shape.params if fp32_base else 0) + layout.adapters), "update")
-    max_model_len = r.max_prompt_tokens + r.max_new_tokens
+        _update_items(launch, shape, layout, prompts * r.n, add)
     if layout.engine == "vllm":
-        _vllm_items(cfg, m, shape, layout, rows, max_model_len, engines_here, hw, plan, add)
-    else:
-        hf = est.hf_rollout_bytes(
-            shape, prompts, r.n, r.max_prompt_tokens, r.max_new_tokens, patches, layout.rollout_bytes
-        )
-        for part, nbytes in hf.items():
-            add(f"rollout_{part}", nbytes, "rollout")
-        fp32_weights = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base in bf16 samples as it is
-        casts = m.trainable and layout.zero != 3 and layout.rollout_bytes < 4 and fp32_weights
-        if casts:  # the rollout's autocast caches one bf16 cast of each fp32 master
-            add("autocast_weights", layout.rollout_bytes * shape.params, "rollout")
+        for (where, _), share in launch.engines.items():
+            if where == rank and share.engine in (m.id, m.id + TEACHER):
+                _vllm_items(launch, share, plan, add)
+        return
+    patches = shape.patches_per_image(cfg.data.max_image_pixels)
+    hf = est.hf_rollout_bytes(shape, prompts, r.n, r.max_prompt_tokens, r.max_new_tokens, patches, layout.rollout_bytes)
+    for part, nbytes in hf.items():
+        add(f"rollout_{part}", nbytes, "rollout")
+    fp32_weights = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base in bf16 samples as it is
+    if m.trainable and layout.zero != 3 and layout.rollout_bytes < 4 and fp32_weights:
+        # the rollout's autocast caches one bf16 cast of each fp32 master
+        add("autocast_weights", layout.rollout_bytes * shape.params, "rollout")
 
 
-def _vllm_items(cfg, m, shape, layout, rows, max_model_len, engines_here, hw, plan, add) -> None:
-    """A member's vLLM engine: its share of gpu_memory_utilization (weights, then KV cache and vLLM's own
-    activations); resident unless sleep mode frees it during updates (CUDA only)."""
-    v = cfg.rollout.vllm
-    share = 1.0 / max(engines_here, 1)
-    weights = layout.rollout_bytes * shape.params
-    if v.kv_cache_memory_bytes:
-        kv = v.kv_cache_memory_bytes * share
-    else:
-        kv = v.gpu_memory_utilization * hw.device_bytes * share - weights
+def _update_items(launch: _Launch, shape: ModelShape, layout: Layout, rows: int, add) -> None:
+    """A trainable member's update: DeepSpeed's buffers, one micro-batch's activations and logits, autocast's
+    weight casts, and the optimizer step's transient (`estimates.zero_step_bytes`, phase "step")."""
+    r, t, zero = launch.cfg.rollout, launch.cfg.train, launch.zero
+    compute = 2 if update_autocast_dtype(t.mixed_precision, _device(launch.hw.cuda)) is not None else 4
+    for part, nbytes in est.deepspeed_buffers(zero, shape).items():
+        add(part, nbytes, "resident" if part == "ds_buckets" else "update")
+    micro = min(t.micro_batch_size, rows)
+    patches = shape.patches_per_image(launch.cfg.data.max_image_pixels)
+    tokens = micro * (r.max_prompt_tokens + r.max_new_tokens)
+    acts = est.activation_bytes(shape, tokens, micro * patches, compute, t.gradient_checkpointing)
+    for tower, nbytes in acts.items():
+        add(f"activations_{tower}", nbytes, "update")
+    add("logits", est.logits_bytes(micro, r.max_new_tokens, shape.vocab, compute), "update")
+    if compute == 2 and layout.zero != 3:  # autocast's bf16 casts of the fp32 weights, kept for the backward
+        fp32_base = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base loaded in bf16 needs none
+        add("autocast_weights", 2 * ((shape.params if fp32_base else 0) + layout.adapters), "update")
+    if layout.zero is not None:
+        trained = float(layout.adapters or shape.params)
+        add("step_flat_gradients", est.zero_step_bytes(zero, trained, layout.ranks), "step")
+
+
+def _vllm_items(launch: _Launch, share: EngineShare, plan: RankPlan, add) -> None:
+    """One vLLM engine of the member (or its EMA teacher): its weights, profiled activations and KV cache within
+    its share, resident unless sleep mode frees them during updates (CUDA only), and what sleep mode keeps. The KV
+    cache is the smallest of the engine's slot over the ranks (vLLM's launcher takes the minimum)."""
+    v, hw = launch.cfg.rollout.vllm, launch.hw
+    slot = launch.slots[share.slot]
     phase = "rollout" if v.enable_sleep_mode and hw.cuda else "resident"
-    add("vllm_weights", weights, phase)
-    one, everything = est.vllm_kv_need(shape, rows, max_model_len, layout.rollout_bytes)
-    if kv < one:
+    prefix = "teacher_vllm" if share.engine.endswith(TEACHER) else "vllm"
+    add(f"{prefix}_weights", share.weights, phase)
+    add(f"{prefix}_activations", share.activations, phase)
+    add(f"{prefix}_graphs", share.sleep_keeps, "resident")
+    add(f"{prefix}_kv_cache", max(slot.kv, 0.0), phase)
+    engines = sum(1 for (r, _) in launch.engines if r == share.rank)
+    where = "" if slot.rank == share.rank else (
+        f", the smallest of engine slot {share.slot} (rank {slot.rank}'s {slot.engine}: vLLM's launcher gives every "
+        "rank's engine the minimum)"
+    )  # fmt: skip
+    if slot.kv < share.one_sequence:
         plan.problems.append(
-            f"member {m.id!r}: its vLLM engine's share ({v.gpu_memory_utilization:g} x {hw.device_bytes / GB:.0f} GB"
-            f"{f' / {engines_here} engines' if engines_here > 1 else ''}) leaves {max(kv, 0) / GB:.1f} GB after its "
-            f"{weights / GB:.1f} GB of weights, but one sequence of max_model_len {max_model_len} needs "
-            f"{one / GB:.2f} GB of KV cache: raise rollout.vllm.gpu_memory_utilization or lower "
+            f"engine {share.engine!r}: its vLLM share ({v.gpu_memory_utilization:g} x {hw.device_bytes / GB:.0f} GB"
+            f"{f' / {engines} engines' if engines > 1 else ''}) leaves {max(slot.kv, 0) / GB:.1f} GB of KV cache"
+            f"{where} after {share.weights / GB:.1f} GB of weights, {share.activations / GB:.1f} GB of profiled "
+            f"activations and {share.sleep_keeps / GB:.1f} GB of CUDA graphs and buffers, but one sequence of "
+            f"max_model_len {launch.cfg.rollout.max_prompt_tokens + launch.cfg.rollout.max_new_tokens} needs "
+            f"{share.one_sequence / GB:.2f} GB: raise rollout.vllm.gpu_memory_utilization or lower "
             "rollout.max_prompt_tokens / max_new_tokens"
         )
-    elif kv < everything:
+        return
+    if slot.rank != share.rank and share.own_kv - slot.kv > 0.01 * GB:
         plan.notes.append(
-            f"member {m.id!r}: the vLLM KV cache holds {int(kv // one)} of the {rows} sequences of a step at their "
-            "longest; the rest wait their turn (slower rollouts, not an error)"
+            f"engine {share.engine!r}: its KV cache is {slot.kv / GB:.1f} GB{where}, not the "
+            f"{share.own_kv / GB:.1f} GB its own share leaves"
         )
-    add("vllm_kv_cache", max(kv, 0.0), phase)
-    if layout.ema_teacher:  # the teacher's own engine on the same share
-        add("teacher_vllm", v.gpu_memory_utilization * hw.device_bytes * share, phase)
+    if slot.kv < share.all_sequences:
+        rows = round(share.all_sequences / share.one_sequence)
+        plan.notes.append(
+            f"engine {share.engine!r}: the vLLM KV cache holds {int(slot.kv // share.one_sequence)} of the {rows} "
+            "sequences of a step at their longest; the rest wait their turn (slower rollouts, not an error)"
+        )
 
 
 def _device(cuda: bool) -> torch.device:
     return torch.device("cuda" if cuda else "cpu")
-
-
-def _checkpoint_dtype(shape: ModelShape) -> torch.dtype:
-    return {4: torch.float32, 2: torch.bfloat16}[shape.checkpoint_bytes]
-
-
-def _dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
-def _loaded_bytes(member: MemberConfig, shape: ModelShape) -> int:
-    """Bytes per parameter of a frozen member (or KL reference) as loaded: members[i].dtype, auto = checkpoint's."""
-    return shape.checkpoint_bytes if member.dtype == "auto" else DTYPE_BYTES[member.dtype]
 
 
 def with_changes(cfg: CohortConfig, changes: dict[str, Any]) -> CohortConfig:

@@ -22,6 +22,24 @@ LOGITS_FACTOR = 1.5  # the update's log-prob pass peaks at 1.5 x one copy of its
 CHUNK_BYTES = 3 * (1 << 23) * 4  # grpo.selective_logprobs: a few fp32 row chunks of CHUNK_ELEMENTS
 DS_DEFAULT_REDUCE_BUCKET = 500_000_000  # DeepSpeed 0.19's default reduce_bucket_size (elements)
 DS_DEFAULT_PREFETCH = 50_000_000  # stage3_prefetch_bucket_size
+DS_DEFAULT_SUB_GROUP = 1_000_000_000  # ZeRO-3's sub_group_size: its optimizer steps one sub-group at a time
+
+# What vLLM's sleep mode does not free: it releases only the allocations its CuMemAllocator tagged (weights, KV
+# cache); the CUDA-graph pool, the compile and attention-backend workspaces and the runner's persistent input and
+# sampler buffers stay. vLLM logs the graph pool after capture (1.5 GB per rank in vllm-project/vllm#47654;
+# "Level-1 cuMem sleep releases weights and KV cache, but leaves ... CUDA graph pools resident",
+# vllm-project/vllm#56373) and its profile counts 0.15-1.3 GiB of non-torch memory (#17117, #11743): 1-3 GB per
+# engine, 2 GB here; under enforce_eager there are no graphs, the rest stays.
+VLLM_SLEEP_KEEPS_BYTES = 2e9
+VLLM_SLEEP_KEEPS_EAGER_BYTES = 0.5e9
+# vLLM 0.32's defaults for `vllm.LLM` (engine/arg_utils.py get_batch_defaults): max_num_batched_tokens and
+# max_num_seqs are 16384 and 1024 on cards of 70 GiB and more (H100, H200), 8192 and 256 below. Its profile run
+# pushes that many tokens through the model and a dummy sampler over that many rows; the peak is taken out of
+# the engine's share before the KV cache (TRL lowers max_num_batched_tokens to 4096 for this reason).
+VLLM_LARGE_CARD_BYTES = 70 * 2**30
+VLLM_BATCH_DEFAULTS = {True: (16384, 1024), False: (8192, 256)}  # large card -> (batched tokens, sequences)
+# The dummy sampler's bytes per logit: the fp32 logits, the sorted copy top-k/top-p makes and its int64 indices.
+VLLM_SAMPLER_BYTES_PER_LOGIT = 16
 
 
 def layer_bytes_per_token(hidden: int, intermediate: int, kv_dim: int, compute_bytes: int) -> int:
@@ -92,3 +110,41 @@ def deepspeed_buffers(zero: dict, shape: ModelShape, grad_bytes: int = 4) -> dic
     prefetch = int(zero.get("stage3_prefetch_bucket_size", DS_DEFAULT_PREFETCH))
     gathered = float(min(prefetch + shape.largest_tensor, shape.params) * 4)
     return {"ds_buckets": float(bucket), "ds_gathered": gathered} if contiguous else {"ds_gathered": gathered}
+
+
+def vllm_batch_defaults(device_bytes: float) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM picks for a card of `device_bytes` (VLLM_BATCH_DEFAULTS)."""
+    return VLLM_BATCH_DEFAULTS[device_bytes >= VLLM_LARGE_CARD_BYTES]
+
+
+def vllm_activation_bytes(shape: ModelShape, device_bytes: float, dtype_bytes: int, patches: int) -> float:
+    """vLLM's profiled activation peak, taken out of its share before the KV cache: one decoder layer's
+    transient over max_num_batched_tokens tokens (the MLP's gate/up/activation outputs and the attention's
+    tensors, as `dtype_bytes * tokens * (4 I + 8 h)`), the dummy sampler over max_num_seqs rows of the vocabulary,
+    and one vision layer over an image's patches."""
+    tokens, seqs = vllm_batch_defaults(device_bytes)
+    forward = dtype_bytes * tokens * (4 * shape.intermediate + 8 * shape.hidden)
+    sampler = VLLM_SAMPLER_BYTES_PER_LOGIT * seqs * shape.vocab
+    vision = dtype_bytes * patches * (4 * shape.vision_intermediate + 8 * shape.vision_hidden) if shape.is_vision else 0
+    return float(forward + sampler + vision)
+
+
+def vllm_sleep_keeps(enforce_eager: bool) -> float:
+    """What vLLM's sleep mode leaves on the GPU per engine (VLLM_SLEEP_KEEPS_BYTES)."""
+    return VLLM_SLEEP_KEEPS_EAGER_BYTES if enforce_eager else VLLM_SLEEP_KEEPS_BYTES
+
+
+def zero_step_bytes(zero: dict, trained: float, ranks: int, grad_bytes: int = 4) -> float:
+    """The optimizer step's transient under ZeRO with fp32 modules: the step flattens the rank's gradient
+    partition into a new fp32 tensor (stage_1_and_2.py `step`: `flatten(averaged_gradients)`, while those still
+    exist; stage3.py `_prepare_fp32_grad_for_sub_group`, one sub-group at a time), 4 bytes per trained parameter
+    over G beside the gradient partitions. CUDA's foreach AdamW then builds one more partition-sized temporary
+    (sqrt of the second moment) after those are freed: the same height. 0 without ZeRO or with CPU offload (the
+    step runs on the host)."""
+    stage = zero.get("stage", 0)
+    if stage not in (2, 3) or "offload_optimizer" in zero:
+        return 0.0
+    partition = trained / ranks
+    if stage == 3:
+        partition = min(partition, float(zero.get("sub_group_size", DS_DEFAULT_SUB_GROUP)))
+    return grad_bytes * partition

@@ -88,7 +88,8 @@ def fixes(cfg: CohortConfig, plan: CohortPlan) -> list[dict]:
     if not any(f["fits"] for f in out) and wider:
         others = ", ".join(label for label, changes in strongest if "train.deepspeed" not in changes)
         for factor in SCALE_FACTORS:
-            target = Hardware(hw.processes * factor, hw.device_bytes, hw.cuda, f"{hw.processes * factor} ranks")
+            label = f"{hw.processes * factor} ranks"
+            target = Hardware(hw.processes * factor, hw.device_bytes, hw.cuda, label, hw.ranks_per_node)
             label = f"ZeRO-3 over {factor}x the ranks" + (f", with {others}" if others else "")
             fix = planned(label, {**wider, **scaled_ranks(cfg, factor)}, target)
             if fix is not None and fix["fits"]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import PHASES, CohortPlan, RankPlan
 
-SHORT = {"resident": "", "rollout": " (rollout)", "update": " (update)"}
+SHORT = {"resident": "", "rollout": " (rollout)", "update": " (update)", "step": " (step)"}
 
 
 def _span(ranks: list[int]) -> str:
@@ -53,7 +53,7 @@ def render_plan(plan: CohortPlan, name: str = "cohort") -> str:
     lines = [
         f"memory plan of {name} on {hw.label or f'{hw.processes} ranks'}: {hw.device_bytes / GB:.1f} GB per rank, "
         f"{hw.usable_bytes / GB:.1f} GB usable (less the reserve for the CUDA context, communication buffers and "
-        "fragmentation); rollout and update parts are counted for the member whose turn it is"
+        "fragmentation); rollout, update and optimizer-step parts are counted for the member whose turn it is"
     ]
     groups: dict[tuple, list[RankPlan]] = {}
     for r in plan.ranks:
@@ -61,6 +61,7 @@ def render_plan(plan: CohortPlan, name: str = "cohort") -> str:
     for same in groups.values():
         r = same[0]
         phases = ", ".join(f"{p} {r.phase_bytes(p) / GB:.1f}" for p in PHASES)
+        phases += f", vLLM start-up {r.start_bytes / GB:.1f}" if r.start_bytes else ""
         state = "fits" if r.fits else "DOES NOT FIT"
         lines.append(
             f"{_span([x.rank for x in same])}: peak {r.peak / GB:.1f} GB ({phases}), headroom "
@@ -70,6 +71,8 @@ def render_plan(plan: CohortPlan, name: str = "cohort") -> str:
             parts = [f"{it.part}{SHORT[it.phase]} {it.bytes / GB:.2f}" for it in r.items if it.member == member]
             lines.append(f"    {member}: " + ", ".join(parts))
         lines += [f"    problem: {p}" for p in r.problems] + [f"    note: {n}" for n in r.notes]
+    lines += _vllm_slot_lines(plan)
+    lines += [x.line() for x in (plan.host, plan.disk) if x is not None]
     lines.append(verdict_line(plan))
     for fix in plan.fixes:
         where = f" on {fix['launch']}" if "launch" in fix else ""
@@ -78,3 +81,14 @@ def render_plan(plan: CohortPlan, name: str = "cohort") -> str:
             f"(peak {fix['peak_gb']:.1f} GB){', fits' if fix['fits'] else ''}: {' '.join(fix['overrides'])}"
         )
     return "\n".join(lines)
+
+
+def _vllm_slot_lines(plan: CohortPlan) -> list[str]:
+    """One line per vLLM engine slot of a multi-rank launch: the KV cache every rank's engine of it gets."""
+    if plan.hardware.processes < 2:
+        return []
+    return [
+        f"vLLM engine slot {s['slot']}: every rank's engine gets {s['kv_cache_gb']:.1f} GB of KV cache (the smallest, "
+        f"rank {s['set_by']['rank']}'s {s['set_by']['engine']}){'' if s['holds_one_sequence'] else ': too small'}"
+        for s in plan.engine_slots
+    ]

@@ -106,11 +106,14 @@ def recipe_block(recipe: Path, args: str) -> str:
         span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
         lines.append(
             f"#   {span} ({', '.join(r.members)}): states {r.states_bytes() / GB:.1f} GB, peak {r.peak / GB:.1f} GB "
-            f"(rollout {r.phase_bytes('rollout') / GB:.1f}, update {r.phase_bytes('update') / GB:.1f} on top of "
-            f"{r.phase_bytes('resident') / GB:.1f} resident), headroom {(r.usable - r.peak) / GB:.1f} GB"
+            f"(rollout {r.phase_bytes('rollout') / GB:.1f}, update {r.phase_bytes('update') / GB:.1f}, step "
+            f"{r.phase_bytes('step') / GB:.1f} on top of {r.phase_bytes('resident') / GB:.1f} resident"
+            f"{f'; vLLM start-up {r.start_bytes / GB:.1f}' if r.start_bytes else ''}), headroom "
+            f"{(r.usable - r.peak) / GB:.1f} GB"
         )
     lines.append(
-        f"#   {'fits' if plan.fits else 'DOES NOT FIT'} ({plan.hardware.usable_bytes / GB:.1f} GB usable per card)"
+        f"#   {'fits' if plan.fits else 'DOES NOT FIT'} ({plan.hardware.usable_bytes / GB:.1f} GB usable per card); "
+        f"host {max(plan.host.nodes()) / GB:.0f} GB per node, checkpoints {plan.disk.total / GB:.0f} GB of disk"
     )
     return "\n".join(lines) + "\n"
 

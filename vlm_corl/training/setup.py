@@ -5,6 +5,7 @@ slots, and restore the newest checkpoint when resuming. `start_run` returns the 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,7 @@ from vlm_corl.distributed.world import World, build_groups, describe, launch_wor
 from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import attach_deepspeed, zero_stage
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
-from vlm_corl.planning.check import check_launch, write_plan
+from vlm_corl.planning.check import check_disk, check_launch, write_plan
 from vlm_corl.training.collapse import CollapseTracker
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink
@@ -75,6 +76,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     reward_spec = resolve_reward(cfg.reward)
     _check_engine_layout(cfg, placement, reward_spec)  # before any collective that a bad layout would hang
     plan = check_launch(cfg, world.device, world.size, world.is_main)  # every rank: all stop alike
+    check_disk(cfg, world, plan)  # output_dir's disk holds the checkpoints (beside the memory check, same mode)
     build_groups(world, placement, every=cfg.train.deepspeed is not None)
     run_dir = Path(cfg.output_dir)
     resume_from = _resume_point(cfg, run_dir)
@@ -144,9 +146,20 @@ def category_key(cfg: CohortConfig, examples: list[Example], log_it: bool = Fals
 
 
 def _check_engine_layout(cfg: CohortConfig, placement: dict[str, tuple[int, ...]], reward_spec: RewardSpec) -> None:
-    """The vLLM engine layout of this launch (vlm_corl.config.engine_layout): a ConfigError (exit 2) naming the
-    ranks, not a hang at the first engine."""
+    """The vLLM engine layout of this launch (vlm_corl.config.engine_layout), and vLLM itself where a member
+    uses it: a ConfigError (exit 2) naming the ranks or members, not a hang at the first engine or an import
+    error after the models loaded."""
     problems = engine_layout_problems(cfg, placement, teachers=reward_spec.layout == "ema_teacher")
+    if importlib.util.find_spec("vllm") is None:  # before any model loads, not after the first one
+        problems += [
+            (
+                f"members[{i}].engine" if m.engine else "rollout.engine",
+                f"member {m.id!r} rolls out with vLLM, which is not installed here: pip install -e '.[vllm]' on a "
+                "CUDA machine (docs/vllm.md), or set engine: hf",
+            )
+            for i, m in enumerate(cfg.members)
+            if member_engine(cfg, m) == "vllm"
+        ]
     if problems:
         raise ConfigError([f"{path}: {message}" for path, message in problems], [path for path, _ in problems])
 

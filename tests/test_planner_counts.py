@@ -1,0 +1,315 @@
+"""What the memory planner counts beyond a rank's states and an update (issue 31, items 7 and 8), each worked by
+hand: vLLM's own memory inside its share and what sleep mode keeps, ZeRO's optimizer-step transient, Adam's
+moments with the vLLM share at start-up, the KV cache vLLM's launcher gives every rank (the minimum of a slot),
+host memory per node, the checkpoints' disk (and a tiny real run's checkpoint against it), and `train`'s disk
+check before step 1."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import yaml
+from cohort_helpers import ROOT, cohort
+
+from vlm_corl import cli
+from vlm_corl.config import config_from_dict
+from vlm_corl.members.memory import GB
+from vlm_corl.plan import main as plan_main
+from vlm_corl.planning import estimates as est
+from vlm_corl.planning.check import existing_parent, held_bytes
+from vlm_corl.planning.cohort import Hardware, plan_cohort
+from vlm_corl.planning.layout import adapters
+from vlm_corl.planning.shapes import model_shape
+
+MODELS = ROOT / "configs" / "models"
+ZERO2 = str(ROOT / "configs" / "deepspeed" / "zero2.json")
+ZERO3_OFFLOAD = str(ROOT / "configs" / "deepspeed" / "zero3_offload.json")
+QWEN3B, INTERN, GEMMA, QWEN7B = (
+    str(MODELS / n) for n in ("qwen2.5-vl-3b-instruct", "internvl3-2b-hf", "gemma-3-4b-it", "qwen2.5-vl-7b-instruct")
+)
+P_QWEN3B, P_INTERN, P_GEMMA, P_QWEN7B = 3_754_622_976, 2_088_957_440, 4_300_079_472, 8_292_166_656
+CACHE = 4096 * 2**20  # data.prompt_cache_mb's default, per renderer
+
+
+def one(model: str, **sections):
+    """A one-member cohort of a released architecture (its own reward: self_vote)."""
+    return config_from_dict({"members": [{"id": "m", "model": model}], "reward": {"mode": "self_vote"}, **sections})
+
+
+def parts(plan, rank: int = 0) -> dict[str, tuple[float, str]]:
+    return {it.part: (it.bytes, it.phase) for it in plan.ranks[rank].items}
+
+
+def test_shapes_the_hand_numbers_use():
+    assert [model_shape(m).params for m in (QWEN3B, INTERN, GEMMA, QWEN7B)] == [P_QWEN3B, P_INTERN, P_GEMMA, P_QWEN7B]
+
+
+# --- (a) vLLM's own memory inside its share, and what sleep mode keeps ---
+def test_the_kv_cache_is_the_share_less_weights_activations_and_graphs():
+    rollout = {"engine": "vllm", "max_prompt_tokens": 2048, "max_new_tokens": 1024,
+               "vllm": {"gpu_memory_utilization": 0.3, "enable_sleep_mode": True}}  # fmt: skip
+    got = parts(plan_cohort(one(QWEN3B, rollout=rollout), Hardware(1, 80 * GB)))
+    # Qwen2.5-VL-3B: h 2048, I 11008, vocabulary 151,936; its vision tower 1280 wide, I 3420, 5120 patches per image.
+    # An 80 GB card (>= 70 GiB): vLLM's defaults 16,384 batched tokens and 1,024 sequences.
+    acts = 2 * 16384 * (4 * 11008 + 8 * 2048) + 16 * 1024 * 151936 + 2 * 5120 * (4 * 3420 + 8 * 1280)
+    assert acts == 4_713_971_712
+    assert got["vllm_weights"] == (2 * P_QWEN3B, "rollout")
+    assert got["vllm_activations"] == (acts, "rollout")
+    assert got["vllm_graphs"] == (2e9, "resident")  # sleep mode cannot free it
+    assert got["vllm_kv_cache"] == (pytest.approx(24e9 - 2 * P_QWEN3B - acts - 2e9), "rollout")
+    assert got["vllm_kv_cache"][0] == pytest.approx(9_776_782_336)
+    # A 40 GB card: 8,192 tokens and 256 sequences; enforce_eager: no CUDA graphs, 0.5 GB of buffers stay
+    small = dict(rollout, vllm={**rollout["vllm"], "enforce_eager": True})
+    got = parts(plan_cohort(one(QWEN3B, rollout=small), Hardware(1, 40 * GB)))
+    acts = 2 * 8192 * (4 * 11008 + 8 * 2048) + 16 * 256 * 151936 + 2 * 5120 * (4 * 3420 + 8 * 1280)
+    assert got["vllm_activations"][0] == acts == 1_857_126_400 and got["vllm_graphs"][0] == 0.5e9
+    assert got["vllm_kv_cache"][0] == pytest.approx(12e9 - 2 * P_QWEN3B - acts - 0.5e9)
+
+
+# --- (b) the ZeRO optimizer step's transient ---
+def test_the_zero_step_flattens_the_gradient_partition_once_more():
+    assert est.zero_step_bytes({"stage": 2}, 1e9, 4) == 1e9  # 4 bytes per trained parameter over G
+    assert est.zero_step_bytes({"stage": 3, "sub_group_size": 10**8}, 1e9, 4) == 4e8  # one sub-group at a time
+    assert est.zero_step_bytes({"stage": 3, "offload_optimizer": {}}, 1e9, 4) == 0  # the step runs on the host
+    assert est.zero_step_bytes({}, 1e9, 1) == 0
+    # Qwen2.5-VL-3B alone under ZeRO-2 on one rank, short sequences: the step is the peak. Resident: fp32 weights
+    # 4P, DeepSpeed's master and the moments 12P; at the step: the gradient partition 4P and its flat copy 4P.
+    cfg = one(QWEN3B, train={"deepspeed": ZERO2, "micro_batch_size": 1, "gradient_checkpointing": True},
+              rollout={"max_prompt_tokens": 512, "max_new_tokens": 256}, data={"batch_size": 1})  # fmt: skip
+    rank = plan_cohort(cfg, Hardware(1, 80 * GB)).ranks[0]
+    assert parts_of(rank)["step_flat_gradients"] == (4 * P_QWEN3B, "step")
+    assert rank.phase_bytes("resident") == 16 * P_QWEN3B and rank.phase_bytes("step") == 8 * P_QWEN3B
+    assert rank.phase_bytes("update") < rank.phase_bytes("step")
+    assert rank.peak == 24 * P_QWEN3B  # 90.1 GB: more than an 80 GB card, which the update alone would not say
+    assert not rank.fits
+
+
+def parts_of(rank) -> dict[str, tuple[float, str]]:
+    return {it.part: (it.bytes, it.phase) for it in rank.items}
+
+
+# --- (c) Adam's moments from the start, beside the vLLM share ---
+def test_the_moments_and_the_vllm_share_at_once():
+    awake = {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3}}
+    cfg = one(QWEN3B, train={"deepspeed": ZERO2}, rollout=awake, data={"batch_size": 8})
+    rank = plan_cohort(cfg, Hardware(2, 80 * GB)).ranks[0]  # the member on both ranks: G = 2
+    got = parts_of(rank)
+    # the moments (8P/2) and DeepSpeed's fp32 master (4P/2) are resident from the start: 6P
+    assert got["optimizer"] == (6 * P_QWEN3B, "resident") and got["weights"] == (4 * P_QWEN3B, "resident")
+    # without sleep mode the whole share stays: weights, activations, graphs and KV cache fill its 24 GB
+    vllm = sum(b for part, (b, phase) in got.items() if part.startswith("vllm") and phase == "resident")
+    assert vllm == pytest.approx(24e9)
+    assert rank.phase_bytes("resident") == pytest.approx(10 * P_QWEN3B + 24e9)
+    assert rank.phase_bytes("step") == 4 * P_QWEN3B  # the gradient partition 2P and its flat copy 2P
+    assert rank.start_bytes == pytest.approx(10 * P_QWEN3B + 24e9)  # vLLM's start-up check: the share free
+    assert rank.peak >= 14 * P_QWEN3B + 24e9
+    asleep = plan_cohort(
+        one(QWEN3B, train={"deepspeed": ZERO2}, rollout={**awake, "vllm": {**awake["vllm"], "enable_sleep_mode": True}},
+            data={"batch_size": 8}),
+        Hardware(2, 80 * GB),
+    ).ranks[0]  # fmt: skip
+    assert asleep.phase_bytes("resident") == pytest.approx(10 * P_QWEN3B + 2e9)  # the graphs stay
+    assert asleep.start_bytes == pytest.approx(10 * P_QWEN3B + 24e9)  # but vLLM starts with every state there
+
+
+# --- (d) the KV cache every rank's engine gets: the smallest of its slot ---
+def test_every_rank_gets_the_smallest_kv_cache_of_its_engine_slot():
+    cfg = config_from_dict(
+        {
+            "members": [{"id": "q7", "model": QWEN7B}, {"id": "gemma", "model": GEMMA}],
+            "rollout": {
+                "engine": "vllm",
+                "max_prompt_tokens": 4096,
+                "max_new_tokens": 2048,
+                "vllm": {"gpu_memory_utilization": 0.315},
+            },
+        }  # fmt: skip
+    )
+    plan = plan_cohort(cfg, Hardware(2, 80 * GB))  # q7 on rank 0, gemma on rank 1: one engine each, slot 0
+    share = 0.315 * 80e9  # 25.2 GB
+    q7_acts = 2 * 16384 * (4 * 18944 + 8 * 3584) + 16 * 1024 * 152064 + 2 * 5120 * (4 * 3420 + 8 * 1280)
+    gemma_acts = 2 * 16384 * (4 * 10240 + 8 * 2560) + 16 * 1024 * 262208 + 2 * 4096 * (4 * 4304 + 8 * 1152)
+    q7_kv = share - 2 * P_QWEN7B - q7_acts - 2e9
+    gemma_kv = share - 2 * P_GEMMA - gemma_acts - 2e9
+    assert (round(q7_kv), round(gemma_kv)) == (456_757_248, 8_074_028_320)
+    slot = plan.engine_slots[0]
+    assert slot["kv_cache_gb"] == round(q7_kv / GB, 3) and slot["set_by"] == {"rank": 0, "engine": "q7"}
+    assert slot["by_rank_gb"] == {"0": 0.457, "1": 8.074} and not slot["holds_one_sequence"]
+    # gemma's rank allocates the minimum, which cannot hold one of its sequences (6144 tokens x 139,264 bytes)
+    assert parts(plan, 1)["vllm_kv_cache"][0] == pytest.approx(q7_kv)
+    assert 6144 * 2 * 34 * 4 * 256 * 2 == 855_638_016 > q7_kv
+    assert (
+        "rank 0's q7" in plan.ranks[1].problems[0] and "one sequence of max_model_len 6144" in plan.ranks[1].problems[0]
+    )
+    assert not plan.ranks[0].problems and 6144 * 2 * 28 * 4 * 128 * 2 < q7_kv  # q7's own sequence fits
+    assert not plan.fits
+
+
+# --- (e) host memory per node ---
+def test_host_memory_of_zero3_offload_staging_and_prompt_caches():
+    cfg = one(QWEN3B, train={"deepspeed": ZERO3_OFFLOAD}, data={"prompt_cache_mb": 1000})
+    host = plan_cohort(cfg, Hardware(1, 80 * GB)).host.ranks[0]
+    # start-up: the process 3 GB and the fp32 host model with its casts, 8P; training: the process, the offloaded
+    # optimizer state (master 4 + moments 8 + gradients 4 = 16P / 1) and weights (4P / 1), one prompt cache
+    assert host.init == {"process": 3e9, "staging": 8 * P_QWEN3B}
+    assert host.training == {"process": 3e9, "offload m": 20 * P_QWEN3B, "prompt_caches": 1000 * 2**20}
+    assert host.peak == 3e9 + 20 * P_QWEN3B + 1000 * 2**20
+
+
+def test_zero2_flattens_on_the_host_only_when_the_gpu_lacks_room():
+    cfg = one(QWEN3B, train={"deepspeed": ZERO2})
+    # a 20 GB card: 20 - 1 (CUDA context) - 4P (15.0 GB of fp32 weights) = 4.0 GB free < 4P: weights and flat copy
+    # go through the host, 8P; an 80 GB card flattens on the GPU
+    assert plan_cohort(cfg, Hardware(1, 20 * GB)).host.ranks[0].init["staging"] == 8 * P_QWEN3B
+    assert "staging" not in plan_cohort(cfg, Hardware(1, 80 * GB)).host.ranks[0].init
+
+
+def test_host_memory_per_node_and_level1_sleep_backups():
+    cfg = config_from_dict(
+        {
+            "members": [{"id": "qwen", "model": QWEN3B}, {"id": "intern", "model": INTERN, "trainable": False}],
+            "rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3, "enable_sleep_mode": True}},
+            "data": {"batch_size": 8},
+        }
+    )
+    plan = plan_cohort(cfg, Hardware(8, 80 * GB, ranks_per_node=4))  # qwen on node 0 (ranks 0-3), intern on node 1
+    node = 4 * (3e9 + CACHE)
+    backup = 2 * P_INTERN  # a frozen peer sleeps at level 1: its bf16 weights pinned on the host
+    assert plan.host.ranks[4].training["vllm_sleep_backups"] == backup
+    assert "vllm_sleep_backups" not in plan.host.ranks[0].training  # a trained member sleeps at level 2
+    assert plan.host.nodes() == [pytest.approx(node), pytest.approx(node + 4 * backup)]
+    assert plan.to_dict()["host_memory_gb"] == [round(node / GB, 3), round((node + 4 * backup) / GB, 3)]
+
+
+def test_renderers_per_rank_follow_the_reward_layout():
+    two_views = one(QWEN3B, reward={"mode": "co_rewarding_1"})
+    assert plan_cohort(two_views, Hardware(1, 80 * GB)).host.ranks[0].training["prompt_caches"] == 2 * CACHE
+
+
+# --- (f) checkpoint disk ---
+def test_checkpoint_disk_by_member_worked_by_hand():
+    cfg = config_from_dict(
+        {
+            "members": [{"id": "qwen", "model": QWEN3B}, {"id": "intern", "model": INTERN, "trainable": False}],
+            "train": {"max_steps": 100, "save_every": 10, "keep_last": 2},
+        }
+    )
+    disk = plan_cohort(cfg, Hardware(2, 80 * GB)).disk
+    # a trained bf16 checkpoint without DeepSpeed: bf16 weights 2P, the moments 8P and the fp32 masters 4P
+    assert disk.members["qwen"] == {"weights": 2 * P_QWEN3B, "optimizer": 12 * P_QWEN3B, "small_files": 50e6}
+    assert disk.members["intern"] == {"weights": 2 * P_INTERN, "small_files": 50e6}  # a frozen peer, every time
+    one_ckpt = 14 * P_QWEN3B + 2 * P_INTERN + 100e6
+    assert disk.one == one_ckpt and disk.copies == 3 and disk.total == 3 * one_ckpt  # keep_last 2 + the new one
+    assert plan_cohort(with_train(cfg, save_every=50), Hardware(2, 80 * GB)).disk.copies == 2  # 2 are written
+    assert plan_cohort(with_train(cfg, save_every=0), Hardware(2, 80 * GB)).disk.copies == 1  # the last only
+    # DeepSpeed: bf16 weights and 12 bytes per parameter of fp32 master and moments over the ranks; fp32 weights
+    # without DeepSpeed: no masters
+    zero = plan_cohort(with_train(cfg, deepspeed=ZERO2), Hardware(2, 80 * GB)).disk.members["qwen"]
+    assert zero["weights"] == 2 * P_QWEN3B and zero["optimizer"] == 12 * P_QWEN3B
+    fp32 = config_from_dict({"members": [{"id": "q", "model": QWEN3B, "dtype": "float32"}], "reward": {"mode": "gt"}})
+    assert plan_cohort(fp32, Hardware(1, 80 * GB)).disk.members["q"]["optimizer"] == 8 * P_QWEN3B
+
+
+def test_checkpoint_disk_of_lora_ema_teachers_and_best_weights():
+    lora = config_from_dict({"members": [{"id": "q", "model": QWEN3B, "lora": {"r": 16}}, {"id": "i", "model": INTERN}],
+                             "eval": {"benchmarks": ["easyvqa"], "every": 10, "keep_best": "easyvqa"}})  # fmt: skip
+    a = adapters(lora.members[0])
+    disk = plan_cohort(lora, Hardware(2, 80 * GB)).disk
+    assert disk.members["q"] == {"adapter": 4 * a, "optimizer": 8 * a, "small_files": 50e6}  # fp32 adapter, moments
+    assert disk.best == 2 * (4 * a + 2 * P_INTERN)  # the best weights of each trained member, twice while replaced
+    teachers = config_from_dict({"members": [{"id": "q", "model": QWEN3B}, {"id": "i", "model": INTERN}],
+                                 "reward": {"mode": "peers_ema"}})  # fmt: skip
+    disk = plan_cohort(teachers, Hardware(2, 80 * GB)).disk
+    assert disk.members["q.teacher"] == {"weights": 4 * P_QWEN3B, "small_files": 50e6}  # an fp32 EMA copy
+
+
+def with_train(cfg, **changes):
+    from vlm_corl.planning.cohort import with_changes
+
+    return with_changes(cfg, {f"train.{k}": v for k, v in changes.items()})
+
+
+def test_a_tiny_runs_checkpoint_is_the_estimate_scaled_by_parameter_count(tiny_zoo, tmp_path):
+    """The planner's bytes per parameter against a real checkpoint's files (tiny fp32 members: weights 4P and
+    Adam's moments 8P; a frozen peer its weights), so the estimate for a real model is that times its count."""
+    from vlm_corl.training.loop import run_cohort
+
+    cfg = cohort(tmp_path, [("a", tiny_zoo["qwen2_vl"]), ("b", tiny_zoo["mllama"])], reward={"mode": "peers"})
+    cfg["members"].append({"id": "c", "model": str(tiny_zoo["qwen2_vl"]), "trainable": False})
+    cfg["train"].update(max_steps=1, check_memory="off")
+    config = config_from_dict(cfg)
+    run_cohort(config)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-1"
+    disk = plan_cohort(config, Hardware(1, 24 * GB, cuda=False)).disk
+    for mid in ("a", "b", "c"):
+        files = {"model.safetensors", "trainer_state.pt"}
+        measured = sum(f.stat().st_size for f in (checkpoint / mid).iterdir() if f.name in files)
+        planned = disk.members[mid]["weights"] + disk.members[mid].get("optimizer", 0.0)
+        params = model_shape(str(cfg["members"][ord(mid) - ord("a")]["model"])).params
+        assert measured / params == pytest.approx(planned / params, rel=0.05), mid  # 12 or 4 bytes per parameter
+
+
+# --- the command, and train's disk check (item 8) ---
+def test_the_plan_command_reports_host_memory_and_checkpoint_disk(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    recipe = "configs/cohorts/gpu_1node_3vlm.yaml"  # its models are not downloaded: configs/models/ stands in
+    assert plan_main(["--config", recipe, "--gpus-per-node", "8", "--gpu-memory", "80GB", "--json"]) == 0
+    out = capsys.readouterr()
+    plan = json.loads(out.out)
+    assert "planned with" in out.err
+    # one node of 8 ranks: each its process (3 GB) and one prompt cache (4096 MiB); ZeRO-2 flattens on the GPU
+    assert plan["host_memory_gb"] == [round(8 * (3e9 + CACHE) / GB, 3)] == [58.36]
+    # bf16 weights 2P and 12P of optimizer state per member, and their small files, x (keep_last 2 + 1)
+    one_ckpt = 14 * (P_QWEN3B + P_INTERN + P_GEMMA) + 3 * 50e6
+    assert plan["checkpoint_disk_gb"] == round(3 * one_ckpt / GB, 3) == 426.484
+    assert plan_main(["--config", recipe, "--gpus-per-node", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "host memory: 58.4 GB per node" in text and "checkpoint disk: 426.5 GB" in text
+
+
+def test_held_bytes_and_the_nearest_existing_parent(tmp_path):
+    (tmp_path / "checkpoints" / "step-1").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-1" / "w").write_bytes(b"x" * 1000)
+    assert held_bytes(tmp_path / "checkpoints") == 1000 and held_bytes(tmp_path / "none") == 0
+    assert existing_parent(tmp_path / "a" / "b") == tmp_path
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def _tiny_run(tmp_path: Path, tiny_zoo, mode: str) -> Path:
+    cfg = cohort(tmp_path, [("a", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote"})
+    cfg["train"].update(max_steps=1, check_memory=mode)
+    path = tmp_path / "cohort.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_train_stops_before_step_1_when_the_output_disk_cannot_hold_a_checkpoint(
+    tiny_zoo, tmp_path, monkeypatch, capsys
+):
+    from vlm_corl.train import main as train_main
+
+    path = _tiny_run(tmp_path, tiny_zoo, "error")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - 1000, 1000))  # 1 kB free
+    assert cli.run(train_main, ["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: checkpoint disk: the run's checkpoints need" in err and "Traceback" not in err
+    assert f"output_dir {tmp_path / 'run'}" in err and "has 0.0 MB free" in err and "train.keep_last" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_train_with_check_memory_warn_only_warns_about_the_disk(tiny_zoo, tmp_path, monkeypatch, caplog):
+    from vlm_corl.training.loop import run_cohort
+
+    path = _tiny_run(tmp_path, tiny_zoo, "warn")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - 1000, 1000))
+    with caplog.at_level(logging.WARNING, logger="vlm_corl"):
+        run_cohort(config_from_dict(yaml.safe_load(path.read_text())))
+    assert any("checkpoint disk: the run's checkpoints need" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1  # the step ran

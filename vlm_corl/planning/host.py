@@ -1,0 +1,157 @@
+"""Host memory (RAM) per node: what each rank holds on the host, at start-up and while training, summed over the
+ranks of a node.
+
+Per rank, for a member of P parameters (A trained ones: P, or a LoRA member's adapters) on G ranks:
+- the process itself (`HOST_PROCESS_BYTES`);
+- start-up staging, one member at a time (members load in turn): a ZeRO-3 member is read onto the host whole by
+  every one of its ranks and partitioned from there (`load_member(stage_on_cpu=True)`: the fp32 model, 4P, plus
+  the checkpoint-dtype tensors it was cast from and the HF engine's rollout copy: `ZERO3_STAGING_BYTES`); a
+  ZeRO-2 member's optimizer flattens its fp32 weights on the host when the GPU lacks room for a second copy
+  (stage_1_and_2.py: each weight moved to the host, 4A, then one flat copy, 4A), otherwise on the GPU;
+- CPU offload: the optimizer's fp32 master partition, Adam's moments and the fp32 gradient partition on the host
+  (16A/G, pinned), and with offload_param the fp32 weight partitions (4P/G);
+- prompt caches: data.prompt_cache_mb per renderer (one per slot: two for co_rewarding's views and EMA teachers);
+- vLLM sleep mode at level 1 (frozen peers, EMA teachers, LoRA engines serving adapters): the engine's weights
+  backed up in pinned host memory while it sleeps.
+A rank's peak is the larger of start-up (staging, with the offloaded state of the members before) and training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlm_corl.config.engine_layout import vllm_engines_by_rank
+from vlm_corl.config.schema import CohortConfig, has_teachers
+from vlm_corl.members.memory import GB
+from vlm_corl.planning.engines import TEACHER
+from vlm_corl.planning.layout import rollout_bytes, trained_params, zero_settings
+from vlm_corl.planning.shapes import model_shape
+
+# A trainer process's own host memory: Python with torch, transformers, DeepSpeed and the trainer imported is
+# 0.9 GB of RSS on a CPU-only host (measured here); a CUDA process adds its context's host side and the CUDA
+# libraries (cuBLAS, cuDNN, NCCL) and vLLM its own imports: 3 GB, an estimate not measured on a GPU node.
+HOST_PROCESS_BYTES = 3e9
+ZERO3_STAGING_BYTES = 8  # per parameter: the fp32 host model (4) and the tensors cast to it / from it (4)
+ZERO2_HOST_FLATTEN_BYTES = 8  # per trained parameter: the weights moved to the host (4) and their flat copy (4)
+OFFLOAD_OPTIMIZER_BYTES = 16  # per trained parameter / G: fp32 master 4, Adam's moments 8, fp32 gradients 4
+OFFLOAD_PARAM_BYTES = 4  # per parameter / G: the fp32 weight partitions
+
+
+@dataclass
+class HostRank:
+    """One rank's host memory by part, at start-up (`init`) and while training (`training`)."""
+
+    rank: int
+    init: dict[str, float] = field(default_factory=dict)
+    training: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return max(sum(self.init.values()), sum(self.training.values()))
+
+    def to_dict(self) -> dict:
+        gb = lambda parts: {k: round(v / GB, 3) for k, v in parts.items()}  # noqa: E731
+        return {"rank": self.rank, "peak_gb": round(self.peak / GB, 3), "init_gb": gb(self.init),
+                "training_gb": gb(self.training)}  # fmt: skip
+
+
+@dataclass
+class HostPlan:
+    """Host memory per node: its ranks' peaks summed (every rank of a node starts and trains at once)."""
+
+    ranks: list[HostRank]
+    ranks_per_node: int
+
+    def nodes(self) -> list[float]:
+        """Bytes per node, node 0 first."""
+        per = max(self.ranks_per_node, 1)
+        out = [0.0] * (-(-len(self.ranks) // per))
+        for r in self.ranks:
+            out[r.rank // per] += r.peak
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "host_memory_gb": [round(n / GB, 3) for n in self.nodes()],
+            "host_memory": {"ranks_per_node": self.ranks_per_node, "ranks": [r.to_dict() for r in self.ranks]},
+        }
+
+    def line(self) -> str:
+        """The plan's text line."""
+        nodes = self.nodes()
+        worst = max(self.ranks, key=lambda r: r.peak)
+        shown = ", ".join(f"{n / GB:.1f}" for n in nodes[:8]) + (", ..." if len(nodes) > 8 else "")
+        per = max(self.ranks_per_node, 1)
+        return (
+            f"host memory: {shown} GB per node ({per} rank{'s' * (per > 1)} each; the largest rank, "
+            f"{worst.rank}, peaks at {worst.peak / GB:.1f} GB: staging, CPU offload, prompt caches, sleep backups)"
+        )
+
+
+def host_memory(cfg: CohortConfig, placement: dict, gpu_free: dict, ranks_per_node: int, cuda: bool) -> HostPlan:
+    """The host plan of `cfg` placed as `placement`, `ranks_per_node` consecutive ranks a node (0: one node);
+    `gpu_free[rank][member]`: GPU bytes free for a ZeRO-2 member's flat copy of its weights when it starts."""
+    zero = zero_settings(cfg)
+    ranks = sorted({r for rs in placement.values() for r in rs})
+    out = []
+    for rank in ranks:
+        host = HostRank(rank, {"process": HOST_PROCESS_BYTES}, {"process": HOST_PROCESS_BYTES})
+        staged = 0.0
+        for m in (m for m in cfg.members if rank in placement[m.id] and m.trainable and zero):
+            offloaded = sum(v for k, v in host.training.items() if k.startswith("offload"))
+            staged = max(staged, offloaded + _staging_bytes(zero, m, gpu_free.get(rank, {}).get(m.id, 0.0)))
+            offload = _offload_bytes(zero, m, len(placement[m.id]))
+            if offload:
+                host.training[f"offload {m.id}"] = offload
+        if staged:
+            host.init["staging"] = staged
+        host.training["prompt_caches"] = renderers(cfg, placement, rank) * cfg.data.prompt_cache_mb * (1 << 20)
+        backups = _sleep_backups(cfg, placement, rank) if cuda else 0.0  # vLLM sleeps on CUDA only
+        if backups:
+            host.training["vllm_sleep_backups"] = backups
+        out.append(host)
+    return HostPlan(out, ranks_per_node or len(ranks))
+
+
+def _offload_bytes(zero: dict, m, ranks: int) -> float:
+    """A trained member's state in host memory under CPU offload, per rank (`zero`: its zero_optimization)."""
+    out = OFFLOAD_OPTIMIZER_BYTES * trained_params(m) / ranks if "offload_optimizer" in zero else 0.0
+    if zero.get("stage") == 3 and "offload_param" in zero:
+        out += OFFLOAD_PARAM_BYTES * model_shape(str(m.model)).params / ranks
+    return out
+
+
+def _staging_bytes(zero: dict, m, gpu_free: float) -> float:
+    """A trained DeepSpeed member's host staging at start-up (see the module docstring)."""
+    if zero.get("stage", 2) == 3:
+        return ZERO3_STAGING_BYTES * float(model_shape(str(m.model)).params)
+    trained = trained_params(m)
+    return ZERO2_HOST_FLATTEN_BYTES * trained if gpu_free < 4 * trained else 0.0
+
+
+def renderers(cfg: CohortConfig, placement: dict, rank: int) -> int:
+    """Renderers (one per slot) of the members on `rank`: two per member under co_rewarding_1 (two views) and
+    the EMA-teacher rewards, else one."""
+    per_member = 2 if slot_layout(cfg) in ("two_views", "ema_teacher") else 1
+    return per_member * sum(rank in placement[m.id] for m in cfg.members)
+
+
+def slot_layout(cfg: CohortConfig) -> str:
+    """The reward's cohort layout (`vlm_corl.training.slots`): members, two_views or ema_teacher."""
+    from vlm_corl.training.rewards import resolve_reward
+
+    return "members" if cfg.reward.custom else resolve_reward(cfg.reward).layout
+
+
+def _sleep_backups(cfg: CohortConfig, placement: dict, rank: int) -> float:
+    """Pinned host backups of the weights of the engines on `rank` that sleep at level 1."""
+    if not cfg.rollout.vllm.enable_sleep_mode:
+        return 0.0
+    members = {m.id: m for m in cfg.members}
+    out = 0.0
+    for name in vllm_engines_by_rank(cfg, placement, has_teachers(cfg)).get(rank, []):
+        m = members[name.removesuffix(TEACHER)]
+        adapter_sync = m.lora is not None and cfg.rollout.vllm.lora_sync == "adapter"
+        if name.endswith(TEACHER) or not m.trainable or adapter_sync:
+            out += rollout_bytes(cfg, m, True) * model_shape(str(m.model)).params
+    return out
