@@ -28,7 +28,10 @@ def test_bytes_per_rank_by_layout_worked_by_hand():
     assert sum(offload.values()) == 2e9
     assert sum(member_bytes(p, Layout(trainable=False, engine="vllm")).values()) == 4e9  # bf16 peer + its engine
     extras = member_bytes(p, Layout(kl_reference=True, ema_teacher=True))
-    assert extras["kl_reference"] == 2e9 and extras["ema_teacher"] == 4e9
+    assert extras["kl_reference"] == 2e9 and extras["ema_teacher"] == 4e9 + 2e9  # fp32, and a bf16 copy to sample
+    frozen_fp32 = Layout(trainable=False, frozen_bytes=4)  # cast once to the bf16 rollout dtype at load
+    assert member_bytes(p, frozen_fp32)["weights"] == 2e9
+    assert member_bytes(p, Layout(ema_teacher=True, rollout_bytes=4))["ema_teacher"] == 4e9  # fp32 rollouts: no copy
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

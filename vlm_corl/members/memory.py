@@ -49,8 +49,8 @@ def member_bytes(params: int, layout: Layout) -> dict[str, float]:
     p, g = float(params), layout.ranks
     parts = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "full_copy": 0.0, "engine_weights": 0.0}
     a = float(layout.adapters) if layout.trainable and layout.adapters else p  # the trained parameters
-    if not layout.trainable:
-        parts["weights"] = layout.frozen_bytes * p
+    if not layout.trainable:  # cast once at load when rollouts compute lower (a frozen fp32 peer in bf16)
+        parts["weights"] = min(layout.frozen_bytes, layout.rollout_bytes) * p
     elif layout.zero is None:
         parts.update(weights=4 * a, gradients=4 * a, optimizer=8 * a)
     else:
@@ -70,7 +70,9 @@ def member_bytes(params: int, layout: Layout) -> dict[str, float]:
     if layout.kl_reference:
         parts["kl_reference"] = layout.frozen_bytes * p
     if layout.ema_teacher:
-        parts["ema_teacher"] = 4 * p + (layout.rollout_bytes * p if layout.engine == "vllm" else 0.0)
+        # fp32 for the EMA steps, plus what it samples from: its vLLM engine, or a copy in the rollout dtype
+        copy = layout.engine == "vllm" or layout.rollout_bytes < 4
+        parts["ema_teacher"] = 4 * p + (layout.rollout_bytes * p if copy else 0.0)
     return parts
 
 

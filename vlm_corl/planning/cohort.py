@@ -37,7 +37,16 @@ RESERVE_BYTES = 1e9  # CUDA context and NCCL buffers, per GPU
 RESERVE_SHARE = 0.05  # allocator fragmentation: this share of the device stays out of the plan
 PHASES = ("resident", "rollout", "update", "step")
 # The parts that hold a member's weights and training state (the rest: engines, KV caches, activations, logits)
-STATES = ("weights", "gradients", "optimizer", "full_copy", "kl_reference", "ema_teacher", "ds_buckets")
+STATES = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "full_copy",
+    "kl_reference",
+    "ema_teacher",
+    "ema_teacher_copy",
+    "ds_buckets",
+)
 # Update-phase parts still there at the optimizer step (the backward's activations and logits are freed by then)
 STEP_KEEPS = ("gradients",)
 
@@ -224,7 +233,7 @@ def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
         ranks.append(plan)
     out = CohortPlan(hardware, placement, ranks, engine_slots=[s.to_dict(shares) for s in slots.values()])
     out.host = host_memory(cfg, placement, _zero2_room(launch, ranks), hardware.ranks_per_node, hardware.cuda)
-    out.disk = checkpoint_disk(cfg, serving)
+    out.disk = checkpoint_disk(cfg)
     return out
 
 
@@ -263,6 +272,8 @@ def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -
             add(part, nbytes, "update" if part == "gradients" and layout.zero == 2 else "resident")
     if layout.ema_teacher:
         add("ema_teacher", 4 * shape.params, "resident")
+        if layout.engine == "hf" and layout.rollout_bytes < 4:  # its copy in the rollout dtype to sample from
+            add("ema_teacher_copy", layout.rollout_bytes * shape.params, "resident")
     if m.trainable:
         _update_items(launch, shape, layout, prompts * r.n, add)
     if layout.engine == "vllm":

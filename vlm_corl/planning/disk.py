@@ -79,15 +79,14 @@ def checkpoints_written(cfg: CohortConfig) -> int:
     return every + (0 if t.save_every and t.max_steps % t.save_every == 0 else 1)
 
 
-def member_checkpoint(cfg: CohortConfig, m: MemberConfig, rollout_bytes: int) -> dict[str, float]:
-    """Bytes of member `m`'s files in one checkpoint, by part (see the module docstring); `rollout_bytes`: bytes
-    per parameter of its rollout dtype (what a frozen peer is cast to when that is lower)."""
+def member_checkpoint(cfg: CohortConfig, m: MemberConfig) -> dict[str, float]:
+    """Bytes of member `m`'s files in one checkpoint, by part (see the module docstring)."""
     shape = model_shape(str(m.model))
     p = float(shape.params)
     loaded = loaded_bytes(m, shape)
     masters = MASTER_BYTES if cfg.train.deepspeed else 0  # DeepSpeed saves its fp32 partitions
-    if not m.trainable:
-        parts = {"weights": min(loaded, rollout_bytes) * p}
+    if not m.trainable:  # saved in its loaded dtype (a peer cast to bf16 for rollouts is written back wider)
+        parts = {"weights": loaded * p}
     elif m.lora is not None:
         a = float(adapters(m))
         parts = {"adapter": MASTER_BYTES * a, "optimizer": (ADAM_BYTES + masters) * a}
@@ -98,11 +97,11 @@ def member_checkpoint(cfg: CohortConfig, m: MemberConfig, rollout_bytes: int) ->
     return parts
 
 
-def checkpoint_disk(cfg: CohortConfig, rollout_bytes: dict[str, int]) -> DiskPlan:
-    """The checkpoints' disk of `cfg` (`rollout_bytes`: member id -> bytes per parameter of its rollout dtype)."""
+def checkpoint_disk(cfg: CohortConfig) -> DiskPlan:
+    """The checkpoints' disk of `cfg`."""
     members = {}
     for m in cfg.members:
-        members[m.id] = member_checkpoint(cfg, m, rollout_bytes[m.id])
+        members[m.id] = member_checkpoint(cfg, m)
         if has_teachers(cfg):
             members[m.id + TEACHER] = {
                 "weights": MASTER_BYTES * float(model_shape(str(m.model)).params),
