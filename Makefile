@@ -5,7 +5,7 @@ SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo lint test test-scale test-slow test-vllm gpu-bundle
+.PHONY: setup demo lint test test-scale test-e2e test-slow test-vllm gpu-bundle
 
 # torch/torchvision first, by exact pins (an unpinned torch pulls a multi-GB build from the index).
 $(SETUP): pyproject.toml
@@ -34,6 +34,10 @@ test: setup lint
 ## slow, run by CI after `make test`.
 test-scale: setup
 	$(PY) -m pytest -m slow tests/test_scale_out.py tests/test_lora.py
+
+## Slow end-to-end runs of whole commands (the experiment's quick mode): CI runs it after `make test`.
+test-e2e: setup
+	$(PY) -m pytest -m slow tests/test_experiment.py
 
 ## Slower suites, excluded from the default run.
 test-slow: setup

@@ -198,6 +198,7 @@ def test_mixed_warm_start_slices():
         mixed_by(examples, "k", {"x": -1, "y": 2}, 4)
 
 
+@pytest.mark.slow  # ~1.5 min on 2 cores: `make test-e2e`, which CI runs after `make test`
 def test_quick_experiment_end_to_end(tmp_path):
     out = tmp_path / "x"
     proc = python_m("vlm_corl.experiments.easyvqa", "--quick", "--rl-steps", 3, "--out", out, timeout=900)

@@ -197,7 +197,7 @@ def trained(models, tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "mistake, breaks, expected",
     [
-        ("member renamed", None, "holds members ['q'] but the config has ['renamed']: members are matched by id"),
+        ("member renamed", None, "(['q'] there, ['renamed'] now): the cohort's members and their order"),
         ("corrupt trainer_state.pt", "step-2/q/trainer_state.pt", "step-2/q/trainer_state.pt cannot be read"),
         ("empty cohort_state.pt", "step-2/cohort_state.pt", "step-2/cohort_state.pt cannot be read (EOFError"),
     ],

@@ -28,6 +28,7 @@ from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams, make_engine
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
+from vlm_corl.train import exit_process
 from vlm_corl.training.slots import ema_update
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,3 +161,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # past a rare abort in a ZeRO-3 C++ destructor at interpreter teardown (vlm_corl.train)
