@@ -14,9 +14,7 @@ config or argument.
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,18 +25,8 @@ from vlm_corl.errors import UserError
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import Hardware, layout_problems, plan_cohort
 from vlm_corl.planning.fixes import fixes
-from vlm_corl.planning.render import render_plan
+from vlm_corl.planning.render import memory_size, render_plan
 from vlm_corl.planning.suggest import suggest
-
-UNITS = {"": GB, "gb": GB, "g": GB, "gib": 2**30, "mb": 1e6, "mib": 2**20, "tb": 1e12, "tib": 2**40}
-
-
-def memory_size(text: str) -> float:
-    """argparse type: '80GB', '80GiB', '141 GB', '80' (GB) -> bytes."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not found or found.group(2).lower() not in UNITS or float(found.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 141GiB, got {text!r}")
-    return float(found.group(1)) * UNITS[found.group(2).lower()]
 
 
 def released_stand_ins(config: str, overrides: Sequence[str]) -> list[str]:
