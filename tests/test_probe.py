@@ -6,19 +6,18 @@ import math
 
 import pytest
 
-from vlm_corl.probe import (
+from vlm_corl.evaluation.pairs import (
     COLLAPSE_WARNING,
     accuracy_sum,
     accuracy_sum_se,
     both_wrong_rate,
     cohen_kappa,
     complementarity,
-    main,
-    model_names,
     pair_report,
     probe,
     same_wrong_rate,
 )
+from vlm_corl.probe import main, model_names
 
 # Ten questions. A right on 1-6, B right on 1-4 and 7.
 #   both right 1-4 (4), A only 5-6 (2), B only 7 (1), both wrong 8-10 (3)

@@ -35,6 +35,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
 from vlm_corl.data.answers import answers_equivalent, group_equivalent
+from vlm_corl.evaluation.pairs import pair_metrics
 from vlm_corl.experiments.stats import mean_ci
 
 TOPOLOGIES = ("ring", "peers", "soft", "self_vote", "gt")
@@ -214,9 +215,8 @@ def settled(labelled: Mapping) -> dict:
 
 
 def vote_pairs(labelled: Mapping) -> dict:
-    """Cohen's κ and p_A + p_B of the members' vote correctness (`vlm_corl.probe.pair_metrics`), the mean over
-    every pair of members (None for a one-member cohort)."""
-    from vlm_corl.probe import pair_metrics
+    """Cohen's κ and p_A + p_B of the members' vote correctness (`vlm_corl.evaluation.pairs.pair_metrics`), the
+    mean over every pair of members (None for a one-member cohort)."""
 
     right = [
         [v is not None and answers_equivalent(g, v) for v, g in zip(votes, labelled["gold"])]
