@@ -30,9 +30,10 @@ import torch  # noqa: E402
 from vlm_corl.config import MemberConfig  # noqa: E402
 from vlm_corl.config.schema import RolloutConfig, VllmConfig  # noqa: E402
 from vlm_corl.data.loaders import load_examples  # noqa: E402
+from vlm_corl.members.engines import make_engine  # noqa: E402
 from vlm_corl.members.member import load_member  # noqa: E402
 from vlm_corl.members.render import Renderer  # noqa: E402
-from vlm_corl.members.rollout import SamplingParams, make_engine  # noqa: E402
+from vlm_corl.members.rollout import SamplingParams  # noqa: E402
 
 
 def main(argv=None) -> int:

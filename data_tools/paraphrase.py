@@ -64,7 +64,8 @@ from vlm_corl.data.paraphrases import (
 )
 from vlm_corl.data.records import Example
 from vlm_corl.errors import UserError
-from vlm_corl.members.rollout import Prompt, RolloutEngine, SamplingParams, make_engine
+from vlm_corl.members.engines import RolloutEngine, make_engine
+from vlm_corl.members.rollout import Prompt, SamplingParams
 
 if TYPE_CHECKING:
     from vlm_corl.members.member import Member

@@ -11,9 +11,10 @@ from cohort_helpers import cohort, metrics, weights
 from vlm_corl.config import MemberConfig, RewardConfig, config_from_dict
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.data.records import ViewError
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import response_token_stats
 from vlm_corl.registry import REWARDS
 from vlm_corl.training.loop import run_cohort

@@ -16,13 +16,15 @@ from safetensors import safe_open
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import RolloutConfig, TrainConfig, VllmConfig
 from vlm_corl.data.loaders import load_examples
-from vlm_corl.distributed import checkpoint, world
+from vlm_corl.distributed import world
 from vlm_corl.members import member as member_module
+from vlm_corl.members import state_files
 from vlm_corl.members.batching import on_device, prefill, unwrapped
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.precision import rollout_dtype, update_autocast_dtype
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 
 CUDA0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -300,8 +302,8 @@ def test_resume_reads_every_state_file_onto_the_host(tmp_path, monkeypatch):
         kwargs.update(kw)
         return real(path, **kw)
 
-    monkeypatch.setattr(checkpoint.torch, "load", record)
-    checkpoint.read_state(tmp_path / "s.pt")
+    monkeypatch.setattr(state_files.torch, "load", record)
+    state_files.read_state(tmp_path / "s.pt")
     assert kwargs["map_location"] == "cpu"
 
 

@@ -81,3 +81,74 @@ def test_importing_every_module_loads_no_engine():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _import_graph(package: str = "vlm_corl") -> dict[str, set[str]]:
+    """{module: modules of `package` it imports}, module-level and function-level imports alike (a `from a.b
+    import c` counts as importing a.b.c when that is a module, else a.b); relative imports resolved."""
+    modules = {}
+    for p in _modules(package):
+        rel = p.relative_to(ROOT).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = name.split(".") if is_package else name.split(".")[:-1]
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_in_the_package():
+    """No two modules of vlm_corl import each other, directly or round a loop, at module or function level
+    (a lazy import inside a function still ties the two rooms together). The layers: docs/layout.md."""
+    graph = _import_graph()
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 200  # the graph was read
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_function_level_cycle():
+    """The check above would catch a loop closed by a lazy import (as the rollout factory once closed one)."""
+    graph = _import_graph()
+    graph["vlm_corl.members.rollout"] = graph["vlm_corl.members.rollout"] | {"vlm_corl.members.engines"}
+    assert any({"vlm_corl.members.engines", "vlm_corl.members.rollout"} <= set(c) for c in _cycles(graph))

@@ -21,9 +21,9 @@ from vlm_corl import cli, export
 from vlm_corl.config import config_from_dict
 from vlm_corl.config.parse import ConfigError
 from vlm_corl.config.schema import LoraConfig, MemberConfig
-from vlm_corl.members.deepspeed_update import named_tensors
 from vlm_corl.members.lora import adapter_tensors, merged_weights, scalings, target_modules
 from vlm_corl.members.member import load_member
+from vlm_corl.members.state_files import named_tensors
 from vlm_corl.training.loop import run_cohort
 
 LORA = {"r": 4, "alpha": 8.0}

@@ -11,9 +11,10 @@ import torch
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.members.batching import collate
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import _full_logprobs, _shared_prompt_logprobs
 
 VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl")

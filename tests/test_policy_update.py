@@ -18,9 +18,10 @@ import torch
 from vlm_corl.config import AlgoConfig, MemberConfig, TrainConfig
 from vlm_corl.config.schema import RolloutConfig
 from vlm_corl.data.loaders import load_examples
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import policy_update, response_logprobs
 from vlm_corl.training.grpo import group_advantages
 from vlm_corl.training.loop import _sequences, batch_totals

@@ -15,9 +15,10 @@ import torch
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.zoo import build_real
 
 ROOT = Path(__file__).resolve().parents[1]

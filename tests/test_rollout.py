@@ -10,10 +10,11 @@ import torch
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.members.batching import collate
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.engines.hf import draw
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import _full_logprobs, _shared_prompt_logprobs, response_logprobs
 from vlm_corl.training.grpo import token_entropy, token_self_certainty
 

@@ -24,9 +24,10 @@ from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig, VllmC
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.distributed.world import build_groups, launch_world, weights_checksum
 from vlm_corl.members.deepspeed_update import attach_deepspeed
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
 from vlm_corl.train import exit_process
 from vlm_corl.training.slots import ema_update

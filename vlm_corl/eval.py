@@ -28,8 +28,8 @@ from vlm_corl.evaluation.scoring import (
     results_markdown,
     write_results,
 )
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import Member, load_member
-from vlm_corl.members.rollout import make_engine
 from vlm_corl.registry import BENCHMARKS
 
 

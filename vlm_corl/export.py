@@ -18,11 +18,12 @@ from pathlib import Path
 
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
-from vlm_corl.distributed.checkpoint import MANIFEST, TRAINER_STATE, is_complete, latest_checkpoint
+from vlm_corl.distributed.checkpoint import MANIFEST, is_complete, latest_checkpoint
 from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import STATE_FILE
 from vlm_corl.members.lora import is_adapter_dir
 from vlm_corl.members.member import load_member
+from vlm_corl.members.state_files import TRAINER_STATE
 
 STATE_PATTERN = re.compile(re.escape(STATE_FILE).replace(r"\{\}", r"[0-9]+"))  # a DeepSpeed optimizer partition
 

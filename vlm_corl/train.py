@@ -21,7 +21,7 @@ from vlm_corl import cli
 from vlm_corl.config import ConfigError, check_registered, load_config
 from vlm_corl.distributed.world import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
-from vlm_corl.members.rollout import release_engines
+from vlm_corl.members.engines import release_engines
 from vlm_corl.training.guard import CollapseStopped
 from vlm_corl.training.numerics import NonFiniteStopped, RolloutMismatchStopped
 

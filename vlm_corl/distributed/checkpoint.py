@@ -17,7 +17,6 @@ import errno
 import json
 import logging
 import random
-import re
 import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from vlm_corl.errors import UserError
+from vlm_corl.members.state_files import STEP_DIR, TRAINER_STATE, read_state
 
 if TYPE_CHECKING:
     from vlm_corl.distributed.world import World
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 STATE_FILE = "cohort_state.pt"
 MANIFEST = "manifest.json"
-TRAINER_STATE = "trainer_state.pt"  # a trained member's optimizer and schedule
-_STEP_DIR = re.compile(r"step-(\d+)")
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 log = logging.getLogger("vlm_corl")
@@ -158,7 +156,7 @@ def list_checkpoints(run_dir: Path, warn: bool = False) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     found = []
     for d in root.glob("step-*") if root.is_dir() else []:
-        m = _STEP_DIR.fullmatch(d.name)
+        m = STEP_DIR.fullmatch(d.name)
         if not m:
             continue
         if is_complete(d):
@@ -172,35 +170,6 @@ def latest_checkpoint(run_dir: Path, warn: bool = False) -> Path | None:
     """The newest complete checkpoint, or None (`warn`: log the incomplete ones passed over)."""
     found = list_checkpoints(run_dir, warn)
     return found[-1] if found else None
-
-
-class CheckpointError(UserError):
-    """A checkpoint file that cannot be read (names the file and how to go on)."""
-
-
-def read_state(path: Path, weights_only: bool = True) -> dict:
-    """torch.load of a state file we wrote, onto the host (its tensors were saved from the writer's GPU: every
-    rank of a member reads the same file, and `load_state_dict` moves each tensor to its parameter's device);
-    a truncated or corrupt one is a CheckpointError naming it."""
-    try:
-        return torch.load(path, weights_only=weights_only, map_location="cpu")
-    except Exception as err:  # noqa: BLE001 - pickle/zip/OS errors all mean "this file is unusable"
-        if isinstance(err, MemoryError):
-            raise
-        raise corrupt_file(path, err) from err
-
-
-def corrupt_file(path: Path, err: BaseException) -> CheckpointError:
-    """The error for a file of a checkpoint (a state file, or a member's weights) that cannot be read: it names
-    the file and says to move the checkpoint away and resume from the one before it."""
-    path = Path(path)
-    checkpoint = next((p for p in (path, *path.parents) if _STEP_DIR.fullmatch(p.name)), path.parent)
-    cause = err.__cause__ or err
-    detail = (str(cause).splitlines() or [""])[0].split(". ")[0][:120]
-    return CheckpointError(
-        f"{path} cannot be read ({type(cause).__name__}: {detail}); it is truncated or corrupt. Move "
-        f"{checkpoint} out of checkpoints/ to resume from the one before it"
-    )
 
 
 def load_cohort_state(checkpoint: Path) -> dict:

@@ -20,9 +20,10 @@ from vlm_corl.data.answers.normalize import normalize_answer
 from vlm_corl.data.loaders import balance_by, load_examples
 from vlm_corl.data.records import Example
 from vlm_corl.distributed.world import default_device
+from vlm_corl.members.engines import RolloutEngine, make_engine
 from vlm_corl.members.member import Member, check_modality, load_member, member_family
 from vlm_corl.members.render import PromptTooLong, Renderer
-from vlm_corl.members.rollout import RolloutEngine, SamplingParams, make_engine
+from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.training.rewards import plurality_vote
 
 

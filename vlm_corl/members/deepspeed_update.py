@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from vlm_corl.distributed.checkpoint import read_state
 from vlm_corl.errors import UserError
 from vlm_corl.members.precision import rollout_copy
+from vlm_corl.members.state_files import persistent_buffers, read_state
 
 STATE_FILE = "deepspeed_state.{}.pt"
 _REFUSED = {
@@ -257,7 +257,7 @@ class DeepSpeedUpdate:
         if self.stage != 3:
             yield from ((n, p.data) for n, p in named)
             if not trainable_only:
-                yield from _persistent_buffers(self.module)
+                yield from persistent_buffers(self.module)
             return
         import deepspeed
 
@@ -266,7 +266,7 @@ class DeepSpeedUpdate:
                 for name, p in bucket:
                     yield name, p.data
         if not trainable_only:
-            yield from _persistent_buffers(self.module)
+            yield from persistent_buffers(self.module)
 
     def backward(self, loss: torch.Tensor) -> None:
         # x group size: DeepSpeed averages over the group, our per-rank losses add up to the batch's loss.
@@ -359,19 +359,6 @@ def allocate_zero_adam_state(zero_optimizer, stage: int) -> None:
             f.grad = grad
     for _, f in flats:
         inner.state[f]["step"].zero_()
-
-
-def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A module's parameters (each once, tied ones under their first name) and persistent buffers: what
-    `load_state_dict` needs and vLLM's `load_weights` reads, by state-dict name."""
-    for name, p in module.named_parameters():
-        yield name, p.data
-    yield from _persistent_buffers(module)
-
-
-def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    keys = set(module.state_dict(keep_vars=True))  # non-persistent buffers (rotary tables) are left out
-    return ((name, b) for name, b in module.named_buffers() if name in keys)
 
 
 def _buckets(named: list[tuple[str, torch.nn.Parameter]], limit: int) -> Iterator[list]:

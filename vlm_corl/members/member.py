@@ -19,10 +19,8 @@ from safetensors import SafetensorError
 from transformers import AutoProcessor, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from vlm_corl.distributed.checkpoint import TRAINER_STATE, read_state
 from vlm_corl.distributed.world import default_device, sum_over
 from vlm_corl.errors import UserError
-from vlm_corl.members.deepspeed_update import named_tensors
 from vlm_corl.members.families import Family, detect_family
 from vlm_corl.members.finite import check_finite_weights
 from vlm_corl.members.lora import (
@@ -36,6 +34,7 @@ from vlm_corl.members.lora import (
 )
 from vlm_corl.members.precision import DTYPES, cast_parameters, rollout_dtype, serves_lower, update_autocast_dtype
 from vlm_corl.members.rollout import Policy
+from vlm_corl.members.state_files import TRAINER_STATE, named_tensors, read_state
 from vlm_corl.registry import FAMILIES
 
 if TYPE_CHECKING:

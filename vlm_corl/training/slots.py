@@ -20,10 +20,10 @@ import torch
 
 from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.data.records import ViewError, parse_view
+from vlm_corl.members.engines import RolloutEngine, make_engine
 from vlm_corl.members.member import Member, load_member
 from vlm_corl.members.precision import rollout_copy, serves_lower
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import RolloutEngine, make_engine
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import CohortConfig, MemberConfig
