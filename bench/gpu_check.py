@@ -67,7 +67,7 @@ def build_members(size: str, work: Path) -> tuple[dict[str, Path], dict]:
         paths = {k: path for k, (path, _) in built.items()}
         params = {k: n for k, (_, n) in built.items()}
     else:
-        from vlm_corl.members.memory import parameter_count
+        from vlm_corl.planning.shapes import parameter_count
         from vlm_corl.zoo import build_zoo
 
         zoo = build_zoo(work / "zoo", list(TINY.values()), size="tiny")
@@ -233,7 +233,7 @@ def lora_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
 
 def resume_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
     """Kill a training process after its first checkpoint, resume it; rows and checkpoints must line up."""
-    from vlm_corl.distributed.checkpoint import latest_checkpoint
+    from vlm_corl.training.checkpoint import latest_checkpoint
 
     path = cohort_file(work, "resume", {"qwen": members["qwen"]}, settings, max_steps=3, save_every=1)
     run_dir = work / "resume" / "run"

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from vlm_corl.distributed.checkpoint import list_checkpoints
 from vlm_corl.training.category_metrics import category_step_stats, pooled_diversity, window_metrics
+from vlm_corl.training.checkpoint import list_checkpoints
 from vlm_corl.training.collapse import collapse_warnings, eval_drops, flag_step
 from vlm_corl.training.guard import roll_back, stop_message
 from vlm_corl.training.metrics import unanimous_questions

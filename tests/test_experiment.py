@@ -14,12 +14,12 @@ from cohort_helpers import python_m
 from vlm_corl import cli
 from vlm_corl.data.loaders import DataError, easyvqa_question_type, load_easyvqa
 from vlm_corl.data.records import Example
+from vlm_corl.evaluation.stats import mean_ci, pearson, ranks, spearman, t975
 from vlm_corl.experiments import easyvqa_analysis as analysis
 from vlm_corl.experiments import easyvqa_design as design
 from vlm_corl.experiments import easyvqa_try
 from vlm_corl.experiments.easyvqa import constant_share, finished, save_result
 from vlm_corl.experiments.easyvqa_data import asked_type
-from vlm_corl.experiments.stats import mean_ci, pearson, ranks, spearman, t975
 from vlm_corl.warmstart import mixed_by
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vlm_corl.members.memory import Layout, member_bytes, parameter_count
+from vlm_corl.members.memory import Layout, member_bytes
+from vlm_corl.planning.shapes import parameter_count
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from vlm_corl.config import RewardConfig
+from vlm_corl.data.answers import consensus, plurality_vote
 from vlm_corl.registry import REWARDS
-from vlm_corl.training.rewards import CohortBatch, consensus, plurality_vote
+from vlm_corl.training.rewards import CohortBatch
 
 
 def batch(answers, gold=None, fmt=None, choices=None):
@@ -140,3 +141,15 @@ def test_every_vote_based_mode_honours_the_vote_threshold(mode):
     at_zero, at_threshold = THRESHOLD_CASES[mode]
     assert run(mode, THRESHOLD_ANSWERS).rewards.tolist() == at_zero
     assert run(mode, THRESHOLD_ANSWERS, vote_threshold=0.6).rewards.tolist() == at_threshold
+
+
+def test_the_schemas_slot_counts_follow_the_reward_registry():
+    """The planner counts renderers from the schema (`slots_per_member`, below the reward registry it may not
+    import); every registered mode's layout must agree with it."""
+    from vlm_corl.config.schema import TEACHER_MODES, TWO_VIEW_MODES
+    from vlm_corl.registry import REWARDS
+
+    for mode in REWARDS.names():
+        layout = REWARDS.get(mode).layout
+        assert (layout == "two_views") == (mode in TWO_VIEW_MODES), mode
+        assert (layout == "ema_teacher") == (mode in TEACHER_MODES), mode

@@ -16,7 +16,6 @@ from pathlib import Path
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import RolloutConfig, VllmConfig
-from vlm_corl.distributed.checkpoint import MANIFEST, is_complete, latest_checkpoint
 from vlm_corl.distributed.world import default_device
 from vlm_corl.errors import UserError
 from vlm_corl.evaluation.scoring import (
@@ -31,6 +30,7 @@ from vlm_corl.evaluation.scoring import (
 from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import Member, load_member
 from vlm_corl.registry import BENCHMARKS
+from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

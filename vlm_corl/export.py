@@ -18,7 +18,7 @@ from pathlib import Path
 
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
-from vlm_corl.distributed.checkpoint import MANIFEST, is_complete, latest_checkpoint
+from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
 from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import STATE_FILE
 from vlm_corl.members.lora import is_adapter_dir

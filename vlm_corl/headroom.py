@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 from vlm_corl.data.answers import answers_equivalent, group_equivalent
 from vlm_corl.evaluation.pairs import pair_metrics
-from vlm_corl.experiments.stats import mean_ci
+from vlm_corl.evaluation.stats import mean_ci
 
 TOPOLOGIES = ("ring", "peers", "soft", "self_vote", "gt")
 

@@ -23,6 +23,7 @@ RewardMode = Literal[
     "co_rewarding_2",
 ]
 PEER_MODES = ("ring", "peers", "soft", "peers_ema")  # label_n comes from the other members' votes
+TWO_VIEW_MODES = ("co_rewarding_1",)  # one member rolls out twice: the original wording and its view
 TEACHER_MODES = ("co_rewarding_2", "peers_ema")  # each trained member keeps an EMA teacher (a slowly updated copy)
 
 # Qwen-VL reads one image token per 28x28 pixels: 1280 tokens at the image cap, which the prompt limit must hold
@@ -401,3 +402,10 @@ class CohortConfig:
 def has_teachers(cfg: CohortConfig) -> bool:
     """Whether the run's reward keeps an EMA teacher per trained member (its slots, engines and memory)."""
     return cfg.reward.custom is None and cfg.reward.mode in TEACHER_MODES
+
+
+def slots_per_member(cfg: CohortConfig) -> int:
+    """How many slots (renderers, rollouts) each member has: two under a two-view or EMA-teacher reward, else
+    one (the layouts of vlm_corl.training.slots, which the reward registry declares)."""
+    modes = TWO_VIEW_MODES + TEACHER_MODES
+    return 2 if cfg.reward.custom is None and cfg.reward.mode in modes else 1

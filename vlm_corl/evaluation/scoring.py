@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import DataConfig
-from vlm_corl.data.answers import answers_equivalent, extract_answer
+from vlm_corl.data.answers import answers_equivalent, extract_answer, plurality_vote
 from vlm_corl.data.answers.normalize import normalize_answer
 from vlm_corl.data.loaders import balance_by, load_examples
 from vlm_corl.data.records import Example
@@ -24,7 +24,6 @@ from vlm_corl.members.engines import RolloutEngine, make_engine
 from vlm_corl.members.member import Member, check_modality, load_member, member_family
 from vlm_corl.members.render import PromptTooLong, Renderer
 from vlm_corl.members.rollout import SamplingParams
-from vlm_corl.training.rewards import plurality_vote
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from vlm_corl.evaluation.stats import mean_ci, spearman, t975
 from vlm_corl.experiments.easyvqa_data import TYPES
-from vlm_corl.experiments.stats import mean_ci, spearman, t975
 
 KEYS = ("accuracy", *TYPES)  # "accuracy" is the balanced accuracy (test questions are balanced by type)
 ORDER = ("yes/no", "shape", "color")  # question types, in table order

@@ -20,7 +20,6 @@ weights, which is how our members train: fp32 masters, bf16 compute by autocast)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 GB = 1e9  # decimal gigabytes, as GPU memory is sold
 
@@ -74,11 +73,3 @@ def member_bytes(params: int, layout: Layout) -> dict[str, float]:
         copy = layout.engine == "vllm" or layout.rollout_bytes < 4
         parts["ema_teacher"] = 4 * p + (layout.rollout_bytes * p if copy else 0.0)
     return parts
-
-
-def parameter_count(model_dir: str | Path) -> int:
-    """Parameters of the model a config.json describes, counted on the `meta` device (no weights are read or
-    allocated: it works on configs/models/ and on a downloaded checkpoint's directory alike); tied weights once."""
-    from vlm_corl.planning.shapes import model_shape
-
-    return model_shape(str(model_dir)).params

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlm_corl.config.engine_layout import vllm_engines_by_rank
-from vlm_corl.config.schema import CohortConfig, has_teachers
+from vlm_corl.config.schema import CohortConfig, has_teachers, slots_per_member
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.engines import TEACHER
 from vlm_corl.planning.layout import rollout_bytes, trained_params, zero_settings
@@ -132,15 +132,7 @@ def _staging_bytes(zero: dict, m, gpu_free: float) -> float:
 def renderers(cfg: CohortConfig, placement: dict, rank: int) -> int:
     """Renderers (one per slot) of the members on `rank`: two per member under co_rewarding_1 (two views) and
     the EMA-teacher rewards, else one."""
-    per_member = 2 if slot_layout(cfg) in ("two_views", "ema_teacher") else 1
-    return per_member * sum(rank in placement[m.id] for m in cfg.members)
-
-
-def slot_layout(cfg: CohortConfig) -> str:
-    """The reward's cohort layout (`vlm_corl.training.slots`): members, two_views or ema_teacher."""
-    from vlm_corl.training.rewards import resolve_reward
-
-    return "members" if cfg.reward.custom else resolve_reward(cfg.reward).layout
+    return slots_per_member(cfg) * sum(rank in placement[m.id] for m in cfg.members)
 
 
 def _sleep_backups(cfg: CohortConfig, placement: dict, rank: int) -> float:

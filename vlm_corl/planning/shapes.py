@@ -141,3 +141,9 @@ def _tiled_patches(model_type: str, vision, patch: int, model_dir: Path) -> int:
     processor = model_dir / "preprocessor_config.json"
     tiles = json.loads(processor.read_text()).get("max_patches", 12) if processor.exists() else 12
     return (tiles + 1) * per_tile  # InternVL: the tiles and a thumbnail
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters of the model a config.json describes, counted on the `meta` device (no weights are read or
+    allocated: it works on configs/models/ and on a downloaded checkpoint's directory alike); tied weights once."""
+    return model_shape(str(model_dir)).params

@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlm_corl.distributed.checkpoint import latest_checkpoint, list_checkpoints
+from vlm_corl.training.checkpoint import latest_checkpoint, list_checkpoints
 from vlm_corl.training.collapse import describe
 
 if TYPE_CHECKING:

@@ -27,11 +27,6 @@ from vlm_corl.config.loading import config_to_dict
 from vlm_corl.config.schema import EvalConfig
 from vlm_corl.data.answers import extract_answer
 from vlm_corl.data.records import Example
-from vlm_corl.distributed.checkpoint import (
-    latest_checkpoint,
-    required_files,
-    save_checkpoint,
-)
 from vlm_corl.distributed.exchange import exchange
 from vlm_corl.distributed.world import (
     CollectiveError,
@@ -50,6 +45,11 @@ from vlm_corl.members.update import Sequence, policy_update, response_token_stat
 from vlm_corl.planning.check import against_plan
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.training.category_metrics import category_step_stats, window_metrics
+from vlm_corl.training.checkpoint import (
+    latest_checkpoint,
+    required_files,
+    save_checkpoint,
+)
 from vlm_corl.training.collapse import describe as describe_collapse
 from vlm_corl.training.collapse import eval_drops
 from vlm_corl.training.grpo import group_advantages, nonzero_variance_groups

@@ -23,13 +23,13 @@ from vlm_corl.data.loaders import DataError, load_examples, loader_category
 from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.data.records import Example
 from vlm_corl.data.sampler import LockstepSampler
-from vlm_corl.distributed.checkpoint import latest_checkpoint, load_cohort_state, restore_rng
 from vlm_corl.distributed.world import World, build_groups, describe, launch_world, place_members, shard
 from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import attach_deepspeed, zero_stage
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.members.state_files import corrupt_file
 from vlm_corl.planning.check import check_disk, check_launch, write_plan
+from vlm_corl.training.checkpoint import latest_checkpoint, load_cohort_state, restore_rng
 from vlm_corl.training.collapse import CollapseTracker
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink

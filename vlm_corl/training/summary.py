@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlm_corl.distributed.checkpoint import latest_checkpoint
 from vlm_corl.distributed.world import World
+from vlm_corl.training.checkpoint import latest_checkpoint
 from vlm_corl.training.collapse import CollapseTracker, eval_drops
 
 if TYPE_CHECKING:

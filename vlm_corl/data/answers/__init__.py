@@ -2,7 +2,8 @@
 
 ``extract_answer`` finds the final answer in a response; ``answers_equivalent`` decides whether two answers
 are the same (normalised strings, multiple-choice letters, then math-verify under our own deadline);
-``group_equivalent`` numbers the equivalence classes that plurality voting counts; ``grade`` is both steps.
+``group_equivalent`` numbers the equivalence classes that plurality voting counts (``plurality_vote``,
+``consensus``); ``grade`` is both steps.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from .equivalence import answers_equivalent, choice_letter, group_equivalent
 from .extract import STYLES, extract_answer
 from .normalize import normalize_answer
 from .verifier import VERIFY_TIMEOUT_S, math_verify_equivalent
+from .votes import consensus, plurality_vote
 
 __all__ = [
     "STYLES",
     "VERIFY_TIMEOUT_S",
     "answers_equivalent",
     "choice_letter",
+    "consensus",
     "extract_answer",
     "grade",
     "group_equivalent",
     "math_verify_equivalent",
     "normalize_answer",
+    "plurality_vote",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Small, exact statistics for the experiments (no scipy in the environment): the mean with a 95% Student-t
+"""Small, exact statistics for evaluations and experiments (no scipy in the environment): the mean with a 95% Student-t
 interval over seeds, and Spearman's rank correlation."""
 
 from __future__ import annotations
