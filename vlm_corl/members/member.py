@@ -492,65 +492,11 @@ def load_member(
     path = str(model_dir or cfg.model)
     family = member_family(cfg, path)
     base, adapter = model_source(cfg, path)
-    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-        # transformers would quietly build a tokenizer without the model's special (image) tokens
-        raise MemberLoadError(
-            f"member {cfg.id!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)});"
-            " save the tokenizer/processor beside the weights (save_pretrained)"
-        )
     device = device or default_device()
-    target = torch.device("cpu") if stage_on_cpu else device
-    try:
-        model = family.model_class.from_pretrained(
-            base,
-            dtype=DTYPES[cfg.dtype],
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
-            # read straight into the device's memory, not through one host copy per rank
-            **({"device_map": {"": target}} if target.type != "cpu" else {}),
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        processor = tokenizer
-        if family.modality == "vision":
-            processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        if tokenizer.pad_token_id is None:
-            # Batches are padded (and pad positions masked out of every loss): eos is the usual stand-in.
-            if tokenizer.eos_token is None:
-                raise MemberLoadError(
-                    f"member {cfg.id!r}: the tokenizer in {path} has neither a pad nor an eos token;"
-                    " set pad_token in its tokenizer_config.json"
-                )
-            tokenizer.pad_token = tokenizer.eos_token
-            if processor is not tokenizer and getattr(processor, "tokenizer", None) is not None:
-                processor.tokenizer.pad_token = tokenizer.eos_token
-    except Exception as err:  # noqa: BLE001 - third-party loaders raise many types for a bad directory
-        if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
-            raise
-        raise MemberLoadError(
-            f"member {cfg.id!r}: cannot load {path} ({_brief(err)}); it needs config.json, the "
-            "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
-            "writes them"
-        ) from err
+    model, processor, tokenizer = _load_files(cfg, family, path, base, torch.device("cpu") if stage_on_cpu else device)
     check_finite_weights(model, f"member {cfg.id!r} ({base})")
     checkpoint_dtype = model.dtype
-    peft_model = None
-    try:
-        if cfg.lora is not None and cfg.trainable:
-            model.name_or_path = str(Path(base).resolve())  # what the adapter's config names as its base
-            try:
-                peft_model = inject(model, cfg.lora, adapter)
-            except UserError as err:  # which member's lora settings
-                raise UserError(f"member {cfg.id!r}: {err}") from err
-        elif adapter is not None:
-            model = load_merged(model, adapter)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # a truncated adapter file too
-        if adapter is None:
-            raise
-        raise MemberLoadError(
-            f"member {cfg.id!r}: cannot apply the adapter in {adapter} to {base} ({_brief(err)}); it needs "
-            "adapter_config.json and adapter_model.safetensors as PeftModel.save_pretrained writes them, for "
-            "this base model"
-        ) from err
+    model, peft_model = _apply_adapter(cfg, model, base, adapter)
     if cfg.trainable and peft_model is None:
         # fp32 master weights whatever the checkpoint's dtype: a bf16 weight updated at lr 1e-6 loses almost
         # every update to rounding. Compute runs in bf16 under autocast (vlm_corl.members.precision).
@@ -566,6 +512,72 @@ def load_member(
         if adapter is not None:  # the adapter read back when resuming
             check_finite_weights(model, f"member {cfg.id!r} ({path})")
     return member
+
+
+def _load_files(cfg: MemberConfig, family: Family, path: str, base: str, target: torch.device) -> tuple:
+    """(model, processor, tokenizer) of a member's directory, the model read straight onto `target`; a pad token
+    where the tokenizer lacks one. A directory that cannot be loaded is a MemberLoadError naming it."""
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would quietly build a tokenizer without the model's special (image) tokens
+        raise MemberLoadError(
+            f"member {cfg.id!r}: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)});"
+            " save the tokenizer/processor beside the weights (save_pretrained)"
+        )
+    try:
+        model = family.model_class.from_pretrained(
+            base,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            # read straight into the device's memory, not through one host copy per rank
+            **({"device_map": {"": target}} if target.type != "cpu" else {}),
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        processor = tokenizer
+        if family.modality == "vision":
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - third-party loaders raise many types for a bad directory
+        if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
+            raise
+        raise MemberLoadError(
+            f"member {cfg.id!r}: cannot load {path} ({_brief(err)}); it needs config.json, the "
+            "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
+            "writes them"
+        ) from err
+    if tokenizer.pad_token_id is None:
+        # Batches are padded (and pad positions masked out of every loss): eos is the usual stand-in.
+        if tokenizer.eos_token is None:
+            raise MemberLoadError(
+                f"member {cfg.id!r}: the tokenizer in {path} has neither a pad nor an eos token;"
+                " set pad_token in its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        if processor is not tokenizer and getattr(processor, "tokenizer", None) is not None:
+            processor.tokenizer.pad_token = tokenizer.eos_token
+    return model, processor, tokenizer
+
+
+def _apply_adapter(cfg: MemberConfig, model, base: str, adapter: Path | None) -> tuple:
+    """(model, PEFT wrapper or None): a trained LoRA member's adapters injected (fresh, or read from `adapter`
+    when resuming); an adapter directory loaded without `cfg.lora` merged into its base."""
+    try:
+        if cfg.lora is not None and cfg.trainable:
+            model.name_or_path = str(Path(base).resolve())  # what the adapter's config names as its base
+            try:
+                return model, inject(model, cfg.lora, adapter)
+            except UserError as err:  # which member's lora settings
+                raise UserError(f"member {cfg.id!r}: {err}") from err
+        if adapter is not None:
+            return load_merged(model, adapter), None
+        return model, None
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:  # a truncated adapter file too
+        if adapter is None:
+            raise
+        raise MemberLoadError(
+            f"member {cfg.id!r}: cannot apply the adapter in {adapter} to {base} ({_brief(err)}); it needs "
+            "adapter_config.json and adapter_model.safetensors as PeftModel.save_pretrained writes them, for "
+            "this base model"
+        ) from err
 
 
 def _brief(err: BaseException) -> str:
