@@ -295,7 +295,7 @@ def test_train_stops_before_step_1_when_the_output_disk_cannot_hold_a_checkpoint
 ):
     from vlm_corl.train import main as train_main
 
-    path = _tiny_run(tmp_path, tiny_zoo, "error")
+    path = _tiny_run(tmp_path, tiny_zoo, "auto")  # the default, on a CPU too
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - 1000, 1000))  # 1 kB free
     assert cli.run(train_main, ["--config", str(path)]) == 2
     err = capsys.readouterr().err

@@ -308,9 +308,10 @@ class TrainConfig:
         ge=1,
     )
     check_memory: Literal["auto", "error", "warn", "off"] = _f(
-        "the memory plan made before any model loads (python -m vlm_corl.plan; written to plan.json): error = a "
-        "layout that cannot fit stops with exit 2 | warn = log it and go on | off | auto = error on CUDA, warn "
-        "elsewhere",
+        "the memory plan made before any model loads (python -m vlm_corl.plan; written to plan.json) and the "
+        "checkpoints' disk: error = a layout that cannot fit, or an output_dir disk too small for the checkpoints, "
+        "stops with exit 2 | warn = log it and go on | off | auto = error on CUDA, warn elsewhere (the disk: error "
+        "everywhere)",
         "auto",
     )
     device_memory_gb: float | None = _f(

@@ -86,13 +86,13 @@ class DiskTooSmall(UserError):
 
 
 def check_disk(cfg: CohortConfig, world, plan: CohortPlan | None) -> None:
-    """Before any model loads: stop (train.check_memory error; auto on CUDA) or warn (warn; auto elsewhere) when
-    the free space on output_dir's disk is below what the checkpoints need (`plan.disk`, less what checkpoints
-    already in output_dir hold); nothing with check_memory off (`plan` None). Every rank reads the free space
-    and all decide on the smallest (one collective), so they stop alike."""
+    """Before any model loads: stop (train.check_memory error or auto, on any device: a disk is a disk) or warn
+    (warn) when the free space on output_dir's disk is below what the checkpoints need (`plan.disk`, less what
+    checkpoints already in output_dir hold); nothing with check_memory off (`plan` None). Every rank reads the
+    free space and all decide on the smallest (one collective), so they stop alike."""
     if plan is None or plan.disk is None:
         return
-    mode = check_mode(cfg, world.device)
+    mode = "error" if cfg.train.check_memory == "auto" else cfg.train.check_memory
     where = existing_parent(Path(cfg.output_dir))
     need = plan.disk.total - held_bytes(Path(cfg.output_dir) / "checkpoints")
     free = min(world.all_gather(shutil.disk_usage(where).free))
