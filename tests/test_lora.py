@@ -195,6 +195,68 @@ def test_export_merge_gives_a_model_from_pretrained_loads_equal_to_the_member(lo
     assert "--member nobody: not in" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    """{relative path: content} of every file under `folder`."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _logits(model_dir: Path) -> torch.Tensor:
+    member = load_member(MemberConfig(id="e", model=str(model_dir), trainable=False))
+    with torch.no_grad():
+        return member.model(input_ids=torch.tensor([[1, 5, 9, 14, 3]])).logits
+
+
+def test_export_into_a_used_folder_is_refused_and_overwrite_replaces_it_whole(lora_run, tmp_path, capsys):
+    """Issue 32: an export never lands beside another one (adapter files next to full weights, loading the other
+    export's weights); --overwrite leaves exactly the new export, byte for byte what a fresh folder gets."""
+
+    def export_(out: Path, *flags: str) -> int:
+        return cli.run(export.main, [str(lora_run), "--out", str(out), *flags])
+
+    fresh = {}  # what each export writes into a new folder
+    for name, flags in {"adapter": (), "merged": ("--merge", "--member", "q")}.items():
+        assert export_(tmp_path / "fresh" / name, *flags) == 0
+        fresh[name] = _files(tmp_path / "fresh" / name)
+    assert "q/adapter_model.safetensors" in fresh["adapter"] and "q/model.safetensors" in fresh["merged"]
+    out = tmp_path / "out"
+    out.mkdir()  # an empty folder is a new one
+    assert export_(out) == 0 and _files(out) == fresh["adapter"]
+    capsys.readouterr()
+    assert export_(out, "--merge", "--member", "q") == 2
+    err = capsys.readouterr().err
+    assert f"error: --out {out} is not empty (it holds m, q)" in err and "--overwrite to replace it whole" in err
+    assert "Traceback" not in err and _files(out) == fresh["adapter"]  # refused before writing anything
+    # adapters -> merged weights: no adapter file beside the full weights, no member of the old export left
+    assert export_(out, "--merge", "--member", "q", "--overwrite") == 0
+    assert _files(out) == fresh["merged"]
+    assert torch.equal(_logits(out / "q"), _logits(tmp_path / "fresh" / "merged" / "q"))
+    # and back: no full weights beside the adapter
+    assert export_(out, "--overwrite") == 0 and _files(out) == fresh["adapter"]
+    assert torch.equal(_logits(out / "q"), _logits(tmp_path / "fresh" / "adapter" / "q"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "out"]  # no temporary folder left beside it
+    # --overwrite never deletes the checkpoint it exports
+    shutil.copytree(lora_run / "checkpoints" / "step-2", tmp_path / "ckpt")
+    capsys.readouterr()
+    assert cli.run(export.main, [str(tmp_path / "ckpt"), "--out", str(tmp_path), "--overwrite"]) == 2
+    assert "holds the checkpoint being exported" in capsys.readouterr().err and (tmp_path / "ckpt" / "q").is_dir()
+
+
+def test_a_failed_overwrite_leaves_the_old_export_as_it_was(lora_run, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert cli.run(export.main, [str(lora_run), "--out", str(out)]) == 0
+    before = _files(out)
+
+    def crash(source, target, merge):
+        (target / "partial.bin").parent.mkdir(parents=True)
+        (target / "partial.bin").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "export_member", crash)
+    with pytest.raises(OSError, match="No space left"):
+        export.main([str(lora_run), "--out", str(out), "--overwrite", "--merge"])
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_a_lora_checkpoint_evaluates_like_a_model(lora_run, tmp_path):
     from vlm_corl import eval as evaluate
 

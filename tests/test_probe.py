@@ -1,11 +1,13 @@
 """Cohort probe (issue 5 item 3): the pairwise maths against numbers worked by hand, the recommendation on
-hand-built evaluation records, and one CLI run on two tiny zoo models (files and table, not numbers)."""
+hand-built evaluation records, one CLI run on two tiny zoo models (files and table, not numbers), and every number
+flag's mistakes refused (exit 2 naming the flag) before any model loads."""
 
 import json
 import math
 
 import pytest
 
+from vlm_corl import cli
 from vlm_corl.evaluation.pairs import (
     COLLAPSE_WARNING,
     accuracy_sum,
@@ -17,7 +19,7 @@ from vlm_corl.evaluation.pairs import (
     probe,
     same_wrong_rate,
 )
-from vlm_corl.probe import main, model_names
+from vlm_corl.probe import main, model_names, probe_parser
 
 # Ten questions. A right on 1-6, B right on 1-4 and 7.
 #   both right 1-4 (4), A only 5-6 (2), B only 7 (1), both wrong 8-10 (3)
@@ -158,3 +160,30 @@ def test_cli_on_two_tiny_zoo_models(tiny_zoo, tmp_path, capsys):
     assert set(cohort["modes"]) == {"ring", "peers", "soft", "self_vote", "gt"}
     assert cohort["modes"]["self_vote"]["headroom"]["all"]["mean"] == 0.0
     assert cohort["modes"]["peers"]["headroom"] == cohort["modes"]["ring"]["headroom"]  # of two: the same
+
+
+# flag, bad value, what the message says (after "argument FLAG: ")
+BAD_NUMBERS = [
+    ("--temperature", "-1", "must be a finite number above 0 (got -1)"),  # would sample the inverted distribution
+    ("--temperature", "0", "must be a finite number above 0 (got 0)"),  # greedy: K identical answers
+    ("--temperature", "nan", "must be a finite number above 0 (got nan)"),
+    ("--temperature", "hot", "expected a number, got 'hot'"),
+    ("--skip", "-5", "must be at least 0 (got -5)"),
+    ("--skip", "1.5", "expected a whole number, got '1.5'"),
+    ("--limit", "0", "must be at least 1 (got 0)"),
+    ("--samples", "-2", "must be at least 1 (got -2)"),
+]
+
+
+@pytest.mark.parametrize("flag, value, message", BAD_NUMBERS, ids=[f"{f} {v}" for f, v, _ in BAD_NUMBERS])
+def test_a_bad_number_exits_2_naming_the_flag_before_any_model_loads(tmp_path, capsys, flag, value, message):
+    missing = [str(tmp_path / "a"), str(tmp_path / "b")]  # never opened: the arguments are refused first
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(main, ["--models", *missing, flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_good_numbers_parse():
+    args = probe_parser().parse_args(["--models", "a", "b", "--skip", "0", "--temperature", "0.7", "--samples", "1"])
+    assert (args.skip, args.temperature, args.samples, args.limit) == (0, 0.7, 1, 600)

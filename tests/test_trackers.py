@@ -2,7 +2,8 @@
 MLflow file store and trackio's local store hold every logged step of both members' series; TensorBoard the same
 tags; samples.jsonl every member's responses, votes, labels (and from which slots), rewards and advantages; the
 report renders them with the picture; a missing package is a config error naming the extra; a tracker that fails
-to start is a user error, one that fails later only stops reporting."""
+to start is a user error, and so is one that does not start within logging.tracker_timeout_s; one that fails later
+only stops reporting."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import json
 import logging
 import sqlite3
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -132,7 +135,7 @@ def test_a_missing_tracker_package_is_a_config_error_naming_the_extra(tiny_zoo, 
 
 
 class _Failing(trackers.Tracker):
-    def __init__(self, run_dir, config, name, fail_at_start=False):
+    def __init__(self, run_dir, config, name, fail_at_start=False, timeout_s=30.0):
         if fail_at_start:
             raise ConnectionError("no network")
 
@@ -141,7 +144,7 @@ class _Failing(trackers.Tracker):
 
 
 def test_a_tracker_that_cannot_start_is_a_user_error_one_failing_later_only_stops_reporting(tmp_path, caplog):
-    trackers.TRACKERS["tensorboard_test"] = lambda *a: _Failing(*a, fail_at_start=True)
+    trackers.TRACKERS["tensorboard_test"] = lambda *a, **k: _Failing(*a, fail_at_start=True)
     trackers.HINTS["tensorboard_test"] = "check it"
     try:
         with pytest.raises(UserError, match=r"tensorboard_test could not start \(ConnectionError: no network\)"):
@@ -157,13 +160,57 @@ def test_a_tracker_that_cannot_start_is_a_user_error_one_failing_later_only_stop
         trackers.HINTS.pop("tensorboard_test")
 
 
-def _start_unchecked(names, run_dir):
+def _start_unchecked(names, run_dir, **kwargs):
     check = trackers.check_trackers
     trackers.check_trackers = lambda names: None  # the stand-in has no package to find
     try:
-        return trackers.start_trackers(names, run_dir, {}, "x")
+        return trackers.start_trackers(names, run_dir, {}, "x", **kwargs)
     finally:
         trackers.check_trackers = check
+
+
+class _Hanging(trackers.Tracker):
+    """A client whose start blocks like a bad W&B key or an unreachable MLflow server (minutes of retries)."""
+
+    began: list[float] = []
+    released = threading.Event()
+    finished = threading.Event()
+
+    def __init__(self, run_dir, config, name, timeout_s):
+        self.began.append(time.monotonic())
+        self.released.wait(60)
+
+    def finish(self, summary):
+        self.finished.set()
+
+
+def test_a_tracker_start_that_hangs_stops_the_run_within_tracker_timeout_s(tiny_zoo, tmp_path, monkeypatch):
+    monkeypatch.setitem(trackers.TRACKERS, "wandb", _Hanging)
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote"})
+    cfg["logging"].update(report_to=["tensorboard", "wandb"], tracker_timeout_s=1.5)
+    with pytest.raises(UserError) as err:
+        run_cohort(config_from_dict(cfg))
+    (began,) = _Hanging.began
+    assert time.monotonic() - began < 1.5 + 3  # the bound (and the start of the run's end), not minutes of retries
+    message = str(err.value)
+    assert message.startswith("logging.report_to: wandb did not start within 1.5 s (logging.tracker_timeout_s)")
+    assert "raise logging.tracker_timeout_s, or remove wandb from logging.report_to" in message
+    (thread,) = [t for t in threading.enumerate() if t.name == "start-wandb"]
+    assert thread.daemon and thread.is_alive()  # still blocked; a daemon does not keep the process alive
+    _Hanging.released.set()  # a start that ends after its deadline closes what it opened
+    thread.join(10)
+    assert _Hanging.finished.is_set()
+    # a start within the bound is used as before
+    monkeypatch.setitem(trackers.TRACKERS, "wandb", lambda *a, **k: trackers.Tracker())
+    assert [t.name for t in _start_unchecked(["wandb"], tmp_path, timeout_s=1.5)] == ["wandb"]
+
+
+def test_tracker_timeout_s_is_a_logging_field_above_zero(tiny_zoo, tmp_path):
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote"})
+    assert config_from_dict(cfg).logging.tracker_timeout_s == 30.0
+    cfg["logging"]["tracker_timeout_s"] = 0
+    with pytest.raises(ConfigError, match=r"logging\.tracker_timeout_s: must be > 0, got 0"):
+        config_from_dict(cfg)
 
 
 def test_label_sources_follow_the_reward_topology():

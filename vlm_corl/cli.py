@@ -64,6 +64,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0 (offsets, skips)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0 (got {value})")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0 (temperatures, scales)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (0 < value < float("inf")):  # also refuses nan, which every comparison fails
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
 def device(text: str):
     """argparse type: a torch device this machine has ("cpu", "cuda", "cuda:1"); asking for CUDA where there is
     none, or a GPU index past the last, is a usage error naming the devices there are."""

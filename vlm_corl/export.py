@@ -1,29 +1,38 @@
 """Export a run's trained members as Hugging Face models:
-`python -m vlm_corl.export RUN_DIR --out DIR [--merge] [--step N] [--member ID ...]`.
+`python -m vlm_corl.export RUN_DIR --out DIR [--merge] [--step N] [--member ID ...] [--overwrite]`.
 
 RUN_DIR is a run directory (its newest complete checkpoint, or `--step N`) or one checkpoint
 (`RUN/checkpoints/step-N`). Each member goes to DIR/<member>: a fully fine-tuned member as its model
 (`from_pretrained` loads it), a LoRA member as its adapter (`PeftModel.from_pretrained` applies it to the base its
 adapter_config.json names) or, with `--merge`, as a whole model with the adapter merged into the base's weights,
 in the base's dtype. Optimizer states are left behind.
+
+DIR must be new or empty: an export beside another one would mix them (an adapter next to full weights, and
+loading the folder gives the other run's weights). `--overwrite` replaces DIR whole: the export is written to a
+fresh folder beside it and swapped in by renames, so a failure or crash never leaves the two mixed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import stat
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
-from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
 from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import STATE_FILE
 from vlm_corl.members.lora import is_adapter_dir
 from vlm_corl.members.member import load_member
 from vlm_corl.members.state_files import TRAINER_STATE
+from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
 
 STATE_PATTERN = re.compile(re.escape(STATE_FILE).replace(r"\{\}", r"[0-9]+"))  # a DeepSpeed optimizer partition
 
@@ -61,23 +70,95 @@ def export_member(source: Path, out: Path, merge: bool) -> str:
     return "adapter" if is_adapter_dir(source) else "model"
 
 
+def used_entries(out: Path) -> list[str]:
+    """The sorted names in `out` when it is a directory holding anything; [] when it is absent, empty or not a
+    directory (`cli.output_dir` names the last case)."""
+    return sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+
+
+def check_out(out: Path, overwrite: bool, checkpoint: Path) -> bool:
+    """Whether `--out` holds something this export replaces (only with `--overwrite`); a used `--out` without it,
+    or one holding the checkpoint being exported, is a UserError."""
+    entries = used_entries(out)
+    if not entries:
+        return False
+    if not overwrite:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise UserError(
+            f"--out {out} is not empty (it holds {shown}): an export there would sit beside those files and "
+            "loading it could give their weights; give a new or empty folder, or --overwrite to replace it whole"
+        )
+    if checkpoint.resolve().is_relative_to(out.resolve()):
+        raise UserError(
+            f"--out {out} holds the checkpoint being exported ({checkpoint}); --overwrite would delete it: choose "
+            "another folder"
+        )
+    return True
+
+
+@contextlib.contextmanager
+def replaced_whole(out: Path) -> Iterator[Path]:
+    """A fresh folder beside `out` for the body to write into. When the body succeeds it takes `out`'s place
+    (the old one renamed away, the new one renamed in, the old removed); when it fails it is removed and `out` is
+    left as it was. Same parent, so each rename is atomic: at any moment `out` is the old export or the new one
+    (or, after a crash between the two renames, absent with both beside it as hidden folders), never a mix."""
+    target = out.resolve()  # a symlinked --out: replace the folder it points to, beside it
+    try:
+        fresh = Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
+        os.chmod(fresh, stat.S_IMODE(target.stat().st_mode))  # mkdtemp's 0700 would change who can read it
+    except OSError as err:
+        raise UserError(
+            f"--out {out}: cannot write a folder beside it in {target.parent} ({err.strerror or err}); --overwrite "
+            "needs that (the new export is swapped in by a rename), or give a new folder"
+        ) from err
+    try:
+        yield fresh
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    old = fresh.with_name(fresh.name.replace(".export-", ".replaced-", 1))
+    try:
+        target.rename(old)
+    except OSError as err:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise UserError(f"--out {out} cannot be replaced ({err.strerror or err}); give a new folder") from err
+    try:
+        fresh.rename(target)
+    except BaseException:
+        old.rename(target)  # put the old export back rather than leave no --out
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    try:
+        shutil.rmtree(old)
+    except OSError as err:  # the new export is in place; only the old copy's space is left to free
+        print(f"warning: could not remove the replaced export {old} ({err}); remove it by hand", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`python -m vlm_corl.export`: write the checkpoint's members (all, or `--member`) into `--out`."""
     parser = cli.parser("python -m vlm_corl.export", __doc__)
     parser.add_argument("run", help="a run directory or one of its checkpoints (RUN/checkpoints/step-N)")
-    parser.add_argument("--out", required=True, help="directory that gets one folder per member")
+    parser.add_argument("--out", required=True, help="new or empty directory that gets one folder per member")
     parser.add_argument("--merge", action="store_true", help="LoRA members: merge the adapter into a whole model")
     parser.add_argument("--step", type=cli.positive_int, default=None, help="the checkpoint's step (default: newest)")
     parser.add_argument("--member", nargs="+", default=None, help="only these members (default: every one)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out whole (nothing of it is kept)"
+    )
     args = parser.parse_args(argv)
     checkpoint = checkpoint_of(Path(args.run), args.step)
     members = list(json.loads((checkpoint / MANIFEST).read_text())["members"])
     unknown = sorted(set(args.member or ()) - set(members))
     if unknown:
         raise UserError(f"--member {', '.join(unknown)}: not in {checkpoint} (it holds {', '.join(members)})")
-    with cli.kept_if_written(args.out, "--out") as out:
+    out = Path(args.out)
+    # checked before anything is written: a refused export leaves --out exactly as it was
+    replace = check_out(out, args.overwrite, checkpoint)
+    written = []
+    with replaced_whole(out) if replace else cli.kept_if_written(out, "--out") as where:
         for mid in args.member or members:
-            what = export_member(checkpoint / mid, out / mid, args.merge)
-            print(f"{mid}: {what} -> {out / mid}")
+            written.append(f"{mid}: {export_member(checkpoint / mid, where / mid, args.merge)} -> {out / mid}")
+    print("\n".join(written))  # once the export is in place (with --overwrite: after the swap)
     return 0
 
 

@@ -133,15 +133,8 @@ def sampled_headroom(models: Mapping[str, str], bench, examples, samples: int, t
     return {"samples": samples, "temperature": temperature, "ranking": rank_cohorts(cohorts)}
 
 
-def main(argv=None) -> int:
-    from vlm_corl.evaluation.scoring import (  # registers the built-in benchmarks
-        benchmark_examples,
-        check_models,
-        evaluate_dir,
-    )
-    from vlm_corl.registry import BENCHMARKS
-    from vlm_corl.warmstart import labelled_slice
-
+def probe_parser() -> argparse.ArgumentParser:
+    """The probe's arguments; every number is checked here (exit 2 naming the flag), before any model loads."""
     parser = cli.parser(
         "python -m vlm_corl.probe",
         __doc__,
@@ -169,7 +162,10 @@ def main(argv=None) -> int:
         "--split", default=None, help="dataset split instead of the benchmark's own (e.g. train, with --skip)"
     )
     parser.add_argument(
-        "--skip", type=int, default=0, help="start after this many questions of the split (carves a validation slice)"
+        "--skip",
+        type=cli.non_negative_int,
+        default=0,
+        help="start after this many questions of the split, at least 0 (carves a validation slice)",
     )
     parser.add_argument("--data", default=None, metavar="PATH", help="data path, for a loader that needs one")
     parser.add_argument(
@@ -179,9 +175,26 @@ def main(argv=None) -> int:
         help="K answers sampled per question for the label headroom of every cohort (vlm_corl.headroom); 1 = skip it",
     )
     parser.add_argument(
-        "--temperature", type=float, default=1.0, help="sampling temperature of those answers (training's: 1.0)"
+        "--temperature",
+        type=cli.positive_float,
+        default=1.0,
+        help="sampling temperature of those answers, above 0 (training's: 1.0; rollouts are never greedy)",
     )
     parser.add_argument("--out", default=None, help="directory for probe.json and probe.md")
+    return parser
+
+
+def main(argv=None) -> int:
+    """`python -m vlm_corl.probe`: evaluate the models, print the probe and write it to `--out`."""
+    from vlm_corl.evaluation.scoring import (  # registers the built-in benchmarks
+        benchmark_examples,
+        check_models,
+        evaluate_dir,
+    )
+    from vlm_corl.registry import BENCHMARKS
+    from vlm_corl.warmstart import labelled_slice
+
+    parser = probe_parser()
     args = parser.parse_args(argv)
     if len(args.models) < 2:
         parser.error("--models needs at least two model directories")

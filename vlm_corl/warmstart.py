@@ -118,7 +118,9 @@ def main(argv=None) -> int:
     parser.add_argument("--loader", default="easyvqa", help="dataset loader (registry name)")
     parser.add_argument("--path", default=None, help="dataset path, when the loader needs one")
     parser.add_argument("--split", default="train")
-    parser.add_argument("--skip", type=int, default=0, help="labelled slice starts after this many examples")
+    parser.add_argument(
+        "--skip", type=cli.non_negative_int, default=0, help="labelled slice starts after this many examples"
+    )
     parser.add_argument("--limit", type=cli.positive_int, default=1000, help="size of the labelled slice")
     parser.add_argument(
         "--balance-by",

@@ -381,6 +381,12 @@ class LoggingConfig:
     category_window: int = _f(
         "steps the per-category metrics are averaged over (one batch holds few of each)", 10, ge=1
     )
+    tracker_timeout_s: float = _f(
+        "seconds each tracker of logging.report_to may take to start (log in, reach its server) before the run "
+        "stops with an error naming it",
+        30.0,
+        gt=0,
+    )
 
 
 @dataclass(kw_only=True)

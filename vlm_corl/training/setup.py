@@ -115,7 +115,10 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
     sink = None
     if world.is_main:
-        sink = MetricsSink(run_dir, start_trackers(cfg.logging.report_to, run_dir, config_to_dict(cfg), cfg.name))
+        started = start_trackers(
+            cfg.logging.report_to, run_dir, config_to_dict(cfg), cfg.name, cfg.logging.tracker_timeout_s
+        )
+        sink = MetricsSink(run_dir, started)
     start, history, eval_history = _restore(state, sampler, world, sink)
     collapse = CollapseTracker(recent=cfg.logging.category_window - 1)
     collapse.restore(history)  # the rows themselves are not kept: a long run's memory stays flat

@@ -4,7 +4,10 @@ Every tracker gets the same series as metrics.jsonl, one per member and metric (
 rows `<member>/eval/<benchmark>/<metric>`), at the run's step; the resolved config when it starts, the sampled
 responses (`samples.jsonl`) as text or a table, and summary.json when the run ends. Only world rank 0 reports.
 Each is an optional extra (`pip install co-rl[wandb]`, ...), except TensorBoard: a missing package is a config
-error naming the extra, raised before any model loads (`check_trackers`).
+error naming the extra, raised before any model loads (`check_trackers`). Each starts within
+`logging.tracker_timeout_s` (a bad W&B key or an unreachable MLflow server would otherwise hold the run for minutes
+of the client's own retries) or the run stops with an error naming it; trackers keep their own run handle rather
+than a client's current run, so they work from the thread that started them.
 
 Where they write: TensorBoard to RUN/tensorboard; W&B to RUN/wandb (online, or offline with WANDB_MODE=offline:
 `wandb sync RUN/wandb/offline-run-*` uploads it later); MLflow to MLFLOW_TRACKING_URI, else a file store in
@@ -17,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,7 +44,8 @@ def check_trackers(report_to: list[str]) -> None:
 
 
 class Tracker:
-    """What the run tells a tracker; each method a no-op unless the tracker has something to do with it."""
+    """What the run tells a tracker; each method a no-op unless the tracker has something to do with it. A
+    tracker is made as `cls(run_dir, config, run_name, timeout_s=logging.tracker_timeout_s)`."""
 
     def scalars(self, values: Mapping[str, float], step: int) -> None: ...
 
@@ -50,7 +55,7 @@ class Tracker:
 
 
 class TensorBoard(Tracker):
-    def __init__(self, run_dir: Path, config: dict, name: str):
+    def __init__(self, run_dir: Path, config: dict, name: str, timeout_s: float = 30.0):
         from torch.utils.tensorboard import SummaryWriter  # imported here: it pulls in tensorboard
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
@@ -73,12 +78,18 @@ class TensorBoard(Tracker):
 
 
 class WandB(Tracker):
-    def __init__(self, run_dir: Path, config: dict, name: str):
+    def __init__(self, run_dir: Path, config: dict, name: str, timeout_s: float = 30.0):
         import wandb
 
         self.wandb = wandb
+        # wandb's own deadline too (its default is 90 s): its service process retries until then, and the process
+        # cannot exit before the service has, so a start given up on here would still hold the run's exit
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "co-rl"), name=name, dir=str(run_dir), config=config
+            project=os.environ.get("WANDB_PROJECT", "co-rl"),
+            name=name,
+            dir=str(run_dir),
+            config=config,
+            settings=wandb.Settings(init_timeout=timeout_s),
         )
 
     def scalars(self, values, step):
@@ -102,21 +113,23 @@ class WandB(Tracker):
 
 
 class Trackio(Tracker):
-    def __init__(self, run_dir: Path, config: dict, name: str):
+    def __init__(self, run_dir: Path, config: dict, name: str, timeout_s: float = 30.0):
         import trackio
 
-        self.trackio = trackio
-        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "co-rl"), name=name, config=config, embed=False)
+        # the run itself, not trackio's current run: that is a context variable of the thread that started it
+        self.run = trackio.init(
+            project=os.environ.get("TRACKIO_PROJECT", "co-rl"), name=name, config=config, embed=False
+        )
 
     def scalars(self, values, step):
-        self.trackio.log(dict(values), step=step)
+        self.run.log(dict(values), step=step)
 
     def finish(self, summary):
-        self.trackio.finish()
+        self.run.finish()
 
 
 class MLflow(Tracker):
-    def __init__(self, run_dir: Path, config: dict, name: str):
+    def __init__(self, run_dir: Path, config: dict, name: str, timeout_s: float = 30.0):
         import mlflow
 
         self.mlflow = mlflow
@@ -125,20 +138,21 @@ class MLflow(Tracker):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "co-rl"))
-        self.run = mlflow.start_run(run_name=name)
-        mlflow.log_dict(config, "config.json")
+        # every call names the run: MLflow's active run belongs to the thread that started it
+        self.run_id = mlflow.start_run(run_name=name).info.run_id
+        mlflow.log_dict(config, "config.json", run_id=self.run_id)
 
     def scalars(self, values, step):
         # MLflow metric names allow letters, digits and _ - . / and space
-        self.mlflow.log_metrics({k.replace(":", "_"): v for k, v in values.items()}, step=step)
+        self.mlflow.log_metrics({k.replace(":", "_"): v for k, v in values.items()}, step=step, run_id=self.run_id)
 
     def samples(self, rows, step):
-        self.mlflow.log_dict(rows, f"samples/step-{step}.json")
+        self.mlflow.log_dict(rows, f"samples/step-{step}.json", run_id=self.run_id)
 
     def finish(self, summary):
         if summary is not None:
-            self.mlflow.log_dict(summary, "summary.json")
-        self.mlflow.end_run()
+            self.mlflow.log_dict(summary, "summary.json", run_id=self.run_id)
+        self.mlflow.MlflowClient().set_terminated(self.run_id)
 
 
 TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio, "mlflow": MLflow}
@@ -152,22 +166,68 @@ HINTS = {
 }
 
 
-def start_trackers(report_to: list[str], run_dir: Path, config: dict, name: str) -> list[Tracker]:
-    """The run's trackers, started (world rank 0 only), each given the resolved config; one that cannot start
-    is a UserError naming it. A tracker that fails later is dropped with a warning: it never stops training."""
+def start_trackers(
+    report_to: list[str], run_dir: Path, config: dict, name: str, timeout_s: float = 30.0
+) -> list[Tracker]:
+    """The run's trackers, started (world rank 0 only), each given the resolved config; one that cannot start,
+    or does not within `timeout_s` seconds (logging.tracker_timeout_s), is a UserError naming it. A tracker that
+    fails later is dropped with a warning: it never stops training."""
     check_trackers(report_to)
     started = []
     for t in dict.fromkeys(report_to):
         try:
-            started.append(Guarded(t, TRACKERS[t](Path(run_dir), config, name)))
+            started.append(Guarded(t, start_within(t, Path(run_dir), config, name, timeout_s)))
         except Exception as err:  # noqa: BLE001 - each tracker's client raises its own kinds
             for tracker in started:
                 tracker.finish(None)
+            if isinstance(err, StartTimeout):
+                raise UserError(
+                    f"logging.report_to: {t} did not start within {timeout_s:g} s (logging.tracker_timeout_s); "
+                    f"{HINTS[t]}, raise logging.tracker_timeout_s, or remove {t} from logging.report_to"
+                ) from err
             raise UserError(
                 f"logging.report_to: {t} could not start ({type(err).__name__}: {str(err).strip()[:300]}); "
                 f"{HINTS[t]}, or remove {t} from logging.report_to"
             ) from err
     return started
+
+
+class StartTimeout(Exception):
+    """A tracker's start outlasted logging.tracker_timeout_s."""
+
+
+def start_within(name: str, run_dir: Path, config: dict, run_name: str, timeout_s: float) -> Tracker:
+    """TRACKERS[name] started in a daemon thread, waited for at most `timeout_s` seconds: its client's own retries
+    (minutes for a bad W&B key or an unreachable MLflow server) cannot hold the run. Raises what the start raised,
+    or StartTimeout; a start that completes after its deadline has its tracker finished at once (nothing uses it).
+    The thread is a daemon so that a start blocked for good never keeps the process alive."""
+    lock, box = threading.Lock(), {}
+
+    def start() -> None:
+        try:
+            tracker = TRACKERS[name](run_dir, config, run_name, timeout_s=timeout_s)
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            box["error"] = err
+            return
+        with lock:
+            late = box.get("abandoned", False)
+            box["tracker"] = tracker
+        if late:  # the run stopped without it: close what was opened (an MLflow run would stay "running")
+            try:
+                tracker.finish(None)
+            except Exception:  # noqa: BLE001 - nobody is left to tell
+                pass
+
+    thread = threading.Thread(target=start, name=f"start-{name}", daemon=True)
+    thread.start()
+    thread.join(min(timeout_s, threading.TIMEOUT_MAX))
+    with lock:
+        if "tracker" not in box and "error" not in box:
+            box["abandoned"] = True
+            raise StartTimeout(f"{name} did not start within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["tracker"]
 
 
 class Guarded(Tracker):
