@@ -240,6 +240,19 @@ def test_suggest_places_members_a_launch_cannot_split_evenly(tmp_path, capsys):
     assert {r for m in cfg.members for r in m.ranks} == set(range(8))  # every GPU of the node is used
 
 
+def test_suggest_for_overlapping_ranks_prints_a_file_to_paste(tmp_path, capsys):
+    """Issue 32: members on overlapping but different ranks, --suggest (text): a suggestion that moves one member
+    and leaves another where its ranks are printed a KeyError instead of the lines to paste."""
+    two = real_cohort()
+    two["members"][0]["ranks"], two["members"][1]["ranks"] = [0, 1], [1]
+    path = tmp_path / "overlap.yaml"
+    path.write_text(yaml.safe_dump(two))
+    assert plan_main(["--config", str(path), "--gpus-per-node", "2", "--suggest"]) == 0
+    out = capsys.readouterr().out
+    pasted = out[out.index("members:") :].splitlines()
+    assert [line.strip() for line in pasted[1:5]][1::2] == ["ranks: [0, 1]", "ranks: [0, 1]"]
+
+
 def test_suggest_says_when_nothing_fits():
     cfg = config_from_dict(real_cohort())
     assert suggest(cfg, Hardware(1, 8 * GB)) is None

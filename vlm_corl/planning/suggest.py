@@ -43,7 +43,9 @@ class Suggestion:
             lines.append("members:")
             for i, m in enumerate(cfg.members):
                 lines.append(f"  - id: {m.id}          # ... the rest of the member as it is")
-                lines.append(f"    ranks: [{', '.join(str(r) for r in ranks[i])}]")
+                mine = ranks.get(i, m.ranks)  # a member the suggestion leaves where it is keeps its ranks
+                if mine is not None:
+                    lines.append(f"    ranks: [{', '.join(str(r) for r in mine)}]")
         for key, value in self.changes.items():
             if key.startswith("members."):
                 continue
