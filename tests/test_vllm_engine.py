@@ -27,10 +27,10 @@ from PIL import Image
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import LoraConfig, RolloutConfig, VllmConfig
 from vlm_corl.data.records import Example
+from vlm_corl.members.engines import make_engine
 from vlm_corl.members.engines.vllm import VLLMEngine, patch_qwen_vl_for_vllm_cpu
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.engines import make_engine
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import response_logprobs
 from vlm_corl.zoo import build_zoo, member_dir
