@@ -16,6 +16,7 @@ from safetensors import safe_open
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import RolloutConfig, TrainConfig, VllmConfig
 from vlm_corl.data.loaders import load_examples
+from vlm_corl.data.records import Example
 from vlm_corl.distributed import world
 from vlm_corl.members import member as member_module
 from vlm_corl.members import state_files
@@ -58,6 +59,32 @@ def test_the_prompt_cache_is_bounded_by_bytes(tiny_zoo, easyvqa):
         render(ex)
     assert 0 < render.cached_bytes <= 2.5 * size and len(render._cache) <= 2
     assert easyvqa[-1].id in render._cache and easyvqa[0].id not in render._cache  # least recently used went
+
+
+def test_the_prompt_cache_evicts_the_least_recently_used_prompt_not_the_oldest(tiny_zoo):
+    """Room for two prompts of one size: a hit makes a prompt the most recently used, so the next miss evicts the
+    other one (the bug: a hit that does not move its prompt, which makes the cache first-in first-out); a prompt
+    larger than the whole budget is still kept alone. Pins `Renderer.__call__`'s eviction order and byte count."""
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"]), trainable=False))
+    examples = [Example(f"e{i}", "What is two plus two?") for i in range(3)]  # one prompt length
+
+    def cached(r: Renderer) -> list[str]:
+        return [p.example_id for p in r.cached_prompts()]  # least recently used first
+
+    size = sum(
+        t.numel() * t.element_size() for t in Renderer(member, "original", 1, 10**6)(examples[0]).inputs.values()
+    )
+    render = Renderer(member, "original", 1, 10**6, cache_bytes=int(2.5 * size))
+    first = render(examples[0])
+    render(examples[1])
+    assert render(examples[0]) is first and cached(render) == ["e1", "e0"]  # a hit, now the most recent
+    render(examples[2])
+    assert cached(render) == ["e0", "e2"] and render.cached_bytes == 2 * size  # e1 was the least recently used
+    assert render(examples[1]) is not first and cached(render) == ["e2", "e1"]  # a miss evicts e0 now
+    alone = Renderer(member, "original", 1, 10**6, cache_bytes=size // 2)
+    alone(examples[0])
+    alone(examples[1])
+    assert cached(alone) == ["e1"] and alone.cached_bytes == size
 
 
 def test_prefill_reads_the_cache_argument_of_the_wrapped_model(tiny_zoo, easyvqa):
@@ -393,7 +420,7 @@ def test_sleeping_engines_release_the_allocator_before_waking_and_refuse_to_gene
     m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"])), device=CPU)
     engine = _vllm_engine(m)
     llm = FakeLLM.instances[-1]
-    prompts = [Renderer(m, "original", 10**6, 10**6)(ex) for ex in easyvqa[:2]]
+    prompts = [Renderer(m, "original", 10**6, 10**6)(easyvqa[0])] * 2
     llm.prompt_ids = prompts[0].inputs["input_ids"][0].tolist()  # vLLM read what we did
     params = SamplingParams(n=2, max_new_tokens=4)
     engine.generate(prompts, params)
@@ -443,19 +470,30 @@ def test_a_lora_member_serving_its_adapter_sleeps_at_level_1(tiny_zoo, fake_vllm
 
 def test_vllm_reads_image_prompts_without_a_second_bos_and_must_agree_with_our_tokens(tiny_zoo, easyvqa, fake_vllm):
     """vLLM re-tokenises an image prompt's chat text with its processor: add_special_tokens=False keeps it to
-    the template's one BOS (Gemma-3, Llama); the first image prompt's tokens must equal the trainer's, or the
-    run stops (rollouts from one prompt, training on another). The real comparison runs in the vLLM lane."""
+    the template's one BOS (Gemma-3, Llama); every image prompt's tokens must equal the trainer's, or the run
+    stops (rollouts from one prompt, training on another): not only the first (vLLM's multimodal cache can answer
+    later ones differently). The real comparison runs in the vLLM lane."""
     m = load_member(MemberConfig(id="g", model=str(tiny_zoo["gemma3"]), trainable=False), device=CPU)
     engine = _vllm_engine(m, sleep=False)
     llm = FakeLLM.instances[-1]
-    prompt = Renderer(m, "original", 10**6, 10**6)(easyvqa[0])
+    render = Renderer(m, "original", 10**6, 10**6)
+    prompt, other = render(easyvqa[0]), render(easyvqa[1])
     ours = prompt.inputs["input_ids"][0].tolist()
+    assert other.inputs["input_ids"][0].tolist() != ours
+    params = SamplingParams(n=1, max_new_tokens=2)
     llm.prompt_ids = [ours[0]] + ours  # what a doubled BOS looks like
     with pytest.raises(RuntimeError, match="tokenised image prompt .*first difference at token 1:"):
-        engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2))
+        engine.generate([prompt], params)
     assert llm.calls[-1] == ("generate", {"add_special_tokens": False})
     llm.prompt_ids = ours
-    engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2))
+    engine.generate([prompt], params)
+    # the same prompt again agrees; a second image prompt of the batch that vLLM read otherwise stops the run
+    engine.generate([prompt, prompt], params)
+    with pytest.raises(RuntimeError, match=f"tokenised image prompt {other.example_id!r}"):
+        engine.generate([prompt, other], params)
+    llm.prompt_ids = [ours[0]] + ours  # and a later call is checked as well as the first
+    with pytest.raises(RuntimeError, match=f"tokenised image prompt {prompt.example_id!r}"):
+        engine.generate([prompt], params)
 
 
 def test_a_vllm_start_without_enough_free_memory_says_to_lower_the_share():

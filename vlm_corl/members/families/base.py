@@ -8,6 +8,7 @@ randomly initialised member at each size from a tokenizer trained here.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -85,6 +86,13 @@ class Family:
     # (config attribute, control token) of the multimodal token ids a model config names: a real-size random
     # member (`zoo.build_real`) points them at the offline tokenizer's ids.
     config_token_ids: tuple[tuple[str, str], ...] = ()
+    # Ordinary (decoded, never suppressed) single tokens of the released tokenizer that a serving engine looks up
+    # by text (vLLM's Gemma-3 processor: "\n" to "\n\n\n\n"); added after the format tokens, so other ids stay.
+    ordinary_tokens: tuple[str, ...] = ()
+    # (regex, replacement) from this transformers' parameter names to the released checkpoints' names, which
+    # serving engines read (Gemma-3's SigLIP tower lost its `vision_model.` level in transformers 5; vLLM 0.32
+    # reads only the released layout): the zoo saves that layout, the vLLM engine pushes weights under it.
+    released_names: tuple[tuple[str, str], ...] = ()
 
     def build_tokenizer(self) -> PreTrainedTokenizerFast:
         """The zoo tokenizer: the shared offline BPE plus this family's control tokens and chat template."""
@@ -96,7 +104,14 @@ class Family:
             pad=t.pad,
             named_tokens=dict(t.named),
             chat_template=self.chat_template,
+            ordinary_tokens=self.ordinary_tokens,
         )
+
+    def released_name(self, name: str) -> str:
+        """A state-dict name (checkpoint or module) as the family's released checkpoints write it."""
+        for pattern, replacement in self.released_names:
+            name = re.sub(pattern, replacement, name)
+        return name
 
     def suppressed_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """Control tokens a member must never sample: all but the stop tokens, those the tokenizer has. A model

@@ -100,5 +100,10 @@ GEMMA3 = register(
             ("boi_token_id", "<start_of_image>"),
             ("eoi_token_id", "<end_of_image>"),
         ),
+        # Gemma's tokenizer has runs of newlines as single tokens, and vLLM's Gemma-3 processor reads them by text
+        # to merge the newlines around an image with their neighbours as that tokenizer does.
+        ordinary_tokens=("\n", "\n\n", "\n\n\n", "\n\n\n\n"),
+        # transformers 5's SigLIP holds its layers itself; released checkpoints (and vLLM) keep `vision_model.`
+        released_names=((r"(^|\.)vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model."),),
     )
 )

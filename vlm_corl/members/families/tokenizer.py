@@ -48,8 +48,11 @@ def build_tokenizer(
     named_tokens: dict[str, str] | None = None,
     chat_template: str | None = None,
     vocab_size: int = BASE_VOCAB_SIZE,
+    ordinary_tokens: tuple[str, ...] = (),
 ) -> PreTrainedTokenizerFast:
-    """A left-padding fast tokenizer: the shared BPE plus `special_tokens` appended in order, then FORMAT_TOKENS.
+    """A left-padding fast tokenizer: the shared BPE plus `special_tokens` appended in order, then FORMAT_TOKENS,
+    then the family's `ordinary_tokens` (single, decoded pieces its released tokenizer has, e.g. Gemma's runs
+    of newlines).
 
     `bos`/`eos`/`pad` must be among `special_tokens`. `named_tokens` become attributes that processors read
     (e.g. {"image_token": "<|image_pad|>"} gives `tokenizer.image_token` and `tokenizer.image_token_id`) and are
@@ -58,7 +61,7 @@ def build_tokenizer(
     """
     tok = Tokenizer.from_str(_trained_bpe(vocab_size))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in FORMAT_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in FORMAT_TOKENS + tuple(ordinary_tokens)])
     named = dict(named_tokens or {})
     # Control tokens that are not named attributes are "extra" specials so decode(skip_special_tokens=True) drops them.
     named_values = {bos, eos, pad, *named.values()}
