@@ -26,7 +26,7 @@ from vlm_corl.errors import UserError
 from vlm_corl.training import trackers
 from vlm_corl.training.loop import run_cohort
 from vlm_corl.training.rewards import CohortBatch, RewardOutput
-from vlm_corl.training.samples import label_sources, sample_rows, samples_due
+from vlm_corl.training.samples import SampleSettings, label_sources, sample_rows, samples_due
 
 
 def _run(tmp: Path, base_models: dict, report_to: list[str], **logging_) -> Path:
@@ -231,7 +231,8 @@ def test_sample_rows_name_the_peers_whose_votes_gave_the_label():
     labels = [["a"], ["a"], ["b"]]  # a stand-in reward output: the labels as given
     scored = RewardOutput(torch.ones(3, 1, 4), {}, labels)
     adv = [torch.zeros(1, 4)] * 3
-    (row,) = sample_rows(5, [Example(id="e1", question="q?", answer="a")], batch, scored, adv, "peers", 0.0, 4)
+    settings = SampleSettings("peers", 0.0, 4)
+    (row,) = sample_rows(5, [Example(id="e1", question="q?", answer="a")], batch, scored, adv, settings)
     assert row["members"]["x"]["label_from"] == ["z"]  # of x's peers y (b) and z (a), z voted the label a
     assert row["members"]["y"]["label_from"] == ["x", "z"]
     assert row["members"]["z"]["label_from"] == ["y"]

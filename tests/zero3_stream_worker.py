@@ -23,7 +23,7 @@ from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig, VllmConfig
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.distributed.world import build_groups, launch_world, weights_checksum
-from vlm_corl.members.deepspeed_update import attach_deepspeed
+from vlm_corl.members.deepspeed_update import GroupMPU, attach_deepspeed
 from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
@@ -59,7 +59,8 @@ def record_deepspeed() -> None:
 def member(cfg_id: str, model: str, world, train: TrainConfig, keep_full_copy: bool):
     m = load_member(MemberConfig(id=cfg_id, model=model), device=world.device, stage_on_cpu=True)
     m.group = world.group((0, 1))
-    attach_deepspeed(m, train, 4, m.group, world.singles[world.rank], keep_full_copy, bucket_bytes=BUCKET)
+    mpu = GroupMPU(m.group, world.singles[world.rank])
+    attach_deepspeed(m, train, 4, mpu, keep_full_copy, bucket_bytes=BUCKET)
     return m
 
 

@@ -21,7 +21,7 @@ from vlm_corl.config.parse import (
     yaml_kind,
     yaml_problem,
 )
-from vlm_corl.config.schema import PEER_MODES, CohortConfig, has_teachers
+from vlm_corl.config.schema import PEER_MODES, CohortConfig, MemberConfig, has_teachers
 from vlm_corl.errors import UserError
 from vlm_corl.members.lora import base_model_dir, is_adapter_dir
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
@@ -93,81 +93,112 @@ def _tracker_problems(cfg: CohortConfig, problems: Problems) -> None:
 
 
 def _member_problems(cfg: CohortConfig, problems: Problems) -> None:
-    """Members: unique ids, model directories, dtypes, prompt styles, at least one trainable, enough for the
-    reward's topology."""
-    members, mode, n_members = cfg.members, cfg.reward.mode, len(cfg.members)
+    """Members: unique ids, model directories, engines, dtypes, LoRA, template kwargs, prompt styles, at least
+    one trainable, enough for the reward's topology. Each member's problems are reported in that order, member by
+    member, then the cohort's."""
     first_with: dict[str, int] = {}
-    for i, m in enumerate(members):
+    for i, m in enumerate(cfg.members):
         if m.id in first_with:
             problems.add(
                 f"members[{i}].id",
                 f"duplicate id {m.id!r} (also members[{first_with[m.id]}].id); give every member a unique id",
             )
         first_with.setdefault(m.id, i)
-        model = Path(m.model)
-        if is_adapter_dir(model):  # a LoRA checkpoint, merged into the base it names when loaded
-            try:
-                model = base_model_dir(model)
-            except UserError as err:
-                problems.add(f"members[{i}].model", str(err))
-                continue
-        if not (model / "config.json").is_file():
-            state = "has no config.json" if model.is_dir() else "does not exist"
+        model = _model_dir(i, m, problems)
+        if model is None:  # a LoRA checkpoint whose base cannot be found: its other checks would only repeat it
+            continue
+        _model_problems(cfg, i, m, model, problems)
+        _setting_problems(cfg, i, m, problems)
+    _cohort_problems(cfg, problems)
+
+
+def _model_dir(i: int, m: MemberConfig, problems: Problems) -> Path | None:
+    """The model directory member `i` loads (a LoRA checkpoint's base), reporting one without a config.json;
+    None, reported, when a LoRA checkpoint's base cannot be found."""
+    model = Path(m.model)
+    if is_adapter_dir(model):  # a LoRA checkpoint, merged into the base it names when loaded
+        try:
+            model = base_model_dir(model)
+        except UserError as err:
+            problems.add(f"members[{i}].model", str(err))
+            return None
+    if not (model / "config.json").is_file():
+        state = "has no config.json" if model.is_dir() else "does not exist"
+        problems.add(
+            f"members[{i}].model",
+            f"{m.model!r} {state}; it must be a local model directory with a config.json. Build tiny test models"
+            f" with `python -m vlm_corl.zoo --out DIR` (then use DIR/<family>) or download one with"
+            f" `huggingface-cli download ORG/NAME --local-dir DIR`",
+        )
+    return model
+
+
+def _model_problems(cfg: CohortConfig, i: int, m: MemberConfig, model: Path, problems: Problems) -> None:
+    """What member `i`'s model rules out: a vLLM engine for an architecture vLLM dropped, images smaller than
+    its processor's patch grid."""
+    kind = model_type(model)
+    if member_engine(cfg, m) == "vllm" and kind in VLLM_UNSUPPORTED:
+        problems.add(
+            f"members[{i}].engine",
+            f"member {m.id!r} is a {VLLM_UNSUPPORTED[kind]} model, which vLLM cannot run (it dropped "
+            f"encoder-decoder models in 0.10.2): set members[{i}].engine: hf for this member (the others may "
+            "stay on vLLM)",
+        )
+    smallest = min_image_pixels(model)
+    if smallest is not None and cfg.data.max_image_pixels < smallest:
+        problems.add(
+            "data.max_image_pixels",
+            f"{cfg.data.max_image_pixels} pixels is below the smallest image the processor of member {m.id!r} "
+            f"takes ({smallest}: one {int(smallest**0.5)}x{int(smallest**0.5)}-pixel merged patch, one image "
+            "token); raise it (the default holds 1,280 image tokens)",
+        )
+
+
+def _setting_problems(cfg: CohortConfig, i: int, m: MemberConfig, problems: Problems) -> None:
+    """Member `i`'s own settings: a float16 trainable, LoRA the engine or a frozen peer cannot use, quoted
+    booleans in its template kwargs, a prompt style reward.answer_style cannot read."""
+    if m.trainable and m.dtype == "float16":
+        problems.add(
+            f"members[{i}].dtype",
+            "float16 training needs loss scaling, which this trainer does not do: use bfloat16 or auto (a "
+            "trainable member keeps fp32 master weights anyway; train.mixed_precision=bf16 for bf16 compute)",
+        )
+    if m.lora is not None and m.lora.vision and cfg.rollout.vllm.lora_sync == "adapter":
+        if member_engine(cfg, m) == "vllm":
             problems.add(
-                f"members[{i}].model",
-                f"{m.model!r} {state}; it must be a local model directory with a config.json. Build tiny test models"
-                f" with `python -m vlm_corl.zoo --out DIR` (then use DIR/<family>) or download one with"
-                f" `huggingface-cli download ORG/NAME --local-dir DIR`",
+                f"members[{i}].lora.vision",
+                "vLLM serves adapters of the language model only: with adapters in the vision tower use "
+                "rollout.vllm.lora_sync: merged",
             )
-        kind = model_type(model)
-        if member_engine(cfg, m) == "vllm" and kind in VLLM_UNSUPPORTED:
+    _template_kwargs_problems(i, m, problems)
+    if m.lora is not None and not m.trainable:
+        problems.add(
+            f"members[{i}].lora",
+            "a frozen peer trains no adapters: remove lora, or set trainable: true (a frozen peer may load a "
+            "LoRA checkpoint's adapter directory as its model: it is merged into its base)",
+        )
+    if cfg.reward.answer_style != "auto" and m.prompt_style not in (None, cfg.reward.answer_style):
+        problems.add(
+            "reward.answer_style",
+            f"{cfg.reward.answer_style!r} cannot read members[{i}] answers (prompt_style {m.prompt_style!r});"
+            " use reward.answer_style=auto or match the prompt styles",
+        )
+
+
+def _template_kwargs_problems(i: int, m: MemberConfig, problems: Problems) -> None:
+    """Quoted booleans in member `i`'s chat_template_kwargs: any non-empty string is true in a template."""
+    for key, value in (m.chat_template_kwargs or {}).items():
+        if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
             problems.add(
-                f"members[{i}].engine",
-                f"member {m.id!r} is a {VLLM_UNSUPPORTED[kind]} model, which vLLM cannot run (it dropped "
-                f"encoder-decoder models in 0.10.2): set members[{i}].engine: hf for this member (the others may "
-                "stay on vLLM)",
-            )
-        smallest = min_image_pixels(model)
-        if smallest is not None and cfg.data.max_image_pixels < smallest:
-            problems.add(
-                "data.max_image_pixels",
-                f"{cfg.data.max_image_pixels} pixels is below the smallest image the processor of member {m.id!r} "
-                f"takes ({smallest}: one {int(smallest**0.5)}x{int(smallest**0.5)}-pixel merged patch, one image "
-                "token); raise it (the default holds 1,280 image tokens)",
-            )
-        if m.trainable and m.dtype == "float16":
-            problems.add(
-                f"members[{i}].dtype",
-                "float16 training needs loss scaling, which this trainer does not do: use bfloat16 or auto (a "
-                "trainable member keeps fp32 master weights anyway; train.mixed_precision=bf16 for bf16 compute)",
-            )
-        if m.lora is not None and m.lora.vision and cfg.rollout.vllm.lora_sync == "adapter":
-            if member_engine(cfg, m) == "vllm":
-                problems.add(
-                    f"members[{i}].lora.vision",
-                    "vLLM serves adapters of the language model only: with adapters in the vision tower use "
-                    "rollout.vllm.lora_sync: merged",
-                )
-        for key, value in (m.chat_template_kwargs or {}).items():
-            if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
-                problems.add(
-                    f"members[{i}].chat_template_kwargs.{key}",
-                    f"the string {value!r} is true in a chat template (any non-empty string is): write "
-                    f"{key}: {str(value.strip().lower() in _TRUE_WORDS).lower()}, a YAML boolean, without quotes",
-                )
-        if m.lora is not None and not m.trainable:
-            problems.add(
-                f"members[{i}].lora",
-                "a frozen peer trains no adapters: remove lora, or set trainable: true (a frozen peer may load a "
-                "LoRA checkpoint's adapter directory as its model: it is merged into its base)",
-            )
-        if cfg.reward.answer_style != "auto" and m.prompt_style not in (None, cfg.reward.answer_style):
-            problems.add(
-                "reward.answer_style",
-                f"{cfg.reward.answer_style!r} cannot read members[{i}] answers (prompt_style {m.prompt_style!r});"
-                " use reward.answer_style=auto or match the prompt styles",
+                f"members[{i}].chat_template_kwargs.{key}",
+                f"the string {value!r} is true in a chat template (any non-empty string is): write "
+                f"{key}: {str(value.strip().lower() in _TRUE_WORDS).lower()}, a YAML boolean, without quotes",
             )
 
+
+def _cohort_problems(cfg: CohortConfig, problems: Problems) -> None:
+    """The members together: at least one trainable, enough of them for the reward's topology."""
+    members, mode, n_members = cfg.members, cfg.reward.mode, len(cfg.members)
     if members and not any(m.trainable for m in members):
         problems.add(
             "members", "every member has trainable: false, so nothing would train; set trainable: true on at least one"

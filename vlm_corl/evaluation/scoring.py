@@ -22,7 +22,7 @@ from vlm_corl.data.records import Example
 from vlm_corl.distributed.world import default_device
 from vlm_corl.members.engines import RolloutEngine, make_engine
 from vlm_corl.members.member import Member, check_modality, load_member, member_family
-from vlm_corl.members.render import PromptTooLong, Renderer
+from vlm_corl.members.render import PromptTooLong, Renderer, Wording
 from vlm_corl.members.rollout import SamplingParams
 
 
@@ -99,7 +99,7 @@ def sample_records(
 ) -> tuple[list[dict], list[int]]:
     """The graded record of every question `member` answered (`grade_record`) and its position in `examples`
     (see `evaluate_member`); the records of several shards of a benchmark join into one `score_records`."""
-    render = Renderer(member, "original", EVAL_IMAGE_PIXELS, max_prompt_tokens, style=bench.prompt_style)
+    render = Renderer(member, "original", EVAL_IMAGE_PIXELS, max_prompt_tokens, Wording(style=bench.prompt_style))
     engine = engine or make_engine("hf", member)
     params = SamplingParams(
         n=bench.samples, temperature=bench.temperature, top_p=bench.top_p, max_new_tokens=bench.max_new_tokens

@@ -55,7 +55,10 @@ class DeepSpeedConfigError(UserError, ValueError):
 
 
 class GroupMPU:
-    """What DeepSpeed asks of a model-parallel unit: here data parallel = the member's ranks, model parallel = 1."""
+    """What DeepSpeed asks of a model-parallel unit: here data parallel = the member's ranks, model parallel = 1.
+
+    Also how a member's pair of groups travels to `attach_deepspeed`, `partition_zero3` and `DeepSpeedUpdate`
+    (DeepSpeed only reads it)."""
 
     def __init__(self, dp_group: dist.ProcessGroup, mp_group: dist.ProcessGroup):
         self.dp_group, self.mp_group = dp_group, mp_group
@@ -144,33 +147,33 @@ def attach_deepspeed(
     member,
     train,
     total_updates: int,
-    dp_group,
-    mp_group,
+    mpu: GroupMPU,
     keep_full_copy: bool,
     bucket_bytes: int | None = None,
 ) -> None:
     """Give a loaded trainable member its AdamW, schedule and DeepSpeed engine over its ranks (`train`: a
-    TrainConfig whose `deepspeed` names the JSON config).
+    TrainConfig whose `deepspeed` names the JSON config; `mpu`: the member's data-parallel group, its ranks, and
+    this rank's own single-rank group as the model-parallel one).
 
     ZeRO-3 members are loaded on the host (`load_member(stage_on_cpu=True)`): with `keep_full_copy` (the HF
     rollout engine) their copy is made there, then the weights are partitioned onto the device before the
     optimizer and DeepSpeed see them. Nothing allocates gradients or Adam state before DeepSpeed does; DeepSpeed's
     gradient partitions and the Adam moments exist when this returns (`allocate_zero_adam_state`)."""
-    ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, dist.get_world_size(dp_group))
+    ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, dist.get_world_size(mpu.dp_group))
     full_copy = None
     if ds_config["zero_optimization"]["stage"] == 3:
         if keep_full_copy:
             full_copy = rollout_copy(member.model, member.device, member.rollout_dtype)
-        partition_zero3(member.model, ds_config, dp_group, mp_group, member.device)
+        partition_zero3(member.model, ds_config, mpu, member.device)
     else:
         member.model.to(member.device)
     member.setup_optimizer(train, total_updates, deepspeed=True)
     bucket = bucket_bytes if bucket_bytes is not None else int(train.gather_bucket_mb * (1 << 20))
-    member.deepspeed = DeepSpeedUpdate(member, ds_config, dp_group, mp_group, full_copy, bucket)
+    member.deepspeed = DeepSpeedUpdate(member, ds_config, mpu, full_copy, bucket)
 
 
-def partition_zero3(model: torch.nn.Module, ds_config: dict, dp_group, mp_group, device: torch.device) -> None:
-    """Cut a host model's parameters into ZeRO-3 partitions over `dp_group`, one parameter at a time (each is
+def partition_zero3(model: torch.nn.Module, ds_config: dict, mpu: GroupMPU, device: torch.device) -> None:
+    """Cut a host model's parameters into ZeRO-3 partitions over `mpu.dp_group`, one parameter at a time (each is
     moved to the device, split, and only its rank's share kept), then move its buffers to the device.
 
     `deepspeed.initialize` on an unpartitioned module would first move all of it to the GPU."""
@@ -180,11 +183,11 @@ def partition_zero3(model: torch.nn.Module, ds_config: dict, dp_group, mp_group,
     offload = ds_config["zero_optimization"].get("offload_param") or {}
     deepspeed.zero.Init(
         module=model,
-        data_parallel_group=dp_group,
+        data_parallel_group=mpu.dp_group,
         config_dict_or_path=ds_config,
         remote_device=offload.get("device"),
         pin_memory=offload.get("pin_memory", False),
-        mpu=GroupMPU(dp_group, mp_group),
+        mpu=mpu,
     )
     for module in model.modules():
         for name, buffer in module._buffers.items():
@@ -197,14 +200,14 @@ class DeepSpeedUpdate:
 
     Built by `attach_deepspeed` (weights partitioned first under ZeRO-3, `full_copy` the HF engine's copy)."""
 
-    def __init__(self, member, ds_config: dict, dp_group, mp_group, full_copy=None, bucket_bytes: int = 512 << 20):
+    def __init__(self, member, ds_config: dict, mpu: GroupMPU, full_copy=None, bucket_bytes: int = 512 << 20):
         import deepspeed  # optional dependency: the `deepspeed` extra
 
         self.stage = ds_config["zero_optimization"]["stage"]
         self.device = member.device
-        self.group = dp_group
-        self.size = dist.get_world_size(dp_group)
-        self.rank = dist.get_rank(dp_group)
+        self.group = mpu.dp_group
+        self.size = dist.get_world_size(mpu.dp_group)
+        self.rank = dist.get_rank(mpu.dp_group)
         self.bucket_bytes = bucket_bytes
         self.full_copy = full_copy
         for p in member.model.parameters():
@@ -214,7 +217,7 @@ class DeepSpeedUpdate:
             optimizer=member.optimizer,
             lr_scheduler=member.scheduler,
             config=ds_config,
-            mpu=GroupMPU(dp_group, mp_group),
+            mpu=mpu,
         )
         self.module = self.engine.module
         if self.stage == 3:

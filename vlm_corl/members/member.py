@@ -11,8 +11,9 @@ import functools
 import json
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -42,6 +43,16 @@ if TYPE_CHECKING:
     from vlm_corl.data.records import Example
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """A member's module with the processor and tokenizer loaded beside it from its directory (`_load_files`):
+    what `Member` is built around, handed over as one."""
+
+    model: Any  # the torch module (adapters injected, fp32 masters for a trainable member)
+    processor: Any
+    tokenizer: Any
+
+
 class Member:
     """One model of the cohort with everything needed to render for it, sample from it and update it.
 
@@ -53,16 +64,15 @@ class Member:
         self,
         cfg,
         family: Family,
-        model,
-        processor,
-        tokenizer,
+        loaded: LoadedModel,
         device: torch.device,
         checkpoint_dtype: torch.dtype | None = None,
         rollout_dtype: torch.dtype | None = None,
     ):
-        self.cfg, self.family, self.model, self.processor, self.tokenizer = cfg, family, model, processor, tokenizer
+        self.cfg, self.family, self.model = cfg, family, loaded.model
+        self.processor, self.tokenizer = loaded.processor, loaded.tokenizer
         self.device = device
-        self.checkpoint_dtype = checkpoint_dtype or model.dtype
+        self.checkpoint_dtype = checkpoint_dtype or loaded.model.dtype
         self.rollout_dtype = rollout_dtype or self.checkpoint_dtype
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
@@ -506,7 +516,7 @@ def load_member(
         model.requires_grad_(False)
         if serves_lower(serving, model.dtype):  # a frozen peer of fp32 weights: one copy, in bf16
             cast_parameters(model, serving)
-    member = Member(cfg, family, model, processor, tokenizer, device, checkpoint_dtype, serving)
+    member = Member(cfg, family, LoadedModel(model, processor, tokenizer), device, checkpoint_dtype, serving)
     if peft_model is not None:
         member.peft, member.lora_scaling = peft_model, scalings(model)
         if adapter is not None:  # the adapter read back when resuming

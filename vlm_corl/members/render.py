@@ -9,6 +9,7 @@ forward pass reuse them instead of preprocessing again.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from vlm_corl.data.images import load_image
 from vlm_corl.data.records import Example, ViewError
@@ -35,6 +36,15 @@ class PromptTooLong(UserError, ValueError):
         self.member, self.tokens = member, tokens
 
 
+@dataclass(frozen=True)
+class Wording:
+    """How a renderer words its member's prompts where that differs from the member's own config (None: the
+    member's): a second view of the question (co_rewarding_1's second slot), another prompt style (a benchmark's)."""
+
+    view: str | None = None  # original | paraphrase:K (members[i].view)
+    style: str | None = None  # a key of PROMPT_STYLES (members[i].prompt_style, else the family's)
+
+
 class Renderer:
     """Renders examples for one member; keeps an LRU cache of rendered prompts keyed by example id, holding at
     most `cache_bytes` of processor tensors (on the host: `Member.process`)."""
@@ -45,13 +55,12 @@ class Renderer:
         view_fallback: str,
         max_image_pixels: int,
         max_prompt_tokens: int,
-        view: str | None = None,
-        style: str | None = None,
+        wording: Wording = Wording(),
         cache_bytes: int = 4 << 30,
     ):
         self.member = member
-        self.style = style or member.prompt_style  # the instruction after the question (PROMPT_STYLES)
-        self.view = view or member.cfg.view  # a member may be rendered in a second view (co_rewarding_1)
+        self.style = wording.style or member.prompt_style  # the instruction after the question (PROMPT_STYLES)
+        self.view = wording.view or member.cfg.view  # a member may be rendered in a second view (co_rewarding_1)
         self.view_fallback = view_fallback
         self.max_image_pixels = max_image_pixels
         self.max_prompt_tokens = max_prompt_tokens

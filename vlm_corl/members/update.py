@@ -177,10 +177,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     work = trained if need_all else [s for s in trained if s.advantage != 0.0]
     micro, real = _micro_batches(member, work, seqs[0], train.micro_batch_size)
     member.model.train()
-    old = None
-    if algo.updates_per_batch > 1:
-        with torch.no_grad():
-            old = [_logprobs(member, mb, member.policy(rollout.temperature))[0] for mb in micro]
+    old = _old_logprobs(member, micro, algo, rollout)
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
     policy = member.policy(rollout.temperature)
     # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not two per
@@ -190,10 +187,8 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
-        for i, mb in enumerate(micro):
-            loss, clipped, mask, sums = _micro_batch_loss(
-                member, mb, old[i] if old is not None else None, algo, policy, norm
-            )
+        for i, (mb, old_logp) in enumerate(zip(micro, old)):
+            loss, clipped, mask, sums = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
             if n_pass == 0 and i < real:
                 mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
@@ -230,6 +225,16 @@ def _micro_batches(member, work: list[Sequence], any_seq: Sequence, size: int) -
     micro = [work[i : i + size] for i in range(0, len(work), size)]
     real = len(micro)
     return micro + [[replace(any_seq, advantage=0.0)]] * (member.micro_batch_count(real) - real), real
+
+
+def _old_logprobs(member, micro: list[list[Sequence]], algo, rollout) -> list[torch.Tensor | None]:
+    """Per micro-batch, the rollout policy's log-probs, taken before the first of several updates on one rollout
+    batch (algo.updates_per_batch > 1); else None each: the rollout policy is the current one, whose log-probs
+    each micro-batch's pass gives (detached) with no extra forward pass."""
+    if algo.updates_per_batch <= 1:
+        return [None] * len(micro)
+    with torch.no_grad():
+        return [_logprobs(member, mb, member.policy(rollout.temperature))[0] for mb in micro]
 
 
 def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy, norm: tuple[int, int, int]):

@@ -282,7 +282,8 @@ def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -
                 _vllm_items(launch, share, plan, add)
         return
     patches = shape.patches_per_image(cfg.data.max_image_pixels)
-    hf = est.hf_rollout_bytes(shape, prompts, r.n, r.max_prompt_tokens, r.max_new_tokens, patches, layout.rollout_bytes)
+    batch = est.RolloutBatch(prompts, r.n, r.max_prompt_tokens, r.max_new_tokens)
+    hf = est.hf_rollout_bytes(shape, batch, patches, layout.rollout_bytes)
     for part, nbytes in hf.items():
         add(f"rollout_{part}", nbytes, "rollout")
     fp32_weights = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base in bf16 samples as it is

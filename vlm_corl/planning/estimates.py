@@ -16,6 +16,8 @@ each layer's fp32 input (4 h per token) and recomputes one layer at a time durin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vlm_corl.planning.shapes import ModelShape
 
 LOGITS_FACTOR = 1.5  # the update's log-prob pass peaks at 1.5 x one copy of its logits (bench/memory.py's target)
@@ -74,14 +76,24 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
 
 
-def hf_rollout_bytes(
-    shape: ModelShape, prompts: int, n: int, prompt_tokens: int, new_tokens: int, patches: int, dtype_bytes: int
-) -> dict[str, float]:
-    """The HF engine's rollout of `prompts` prompts x `n` samples: the KV cache of every row at its longest, and
-    the prefill's transient (one layer's activations over the prompts, without gradients; the vision tower's over
-    their images), in the rollout dtype."""
-    rows = prompts * n
-    kv = rows * (prompt_tokens + new_tokens) * kv_bytes_per_token(shape, dtype_bytes)
+@dataclass(frozen=True)
+class RolloutBatch:
+    """The size of one rank's rollout: `prompts` prompts x `n` samples, each row up to `prompt_tokens` +
+    `new_tokens` long (rollout.max_prompt_tokens, rollout.max_new_tokens)."""
+
+    prompts: int
+    n: int
+    prompt_tokens: int
+    new_tokens: int
+
+
+def hf_rollout_bytes(shape: ModelShape, batch: RolloutBatch, patches: int, dtype_bytes: int) -> dict[str, float]:
+    """The HF engine's rollout of `batch`: the KV cache of every row at its longest, and the prefill's transient
+    (one layer's activations over the prompts, without gradients; the vision tower's over their images, `patches`
+    each), in the rollout dtype."""
+    prompts, prompt_tokens = batch.prompts, batch.prompt_tokens
+    rows = prompts * batch.n
+    kv = rows * (prompt_tokens + batch.new_tokens) * kv_bytes_per_token(shape, dtype_bytes)
     transient = prompts * prompt_tokens * dtype_bytes * (4 * shape.hidden + 2 * shape.intermediate)
     if shape.is_vision:
         transient += prompts * patches * dtype_bytes * (4 * shape.vision_hidden + 2 * shape.vision_intermediate)

@@ -64,7 +64,7 @@ from vlm_corl.training.guard import (
 from vlm_corl.training.metrics import cohort_unanimity, member_metrics, unanimity
 from vlm_corl.training.numerics import NonFiniteStopped, check_rollout_mismatch
 from vlm_corl.training.rewards import CohortBatch
-from vlm_corl.training.samples import sample_rows, samples_due
+from vlm_corl.training.samples import SampleSettings, sample_rows, samples_due
 from vlm_corl.training.setup import CohortRun, start_run
 from vlm_corl.training.slots import (
     Slot,
@@ -269,10 +269,8 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
         rows, warnings = metrics_rows(run, outcome)
         if samples_due(step + 1, cfg.logging.samples_every):
             mode = cfg.reward.mode if cfg.reward.custom is None else "custom"
-            sampled = sample_rows(
-                step + 1, batch, cohort, scored, advantages, mode, cfg.reward.vote_threshold,
-                cfg.logging.samples_per_step, run.category_key,
-            )  # fmt: skip
+            settings = SampleSettings(mode, cfg.reward.vote_threshold, cfg.logging.samples_per_step, run.category_key)
+            sampled = sample_rows(step + 1, batch, cohort, scored, advantages, settings)
             run.sink.write_samples(sampled, step + 1)
         return rows, warnings
 

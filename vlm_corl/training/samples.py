@@ -6,6 +6,7 @@ gold answer where known (diagnostic only). Written by world rank 0 to samples.js
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,27 +37,35 @@ def label_sources(mode: str, n: int, slots: int) -> list[int] | str:
     return [m for m in range(slots) if m != n]
 
 
+@dataclass(frozen=True)
+class SampleSettings:
+    """The run's settings a samples row is written under, the same at every step."""
+
+    mode: str  # the reward mode (reward.mode; "custom" for reward.custom): where labels come from
+    vote_threshold: float  # reward.vote_threshold: a member's vote, as its reward saw it
+    count: int  # logging.samples_per_step: how many of the step's questions
+    category_key: str | None = None  # the metadata key of an example's category, when the data has one
+
+
 def sample_rows(
     step: int,
     examples: list[Example],
     batch: CohortBatch,
     scored: RewardOutput,
     advantages: list[torch.Tensor],
-    mode: str,
-    vote_threshold: float,
-    count: int,
-    category_key: str | None = None,
+    settings: SampleSettings,
 ) -> list[dict]:
-    """One row per sampled question (the step's first `count`): per slot its responses, answers, vote, label,
-    `label_from` (the candidate source slots whose vote is the label; ["gold"] under gt), rewards, advantages."""
-    votes = member_votes(batch, vote_threshold)
+    """One row per sampled question (the step's first `settings.count`): per slot its responses, answers, vote,
+    label, `label_from` (the candidate source slots whose vote is the label; ["gold"] under gt), rewards,
+    advantages."""
+    votes = member_votes(batch, settings.vote_threshold)
     ids = batch.member_ids
     rows = []
-    for j, ex in enumerate(examples[:count]):
+    for j, ex in enumerate(examples[: settings.count]):
         members = {}
         for n, sid in enumerate(ids):
             label = scored.labels[n][j]
-            sources = label_sources(mode, n, len(ids))
+            sources = label_sources(settings.mode, n, len(ids))
             if sources == "gold":
                 label_from = ["gold"] if label is not None else []
             else:
@@ -79,7 +88,7 @@ def sample_rows(
                 "example_id": ex.id,
                 "question": ex.question,
                 "image": str(image) if image is not None else None,
-                "category": ex.metadata.get(category_key) if category_key else None,
+                "category": ex.metadata.get(settings.category_key) if settings.category_key else None,
                 "gold": ex.answer,
                 "members": members,
             }

@@ -25,7 +25,7 @@ from vlm_corl.data.records import Example
 from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.distributed.world import World, build_groups, describe, launch_world, place_members, shard
 from vlm_corl.errors import UserError
-from vlm_corl.members.deepspeed_update import attach_deepspeed, zero_stage
+from vlm_corl.members.deepspeed_update import GroupMPU, attach_deepspeed, zero_stage
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.members.state_files import corrupt_file
 from vlm_corl.planning.check import check_disk, check_launch, write_plan
@@ -77,7 +77,6 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     reward_spec = resolve_reward(cfg.reward)
     _check_engine_layout(cfg, placement, reward_spec)  # before any collective that a bad layout would hang
     plan = check_launch(cfg, world.device, world.size, world.is_main)  # every rank: all stop alike
-    check_disk(cfg, world, plan)  # output_dir's disk holds the checkpoints (beside the memory check, same mode)
     build_groups(world, placement, every=cfg.train.deepspeed is not None)
     run_dir = Path(cfg.output_dir)
     resume_from = _resume_point(cfg, run_dir)
@@ -94,6 +93,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         )
     if resume_from is None:
         _claim_run_dir(cfg, run_dir, clear=world.is_main)
+    check_disk(cfg, world, plan)  # output_dir (writable, cleared if overwritten) holds the checkpoints to come
     world.barrier()  # every rank has looked at the run directory before anything new is written
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,8 @@ def load_hosted_members(cfg: CohortConfig, world: World, placement: dict, resume
         if cfg.train.deepspeed:
             ranks = placement[m.id]
             hf = member_engine(cfg, mc) == "hf"
-            attach_deepspeed(m, cfg.train, updates, world.group(ranks), world.singles[world.rank], keep_full_copy=hf)
+            mpu = GroupMPU(world.group(ranks), world.singles[world.rank])  # model parallel: this rank alone
+            attach_deepspeed(m, cfg.train, updates, mpu, keep_full_copy=hf)
             if m.deepspeed.full_copy is not None and world.rank == ranks[0]:
                 log.info(
                     "ZeRO-3 member %s keeps a full %s copy of its weights for HF rollouts (its engine vllm would "

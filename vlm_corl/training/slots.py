@@ -23,7 +23,7 @@ from vlm_corl.data.records import ViewError, parse_view
 from vlm_corl.members.engines import RolloutEngine, make_engine
 from vlm_corl.members.member import Member, load_member
 from vlm_corl.members.precision import rollout_copy, serves_lower
-from vlm_corl.members.render import Renderer
+from vlm_corl.members.render import Renderer, Wording
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import CohortConfig, MemberConfig
@@ -101,7 +101,7 @@ def build_slots(
             cfg.data.view_fallback,
             cfg.data.max_image_pixels,
             cfg.rollout.max_prompt_tokens,
-            view=spec.view,
+            Wording(view=spec.view),
             cache_bytes=int(cfg.data.prompt_cache_mb * (1 << 20)),
         )
         slots.append(Slot(index, spec.id, model, spec.view, engine, renderer, follows))

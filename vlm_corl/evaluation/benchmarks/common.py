@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from vlm_corl.data.answers import grade
@@ -17,15 +18,23 @@ from vlm_corl.evaluation.scoring import _by_type
 JSON_SUFFIXES = (".json", ".jsonl")
 
 
+@dataclass(frozen=True)
+class Release:
+    """Where a benchmark's official release lives and how its records name the Example fields: fixed per
+    benchmark, so each module states it once and `release_examples` reads it for any path and split."""
+
+    loader: str  # the benchmark's name: the examples' source, in ids and messages
+    hub: str  # the Hugging Face dataset read when no path is given
+    fields: Mapping[str, str]  # Example field -> record key, in the JSON (GitHub) release
+    dataset_fields: Mapping[str, str] | None = None  # the same in the parquet release (default: `fields`)
+    hub_config: str | None = None  # the hub dataset's config, when it has several
+
+
 def release_examples(
+    release: Release,
     path: str | os.PathLike | None,
     split: str,
     *,
-    loader: str,
-    hub: str,
-    fields: Mapping[str, str],
-    dataset_fields: Mapping[str, str] | None = None,
-    hub_config: str | None = None,
     image_root: str | os.PathLike | None = None,
 ) -> Iterator[Example | Skip]:
     """A benchmark's records as Examples (or Skips for records that cannot be read), from:
@@ -34,13 +43,17 @@ def release_examples(
       JSON list of records, an object of records keyed by id, or JSON Lines), image paths relative to
       `image_root` (default: the file's folder);
     - `path`, any other file or directory `vlm_corl.data.load_hf` reads (the Hugging Face parquet release);
-    - no `path`: the dataset `hub` (`hub_config`) through `datasets.load_dataset`, when the hub can be reached.
+    - no `path`: the dataset `release.hub` (`release.hub_config`) through `datasets.load_dataset`, when the hub
+      can be reached.
 
-    `fields` names the Example fields in the JSON release, `dataset_fields` in the parquet one (default: `fields`).
+    `release.fields` names the Example fields in the JSON release, `release.dataset_fields` in the parquet one
+    (default: `release.fields`).
     """
+    loader, fields = release.loader, release.fields
+    dataset_fields = release.dataset_fields or fields  # the parquet release's (and the hub's) field names
     if path is None:
-        dataset = hub_dataset(hub, hub_config, split, loader)
-        return _hf_rows(dataset, split, loader, Path(image_root or Path.cwd()).resolve(), dataset_fields or fields)
+        dataset = hub_dataset(release.hub, release.hub_config, split, loader)
+        return _hf_rows(dataset, split, loader, Path(image_root or Path.cwd()).resolve(), dataset_fields)
     path = Path(path)
     if not path.exists():
         raise missing_path(path)
@@ -52,7 +65,7 @@ def release_examples(
             f"folder"
         )
     if file is None:
-        return load_hf(path, split, fields=dataset_fields or fields, image_root=image_root, source=loader)
+        return load_hf(path, split, fields=dataset_fields, image_root=image_root, source=loader)
     root = Path(image_root) if image_root is not None else file.parent
     return (
         row

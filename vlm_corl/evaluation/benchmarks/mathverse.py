@@ -32,13 +32,14 @@ from dataclasses import replace
 
 from vlm_corl.data.loaders import Skip
 from vlm_corl.data.records import Example
-from vlm_corl.evaluation.benchmarks.common import accuracy_by, grade_response, lift_metadata, release_examples
+from vlm_corl.evaluation.benchmarks.common import Release, accuracy_by, grade_response, lift_metadata, release_examples
 from vlm_corl.evaluation.scoring import Benchmark
 
 QUESTION_TYPES = ("multi-choice", "free-form")
 VISION_ONLY_QUESTION = "Answer the question shown in the image."
 _CHOICES = re.compile(r"\bChoices\s*:\s*\n(.*)\Z", re.DOTALL | re.IGNORECASE)
 _CHOICE_LINE = re.compile(r"\s*([A-Z])\s*[:.)：]\s*(.*?)\s*")
+RELEASE = Release("mathverse", hub="AI4Math/MathVerse", fields={"id": "sample_index"}, hub_config="testmini")
 
 
 def load_mathverse(
@@ -46,15 +47,7 @@ def load_mathverse(
 ) -> Iterator[Example | Skip]:
     """MathVerse records (module doc): ids are the sample indices; metadata holds problem_version,
     question_type, problem_index and the record's metadata (subject, subfield, source) at the top level."""
-    items = release_examples(
-        path,
-        split,
-        loader="mathverse",
-        hub="AI4Math/MathVerse",
-        hub_config="testmini",
-        fields={"id": "sample_index"},
-        image_root=image_root,
-    )
+    items = release_examples(RELEASE, path, split, image_root=image_root)
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 

@@ -27,23 +27,17 @@ from dataclasses import replace
 
 from vlm_corl.data.loaders import Skip
 from vlm_corl.data.records import Example, with_choices
-from vlm_corl.evaluation.benchmarks.common import accuracy_by, grade_response, release_examples
+from vlm_corl.evaluation.benchmarks.common import Release, accuracy_by, grade_response, release_examples
 from vlm_corl.evaluation.scoring import Benchmark
+
+RELEASE = Release("mathvision", hub="MathLLMs/MathVision", fields={}, dataset_fields={"images": "decoded_image"})
 
 
 def load_mathvision(
     path: str | os.PathLike | None, split: str = "test", *, image_root: str | os.PathLike | None = None
 ) -> Iterator[Example | Skip]:
     """MATH-Vision records (module doc): ids are the release's; metadata holds level, subject and solution."""
-    items = release_examples(
-        path,
-        split,
-        loader="mathvision",
-        hub="MathLLMs/MathVision",
-        fields={},
-        dataset_fields={"images": "decoded_image"},
-        image_root=image_root,
-    )
+    items = release_examples(RELEASE, path, split, image_root=image_root)
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 

@@ -42,10 +42,13 @@ from dataclasses import replace
 from vlm_corl.data.answers import answers_equivalent, extract_answer, normalize_answer
 from vlm_corl.data.loaders import Skip
 from vlm_corl.data.records import Example, with_choices
-from vlm_corl.evaluation.benchmarks.common import accuracy_by, grade_response, lift_metadata, release_examples
+from vlm_corl.evaluation.benchmarks.common import Release, accuracy_by, grade_response, lift_metadata, release_examples
 from vlm_corl.evaluation.scoring import Benchmark
 
 ANSWER_TYPES = ("integer", "float", "text", "list")
+RELEASE = Release(
+    "mathvista", hub="AI4Math/MathVista", fields={"id": "pid"}, dataset_fields={"id": "pid", "images": "decoded_image"}
+)
 
 
 def load_mathvista(
@@ -53,15 +56,7 @@ def load_mathvista(
 ) -> Iterator[Example | Skip]:
     """MathVista records (module doc): ids are the pids; metadata holds question_type, answer_type, unit,
     precision and the record's own metadata (task, category, skills, ...) at the top level."""
-    items = release_examples(
-        path,
-        split,
-        loader="mathvista",
-        hub="AI4Math/MathVista",
-        fields={"id": "pid"},
-        dataset_fields={"id": "pid", "images": "decoded_image"},
-        image_root=image_root,
-    )
+    items = release_examples(RELEASE, path, split, image_root=image_root)
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 

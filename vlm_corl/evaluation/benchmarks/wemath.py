@@ -38,20 +38,19 @@ from dataclasses import replace
 
 from vlm_corl.data.loaders import Skip
 from vlm_corl.data.records import Example
-from vlm_corl.evaluation.benchmarks.common import grade_response, release_examples
+from vlm_corl.evaluation.benchmarks.common import Release, grade_response, release_examples
 from vlm_corl.evaluation.scoring import Benchmark
 
 _KEY = re.compile(r"(\d)steps_(\d|multi)")
 _OPTION = re.compile(r"(?:^|;)\s*([A-H])\.\s*")
+RELEASE = Release("wemath", hub="We-Math/We-Math", fields={"images": "image_path"})
 
 
 def load_wemath(
     path: str | os.PathLike | None, split: str = "testmini", *, image_root: str | os.PathLike | None = None
 ) -> Iterator[Example | Skip]:
     """We-Math records (module doc); metadata keeps every other field of the record (ID, key, option, …)."""
-    items = release_examples(
-        path, split, loader="wemath", hub="We-Math/We-Math", fields={"images": "image_path"}, image_root=image_root
-    )
+    items = release_examples(RELEASE, path, split, image_root=image_root)
     return (item if isinstance(item, Skip) else _problem(item) for item in items)
 
 

@@ -117,15 +117,7 @@ def sample(
     active = torch.arange(rows, device=device)
     logits = prefix.last_logits
     for t in range(params.max_new_tokens):
-        scores = logits.index_select(1, samplable).float()  # (A, V'): suppressed tokens have probability 0
-        if not choose.greedy and params.temperature != 1.0:
-            scores = scores / params.temperature
-        logp = torch.log_softmax(scores, dim=-1)  # the policy's log-probs
-        if not bool(torch.isfinite(logp).all()):  # NaN/inf logits would sample out-of-range token indices
-            raise NonFiniteLogits(
-                f"its forward pass gave non-finite logits at response token {t + 1} (its weights or activations "
-                "hold NaN or infinity: a diverged model, or an overflow in its compute dtype)"
-            )
+        scores, logp = _policy_scores(logits, samplable, params, choose.greedy, t)
         probs = logp.exp()
         choice = choose(scores, probs, uniforms[active, t])
         next_tokens = samplable[choice]  # (A,)
@@ -150,6 +142,23 @@ def sample(
     n_tokens = lengths.tolist()
     rows_tokens, rows_logp = (_cut(rows.tolist(), n_tokens) for rows in (tokens, token_logp))
     return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}, rows_logp
+
+
+def _policy_scores(
+    logits: torch.Tensor, samplable: torch.Tensor, params: SamplingParams, greedy: bool, t: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The active rows' tempered scores (A, V') over the samplable tokens and the policy's log-probs of them, at
+    response token t + 1; raises NonFiniteLogits when they are not finite."""
+    scores = logits.index_select(1, samplable).float()  # (A, V'): suppressed tokens have probability 0
+    if not greedy and params.temperature != 1.0:
+        scores = scores / params.temperature
+    logp = torch.log_softmax(scores, dim=-1)  # the policy's log-probs
+    if not bool(torch.isfinite(logp).all()):  # NaN/inf logits would sample out-of-range token indices
+        raise NonFiniteLogits(
+            f"its forward pass gave non-finite logits at response token {t + 1} (its weights or activations "
+            "hold NaN or infinity: a diverged model, or an overflow in its compute dtype)"
+        )
+    return scores, logp
 
 
 def _cut(rows: list[list], lengths: list[int]) -> list[list]:
