@@ -7,10 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from vlm_corl.distributed.world import World
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -63,3 +67,56 @@ def trained_fields(rows: list[dict]) -> list[dict]:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Ranks:
+    """What the ranks of one simulated launch share: a barrier (collectives meet there) and one slot per rank."""
+
+    def __init__(self, size: int, timeout_s: float = 10.0):
+        self.size, self.parts = size, [None] * size
+        self.meet = threading.Barrier(size, timeout=timeout_s)  # a rank that never arrives: BrokenBarrierError
+
+
+@dataclass
+class ThreadWorld(World):
+    """One rank of a launch simulated by threads of this process (`on_ranks`): `all_gather` and `barrier` are real
+    collectives among the threads, so ranks that take different branches miss each other and fail (a broken
+    barrier) instead of hanging, and a decision each rank makes from gathered facts can be compared across ranks."""
+
+    ranks: Ranks | None = None
+
+    def all_gather(self, obj: object) -> list:
+        self.ranks.meet.wait()
+        self.ranks.parts[self.rank] = obj
+        self.ranks.meet.wait()
+        parts = list(self.ranks.parts)
+        self.ranks.meet.wait()  # nobody overwrites a part before every rank has read them all
+        return parts
+
+    def barrier(self) -> None:
+        self.ranks.meet.wait()
+
+
+def on_ranks(size: int, fn, timeout_s: float = 10.0) -> list:
+    """fn(world) on `size` threads, each with its rank's `ThreadWorld`; the results in rank order. The first
+    rank's exception is raised again here (the others' too, as its context, when every rank failed)."""
+    ranks = Ranks(size, timeout_s)
+    results, errors = [None] * size, [None] * size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(ThreadWorld(rank=rank, size=size, ranks=ranks))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            errors[rank] = err
+            ranks.meet.abort()  # the other ranks stop waiting for this one
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [e for e in errors if e is not None]
+    if failed:
+        first = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
+        raise first
+    return results

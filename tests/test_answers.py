@@ -26,6 +26,13 @@ EXTRACTION = [
     ("so $x = \\boxed{\\frac{1}{\\sqrt{2}}}$", "boxed", None, "\\frac{1}{\\sqrt{2}}"),
     ("first \\boxed{2}, then corrected: \\boxed{3}", "boxed", None, "3"),
     ("\\boxed{\\{1, 2\\}}", "boxed", None, "\\{1, 2\\}"),
+    # An escaped brace is a character, not a group (issue 32, item 9: balanced escapes alone, as above, let a
+    # brace matcher that ignores escapes pass); an escaped backslash before the closing brace escapes nothing.
+    ("\\boxed{a\\}b}", "boxed", None, "a\\}b"),
+    ("\\boxed{\\{x} then", "boxed", None, "\\{x"),
+    ("\\boxed{\\{1\\} \\cup \\{2, 3\\}}.", "boxed", None, "\\{1\\} \\cup \\{2, 3\\}"),
+    ("\\boxed{x \\\\}", "boxed", None, "x \\\\"),
+    ("<answer>so \\boxed{\\}}</answer>", "answer_tags", None, "\\}"),
     ("boxed in the old style: \\fbox{7}", "boxed", None, "7"),
     ("without braces \\boxed 5 done", "boxed", None, "5"),
     ("\\boxed{3} then truncated \\boxed{\\frac{1}{", "boxed", None, None),
@@ -99,6 +106,8 @@ NORMALIZATION = [
     ("3 \\pi r", "3\\pi r"),
     ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
     ("\\boxed{\\{1, 2\\}}", "\\{1,2\\}"),
+    ("\\text{a\\}b}", "a\\}b"),  # an escaped brace inside a wrapper
+    ("{a\\}}", "a\\}"),  # outer braces around an escaped one
 ]
 
 
@@ -170,6 +179,22 @@ def test_group_equivalent_numbers_classes_by_first_appearance():
     assert group_equivalent(answers) == [0, 0, None, 1, 0, 1, 2, None]
     assert group_equivalent(["B", "5", "(C)", "7", "3"], choices=ABC) == [0, 0, 1, 1, 2]
     assert group_equivalent([]) == []
+
+
+# math-verify's verify(gold, pred) is not symmetric: an inequality as gold takes its interval as the answer, not the
+# reverse. Every comparison puts its reference first (gold, a pseudo-label, a class representative, a choice's text).
+GOLD_FIRST = ("1<x<2", "(1,2)")
+
+
+def test_the_reference_is_read_first_wherever_two_answers_are_compared():
+    """Pins the order at each call site of this package (issue 32, item 9; the bug: the two answers swapped, which
+    no symmetric pair shows): `verifier._serve`/`math_verify_equivalent`, `equivalence._plain_equivalent`,
+    `equivalence._choice_letter` (a choice's text is the reference) and `group_equivalent` (the representative)."""
+    gold, pred = GOLD_FIRST
+    assert math_verify_equivalent(gold, pred) is True and math_verify_equivalent(pred, gold) is False
+    assert answers_equivalent(gold, pred) is True and answers_equivalent(pred, gold) is False
+    assert choice_letter(pred, [gold, "3"]) == "A" and choice_letter(gold, [pred, "3"]) is None
+    assert group_equivalent([gold, pred]) == [0, 0] and group_equivalent([pred, gold]) == [0, 1]
 
 
 def test_grade_extracts_then_compares():

@@ -12,7 +12,7 @@ import torch
 
 from vlm_corl.training.category_metrics import category_step_stats, pooled_diversity, window_metrics
 from vlm_corl.training.checkpoint import list_checkpoints
-from vlm_corl.training.collapse import collapse_warnings, eval_drops, flag_step
+from vlm_corl.training.collapse import collapse_warnings, eval_drops, flag_step, window_size
 from vlm_corl.training.guard import roll_back, stop_message
 from vlm_corl.training.metrics import unanimous_questions
 from vlm_corl.training.rewards import CohortBatch, RewardOutput
@@ -52,6 +52,18 @@ def test_category_step_sums_by_hand():
         pytest.approx(-(0.6 * math.log(0.6) + 2 * 0.2 * math.log(0.2))),
         3,
     )
+
+
+def test_category_sums_read_the_label_and_gold_first():
+    """math-verify's verify(gold, pred) is not symmetric: "1<x<2" as the reference takes "(1,2)", not the reverse.
+    q0: label "1<x<2", gold 5, answers "(1,2)" and 3; q1: label "(1,2)", gold "1<x<2", answers "(1,2)" twice.
+    agreement 3/4 (one on q0, two on q1), answer accuracy 2/4 (q1), pseudo-label accuracy 1/2 (q1). Pins
+    `category_step_stats` (the bug: the response, or the label, read first against its reference)."""
+    answers = [[["(1,2)", "3"], ["(1,2)", "(1,2)"]]]
+    batch = CohortBatch(("a",), answers, [[["t"] * 2] * 2], [[[True] * 2] * 2], [None] * 2, [None] * 2)
+    out = RewardOutput(torch.zeros(1, 2, 2), {}, [["1<x<2", "(1,2)"]])
+    stats = category_step_stats(0, batch, out, ["c", "c"], ["5", "1<x<2"], [(False, False)] * 2)["c"]
+    assert (stats["agreement"], stats["answer_acc"], stats["pseudo_label_acc"]) == ([3.0, 4], [2.0, 4], [1.0, 2])
 
 
 def _cat(answers: dict, agree: tuple, pla: tuple, questions: int = 2) -> dict:
@@ -144,6 +156,34 @@ def test_eval_drops_against_step_0():
     few = [{**r, "n_color": 5, "n_shape": 5} for r in rows]
     assert [(w["step"], w["category"]) for w in eval_drops(few, 0.2)] == [(20, "color")]
     assert "fell from 0.900 at step 0 to 0.200 at step 20" in stop_message(found[1], "stop", None)
+
+
+def test_eval_drops_compare_with_step_0_and_weigh_each_evaluation_by_its_own_count():
+    """Two references a fall could be read against by mistake (issue 32, item 9). Colour slides 0.9 -> 0.8 ->
+    0.65 on 200 questions: 0.1 and 0.15 from one evaluation to the next, 0.25 from step 0, so only step 20 is
+    flagged (the bug: the previous evaluation as the reference flags nothing). And the z of a fall pools each
+    side with its own count: 0.9 of 100 -> 0.5 of 10 by hand: pooled p = 95/110, se = sqrt(p (1 - p) (1/100 +
+    1/10)) = 0.1138, z = 0.4 / 0.1138 = 3.51 (the counts swapped: p = 59/110, z = 2.42, under a z of 3)."""
+    gradual = [
+        {"step": step, "member": "b", "benchmark": "easyvqa", "accuracy_color": acc, "n_color": 200}
+        for step, acc in ((0, 0.9), (10, 0.8), (20, 0.65))
+    ]
+    assert [(w["step"], w["accuracy_step0"], w["accuracy"]) for w in eval_drops(gradual, 0.2)] == [(20, 0.9, 0.65)]
+    uneven = [
+        {"step": 0, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.9, "n_color": 100},
+        {"step": 10, "member": "b", "benchmark": "easyvqa", "accuracy_color": 0.5, "n_color": 10},
+    ]
+    p = 95 / 110
+    assert 0.4 / math.sqrt(p * (1 - p) * (1 / 100 + 1 / 10)) == pytest.approx(3.514, abs=1e-3)
+    assert [w["z"] for w in eval_drops(uneven, 0.2, z=3.0)] == [3.51]
+
+
+def test_a_category_warning_names_its_early_and_late_windows():
+    """The evidence's step ranges: the first w rows (early) and the last w (late), w the window at the flagged
+    step. Pins `collapse.category_evidence` (the bug: the two ranges swapped in the warning and the log)."""
+    (w,) = collapse_warnings(reproduction())
+    size = window_size(w["step"])
+    assert w["early_steps"] == [1, size] and w["late_steps"] == [w["step"] - size + 1, w["step"]]
 
 
 def test_rollback_sets_aside_the_checkpoints_from_the_first_flag_on(tmp_path):

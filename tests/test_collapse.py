@@ -12,7 +12,14 @@ import torch
 from cohort_helpers import cohort, metrics
 
 from vlm_corl.config import config_from_dict
-from vlm_corl.training.collapse import CollapseRule, collapse_evidence, collapse_warnings, flag_step, window_size
+from vlm_corl.training.collapse import (
+    CollapseRule,
+    CollapseTracker,
+    collapse_evidence,
+    collapse_warnings,
+    flag_step,
+    window_size,
+)
 from vlm_corl.training.metrics import (
     answer_entropy,
     answer_key,
@@ -114,6 +121,21 @@ def test_member_metrics_rows_carry_the_diversity_keys():
     assert row["distinct_answers"] == 1.5 and row["pseudo_label_acc"] == 0.5
 
 
+def test_member_metrics_compare_each_diagnostic_with_its_own_reference():
+    """Three questions, K = 2. q0: label red, gold blue, answers red red; q1: no label, gold x, answers x y;
+    q2: label "(1,2)", gold "1<x<2" (which math-verify, gold first, equates with "(1,2)"), answers "(1,2)" twice.
+    agreement (answers vs the label, labelled questions only) = 4/4; answer_acc (answers vs gold) = 3/6;
+    pseudo_label_acc (label vs gold) = 1/2; the cohort's unanimous vote "(1,2)" on q2 is not wrong. Pins
+    `metrics.member_metrics` and `unanimous_questions` (the bugs: agreement against gold, answer accuracy against
+    the label, gold read second)."""
+    answers = [[["red", "red"], ["x", "y"], ["(1,2)", "(1,2)"]]]
+    out = RewardOutput(torch.zeros(1, 3, 2), {}, [["red", None, "(1,2)"]])
+    gold = ["blue", "x", "1<x<2"]
+    row = member_metrics(0, _batch(answers), out, [[1, 1]] * 3, gold)
+    assert (row["agreement"], row["answer_acc"], row["pseudo_label_acc"]) == (1.0, 0.5, 0.5)
+    assert unanimous_questions([["(1,2)"]], [None], ["1<x<2"]) == [(True, False)]
+
+
 # ---- the detector on hand-built histories -------------------------------------------------------------
 
 
@@ -200,6 +222,27 @@ def test_flag_step_marks_rows_and_logs_once(caplog):
     first = next(r["step"] for r in seen if r["member"] == "a" and r["collapse_flag"] == 1)
     assert collapse_warnings(seen)[0]["step"] == first  # summary and log agree
     assert all(r["collapse_flag"] is None for r in seen if r["member"] == "b")  # 5 steps: not evaluated
+
+
+def test_the_trackers_bounded_rows_read_like_the_whole_history():
+    """A run keeps only each slot's first and last max_window rows (`collapse._Ends`): past 250 steps both windows
+    are 50 rows, so dropping the wrong rows (the newest instead of the oldest, one row too few) would change the
+    windows' means. A slot steady for 240 steps then collapsing: the tracker, fed row by row, flags the step and
+    evidence `collapse_warnings` finds on the whole history, and reads every held row as the list would."""
+    steady = {"answer_entropy_batch": 2.0, "agreement": 0.4, "unanimous_rate": 0.2, "pseudo_label_acc": 0.6}
+    fallen = {"answer_entropy_batch": 0.2, "agreement": 0.95, "unanimous_rate": 0.9, "pseudo_label_acc": 0.3}
+    rows = [{"step": s, "member": "m", **(steady if s <= 240 else fallen)} for s in range(1, 301)]
+    (expected,) = collapse_warnings(rows)
+    assert expected["step"] > 250 and expected["early_steps"] == [1, 50]  # both windows at their 50 rows
+    tracker = CollapseTracker()
+    for row in rows:
+        tracker.flag([dict(row)])
+    assert tracker.warnings() == [expected]
+    ends = tracker.ends["m"]
+    assert ends.n == 300 and [ends[i]["step"] for i in [*range(50), *range(250, 300)]] == [
+        *range(1, 51),
+        *range(251, 301),
+    ]
 
 
 # ---- a real run -----------------------------------------------------------------------------------------

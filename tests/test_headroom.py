@@ -16,6 +16,7 @@ from vlm_corl.headroom import (
     self_consistency,
     settled,
     settled_answer,
+    vote_pairs,
 )
 
 
@@ -177,3 +178,53 @@ def test_reachable_headroom_needs_a_sample_that_earns_the_label():
     assert h["members"]["constant"]["headroom"]["all"]["mean"] == 1.0
     assert h["members"]["constant"]["reachable"]["all"]["mean"] == 0.0
     assert h["headroom"]["all"]["mean"] == pytest.approx(1 / 3) and h["reachable"]["all"]["mean"] == 0.0
+
+
+# ---- the references each figure compares with (issue 32, item 9) ---------------------------------------------------
+
+# math-verify's verify(gold, pred) is not symmetric: "1<x<2" as gold takes "(1,2)", not the reverse.
+GOLD, ITS_INTERVAL = "1<x<2", "(1,2)"
+
+
+def test_each_term_reads_its_reference_first():
+    """Pins the order of the comparisons in `headroom_term` (gold first), `reachable_term` (the label, which a
+    sample must earn), `self_consistency` (the vote) and the votes' accuracy in `vote_pairs` and
+    `member_headroom` (gold first); the bug: the two sides swapped, which no symmetric answer shows."""
+    assert headroom_term(ITS_INTERVAL, "3", GOLD) == 1  # the label is right, the vote wrong
+    assert headroom_term("3", ITS_INTERVAL, GOLD) == -1
+    assert reachable_term(GOLD, "3", GOLD, [ITS_INTERVAL, "3"]) == 1  # a sample earns the label
+    assert self_consistency([ITS_INTERVAL, "3"], GOLD) == 0.5
+    cohort = {"a": records([[ITS_INTERVAL] * 2], [GOLD]), "b": records([["3"] * 2], [GOLD])}
+    lab = cohort_labels(cohort, "ring")
+    assert cohort_headroom(lab)["members"]["a"]["vote_accuracy"]["all"]["mean"] == 1.0
+    assert vote_pairs(lab)["acc_sum"] == 1.0
+
+
+def test_reachable_headroom_needs_a_sample_that_earns_the_label_not_gold():
+    """A member whose samples all say red (gold) under a wrong label blue: no sample earns the label, so the label
+    cannot mislead it (0), though its samples match gold. Pins `reachable_term` (the bug: samples compared with
+    gold, which gives -1)."""
+    assert headroom_term("blue", "red", "red") == -1
+    assert reachable_term("blue", "red", "red", ["red"] * 4) == 0
+
+
+def test_a_members_headroom_is_its_labels_gain_over_its_vote():
+    """One question, gold red. Ring of three: a votes red, b blue, c red, so a's label is c's red (a right
+    already: 0), b's is a's red (b wrong: +1), c's is b's blue (c misled: -1). The confidence prediction: a (sure,
+    red) settles the question on red: b gains, a and c keep theirs: 1/3. Peers with c voting blue too: a's label is
+    b's and c's blue (a misled: -1), b's and c's peers tie (abstain: 0): -1/3. Pins `member_headroom`,
+    `cohort_headroom` and `settled` (the bug: label and vote swapped into `headroom_term`: +1/3 and -1/3 there)."""
+    gold = ["red"]
+    cohort = {
+        "a": records([["red"] * 4], gold),
+        "b": records([["blue", "blue", "blue", "red"]], gold),
+        "c": records([["red", "red", "red", "blue"]], gold),
+    }
+    h = cohort_headroom(cohort_labels(cohort, "ring"))
+    assert [h["members"][m]["headroom"]["all"]["mean"] for m in "abc"] == [0.0, 1.0, -1.0]
+    s = settled(cohort_labels(cohort, "ring"))
+    assert s["headroom"]["all"]["mean"] == pytest.approx(1 / 3) and s["accuracy"]["all"]["mean"] == 1.0
+    cohort["c"] = records([["blue"] * 4], gold)
+    peers = cohort_labels(cohort, "peers")
+    assert [row[0] for row in peers["labels"]] == ["blue", None, None]
+    assert cohort_headroom(peers)["headroom"]["all"]["mean"] == pytest.approx(-1 / 3)

@@ -91,6 +91,16 @@ def test_multiple_choice_letters_vote_with_their_texts():
     assert out.rewards[0, 0].tolist() == [1, 1, 0]
 
 
+@pytest.mark.parametrize("mode", ["ring", "soft"])
+def test_a_label_is_read_as_gold_when_it_scores_a_response(mode):
+    """math-verify's verify(gold, pred) is not symmetric: "1<x<2" as gold takes "(1,2)", not the reverse. m0 votes
+    "1<x<2", m1 "(1,2)" (with a "3"): m1's "(1,2)" earns its label "1<x<2"; m0's "1<x<2" does not earn "(1,2)".
+    Pins `rewards._match` and `soft_reward` (the bug: the response's answer and its label swapped into
+    `answers_equivalent`, which would reward m0 and not m1)."""
+    out = run(mode, [[["1<x<2", "1<x<2"]], [["(1,2)", "3"]]])
+    assert out.rewards.tolist() == [[[0.0, 0.0]], [[1.0, 0.0]]]
+
+
 @pytest.mark.parametrize("mode", ["ring", "peers", "soft"])
 def test_a_member_never_supervises_itself(mode):
     """Changing member i's answers may change its own response scores only through the answers themselves:
