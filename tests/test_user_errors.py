@@ -53,7 +53,10 @@ MISTAKES = {  # name: (overrides, a piece of the first line of the message)
         ["members.0.model={bad_config}"],
         "cannot read the model type from config.json (JSONDecodeError",
     ),
-    "unknown model_type": (["members.0.model={unknown_type}"], "no model family for model_type 'nosuch'"),
+    "unknown model_type": (
+        ["members.0.model={unknown_type}"],
+        "model_type 'nosuch' has no registered family and is neither",
+    ),
     "tokenizer missing": (["members.0.model={no_tokenizer}"], "has no tokenizer files"),
     "family contradicts config.json": (["members.0.family=mllama"], "family 'mllama' contradicts its config.json"),
     "text member, image data": (["members.0.model={text}"], "is a text-only qwen3 model but the data has images"),

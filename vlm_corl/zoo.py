@@ -161,8 +161,20 @@ def main(argv: list[str] | None = None) -> int:
         "--device", type=cli.device, default="cpu", help="--real: where the weights are initialised (e.g. cuda)"
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--real: weights dtype")
+    parser.add_argument(
+        "--arch",
+        metavar="MODEL_TYPE",
+        help="a tiny random member of any transformers chat architecture (a config.json model_type, e.g."
+        " llava_onevision), served by the generic family; it goes to OUT itself",
+    )
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per member drowns the table
+    if args.arch:
+        from vlm_corl.zoo_arch import build_arch
+
+        n_params = build_arch(args.arch, cli.output_dir(args.out, "--out"), args.seed)
+        print(f"{args.out}  {args.arch}  {n_params:,} parameters")
+        return 0
     if args.real:
         path, n_params = build_real(args.real, cli.output_dir(args.out, "--out"), args.device, DTYPES[args.dtype])
         print(f"{path}  {n_params:,} parameters")

@@ -287,7 +287,11 @@ def check_registered(cfg: CohortConfig) -> None:
         ("reward.custom" if cfg.reward.custom else "reward.mode", REWARDS, cfg.reward.custom or cfg.reward.mode)
     ]
     lookups += [("eval.benchmarks", BENCHMARKS, name) for name in cfg.eval.benchmarks]
-    lookups += [(f"members[{i}].family", FAMILIES, m.family) for i, m in enumerate(cfg.members) if m.family]
+    lookups += [
+        (f"members[{i}].family", FAMILIES, m.family)
+        for i, m in enumerate(cfg.members)
+        if m.family and m.family != "generic"  # the generic family serves per checkpoint, unregistered
+    ]
     for path, registry, name in lookups:
         try:
             registry.get(name)

@@ -69,7 +69,11 @@ class MemberConfig:
         pattern=(r"(?!\.\.?$)[A-Za-z0-9_.-]+", "letters, digits, '_', '.', '-' (but not '.' or '..')"),
     )
     model: str = _f("local Hugging Face model directory with a config.json (relative paths: from the working dir)")
-    family: str | None = _f("model family registry name; null = detect from config.json model_type", None)
+    family: str | None = _f(
+        "model family registry name, or generic (any architecture the Auto classes load, served from its own "
+        "processor and chat template); null = detect from config.json model_type",
+        None,
+    )
     view: str = _f(
         "question wording this member sees: original | paraphrase:K (K >= 1)",
         "original",

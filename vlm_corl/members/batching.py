@@ -168,6 +168,17 @@ def model_positions(model: torch.nn.Module, inputs: dict[str, Tensor], mrope: bo
     )
 
 
+def select_cache_rows(cache, rows: Tensor) -> None:
+    """Keep `rows` (repeats allowed) of every layer of a KV cache. A linear-attention layer (Qwen3.5's gated
+    delta rule: conv and recurrent states, no batch_select_indices of its own, or one that keeps only the keys
+    and values of its attention half) index-selects all its states through its beam-search `reorder_cache`."""
+    for layer in getattr(cache, "layers", None) or [cache]:
+        if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states"):
+            layer.reorder_cache(rows)
+        else:
+            layer.batch_select_indices(rows)
+
+
 @dataclass
 class Prefix:
     """Prompts after one forward pass, expanded to R rows (one per continuation); see `prefill`."""
@@ -181,7 +192,7 @@ class Prefix:
 
     def select(self, rows: Tensor) -> None:
         """Keep only `rows` (e.g. the continuations still decoding), cache included."""
-        self.cache.batch_select_indices(rows)
+        select_cache_rows(self.cache, rows)
         self.last_logits, self.attention_mask = self.last_logits[rows], self.attention_mask[rows]
         if self.rope_delta is not None:
             self.rope_delta = self.rope_delta[rows]
@@ -207,7 +218,7 @@ def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: in
     out = model(**inputs, use_cache=True, logits_to_keep=1)
     cache_arg = cache_argument(type(unwrapped(model)))
     cache = getattr(out, cache_arg)
-    cache.batch_select_indices(rows)
+    select_cache_rows(cache, rows)
     cross = inputs.get("cross_attention_mask")
     return Prefix(
         cache,

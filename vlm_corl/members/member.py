@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 
 from vlm_corl.distributed.world import default_device, sum_over
 from vlm_corl.errors import UserError
-from vlm_corl.members.families import Family, detect_family
+from vlm_corl.members.families import GENERIC, Family, detect_family
+from vlm_corl.members.families.generic import SWITCHED_OFF
 from vlm_corl.members.finite import check_finite_weights
 from vlm_corl.members.lora import (
     adapter_tensors,
@@ -37,6 +39,8 @@ from vlm_corl.members.precision import DTYPES, cast_parameters, rollout_dtype, s
 from vlm_corl.members.rollout import Policy
 from vlm_corl.members.state_files import TRAINER_STATE, named_tensors, read_state
 from vlm_corl.registry import FAMILIES
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import MemberConfig, TrainConfig
@@ -183,7 +187,8 @@ class Member:
     def _family_ids(self) -> tuple[list[int], list[int]]:
         """(stop, control) token ids of the member's family in its tokenizer (looked up once: a real
         vocabulary has 150k entries)."""
-        return self.family.eos_token_ids(self.tokenizer), self.family.suppressed_token_ids(self.tokenizer)
+        family, tokenizer = self.family, self.tokenizer
+        return family.eos_token_ids(tokenizer, self.processor), family.suppressed_token_ids(tokenizer)
 
     def policy(self, temperature: float = 1.0) -> Policy:
         """The member's policy facts at a sampling temperature (vlm_corl.members.rollout.Policy)."""
@@ -450,20 +455,23 @@ def model_source(cfg: MemberConfig, path: str | Path) -> tuple[str, Path | None]
 
 
 def member_family(cfg: MemberConfig, path: str | Path) -> Family:
-    """The member's family: `family` if set (it must agree with config.json), else from config.json (of the
-    base model, for an adapter directory)."""
+    """The member's family: `family` if set (it must agree with config.json; `generic` serves any architecture
+    the Auto classes load), else from config.json (of the base model, for an adapter directory): its registered
+    family, else the generic one where it can serve the checkpoint (MemberLoadError naming what is missing)."""
     path = model_source(cfg, path)[0] if Path(path).is_dir() else path
     where = f"member {cfg.id!r} ({path})"
     if not Path(path).is_dir():
         raise MemberLoadError(f"{where}: the model directory does not exist (python -m vlm_corl.zoo builds tiny ones)")
     try:
-        detected = detect_family(path)
-    except (OSError, ValueError, KeyError) as err:
+        detected = detect_family(path, cfg.family)
+    except (OSError, KeyError, json.JSONDecodeError) as err:
         raise MemberLoadError(
             f"{where}: cannot read the model type from config.json ({_brief(err)}); it must be a "
             "Hugging Face model directory (python -m vlm_corl.zoo builds tiny ones)"
         ) from err
-    if cfg.family and FAMILIES.get(cfg.family) is not detected:
+    except ValueError as err:  # no registered family, and the generic one cannot serve it
+        raise MemberLoadError(f"{where}: {err}") from err
+    if cfg.family and cfg.family != GENERIC and FAMILIES.get(cfg.family) is not detected:
         raise MemberLoadError(
             f"{where}: family {cfg.family!r} contradicts its config.json, whose model_type is a "
             f"{detected.name!r} model; remove members[*].family or fix it"
@@ -501,6 +509,13 @@ def load_member(
     (evaluation, a frozen peer) is merged into its base: a plain model."""
     path = str(model_dir or cfg.model)
     family = member_family(cfg, path)
+    if family.name == GENERIC:
+        log.info(
+            "member %s: %s model served by the generic family (its own processor and chat template); switched off: %s",
+            cfg.id,
+            family.model_types[0],
+            "; ".join(SWITCHED_OFF),
+        )
     base, adapter = model_source(cfg, path)
     device = device or default_device()
     model, processor, tokenizer = _load_files(cfg, family, path, base, torch.device("cpu") if stage_on_cpu else device)

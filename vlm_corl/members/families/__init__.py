@@ -2,7 +2,8 @@
 
 Importing this package registers the vision-language families (qwen2_vl, qwen2_5_vl, qwen3_vl, mllama, gemma3,
 internvl); the text families (qwen3, qwen2, llama) live in `text_corl.families` and reach `FAMILIES` through
-entry points.
+entry points. A checkpoint of no registered family is served by the generic family (`generic`), from its own
+processor and chat template.
 """
 
 from vlm_corl.members.families.base import (
@@ -13,12 +14,13 @@ from vlm_corl.members.families.base import (
     Family,
     SpecialTokens,
     chat_template,
-    detect_family,
     family_for_model_type,
     register,
     text_config_kwargs,
 )
+from vlm_corl.members.families.detect import detect_family
 from vlm_corl.members.families.gemma import GEMMA3
+from vlm_corl.members.families.generic import GENERIC, generic_family
 from vlm_corl.members.families.internvl import INTERNVL
 from vlm_corl.members.families.llama import LLAMA3_ROPE, LLAMA3_TOKENS, MLLAMA, llama3_template
 from vlm_corl.members.families.qwen import (
@@ -33,6 +35,7 @@ from vlm_corl.members.families.qwen import (
 __all__ = [
     "CHATML_TOKENS",
     "GEMMA3",
+    "GENERIC",
     "INTERNVL",
     "LLAMA3_ROPE",
     "LLAMA3_TOKENS",
@@ -51,6 +54,7 @@ __all__ = [
     "chatml_template",
     "detect_family",
     "family_for_model_type",
+    "generic_family",
     "llama3_template",
     "register",
     "text_config_kwargs",

@@ -7,7 +7,6 @@ randomly initialised member at each size from a tokenizer trained here.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,8 +118,9 @@ class Family:
         fails on an image placeholder without an image (real checkpoints' generation configs list none)."""
         return sorted(known_token_ids(tokenizer, [t for t in self.tokens.tokens if t not in self.tokens.eos]))
 
-    def eos_token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """The family's stop tokens that the tokenizer has (end of turn first)."""
+    def eos_token_ids(self, tokenizer: PreTrainedTokenizerBase, templater: object = None) -> list[int]:
+        """The family's stop tokens that the tokenizer has (end of turn first); `templater` (the member's
+        processor) is for families that read them from the chat template (the generic one)."""
         return known_token_ids(tokenizer, list(self.tokens.eos))
 
     def generation_config(self, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
@@ -166,12 +166,6 @@ def family_for_model_type(model_type: str) -> Family:
         f"no model family for model_type {model_type!r}; known model types: {known}."
         " Set the member's family explicitly."
     )
-
-
-def detect_family(model_dir: str | Path) -> Family:
-    """The family of the member saved in `model_dir`, from its config.json `model_type`."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return family_for_model_type(config["model_type"])
 
 
 def chat_template(

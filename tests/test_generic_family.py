@@ -1,0 +1,127 @@
+"""The generic family (issue 34): architectures we register no family for, built tiny by `zoo --arch`, served from
+their own processor and chat template; what it cannot serve refused with exit 2 before any weight loads.
+
+The whole commands on these members (a cohort beside a registered member, checkpoint, resume, eval, plan, export
+and reload with plain transformers) run in tests/test_generic_e2e.py (`make test-e2e`)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from cohort_helpers import ENV, ROOT
+
+from vlm_corl.config.schema import MemberConfig
+from vlm_corl.data.loaders import load_examples
+from vlm_corl.data.records import Example
+from vlm_corl.members.engines.hf import HFEngine
+from vlm_corl.members.families import MLLAMA, family_for_model_type
+from vlm_corl.members.families.generic import end_of_turn
+from vlm_corl.members.member import MemberLoadError, load_member
+from vlm_corl.members.render import Renderer
+from vlm_corl.members.rollout import SamplingParams
+from vlm_corl.registry import FAMILIES
+from vlm_corl.zoo_arch import ArchUnavailable, build_arch
+
+# Architectures with no registered family that the generic family is tested on: vision, then text. The coverage
+# table (docs/models.md) marks these as tested.
+GENERIC_VISION = ("llava_onevision", "idefics3", "mistral3", "qwen3_5")
+GENERIC_TEXT = ("smollm3", "olmo2")
+
+
+@pytest.fixture(scope="module")
+def generic_zoo(tmp_path_factory) -> dict:
+    """{model_type: directory} of a tiny member of each generic architecture (~3 s each)."""
+    out = tmp_path_factory.mktemp("generic")
+    return {arch: _built(arch, out / arch) for arch in GENERIC_VISION + GENERIC_TEXT}
+
+
+def _built(arch, path):
+    build_arch(arch, path)
+    return path
+
+
+def test_the_tested_architectures_have_no_registered_family():
+    """Otherwise these tests would not be testing the generic path."""
+    for arch in GENERIC_VISION + GENERIC_TEXT:
+        with pytest.raises(ValueError, match="no model family"):
+            family_for_model_type(arch)
+
+
+@pytest.mark.parametrize("arch", GENERIC_VISION + GENERIC_TEXT)
+def test_a_generic_member_renders_with_its_own_template_and_samples(generic_zoo, arch):
+    """The member loads as `generic` with the modality of its Auto class; its stop tokens include the end of turn
+    its chat template writes (<|im_end|>, which the generation config of a base model need not name); the
+    processor's image token is never sampled; a prompt is rendered by its own template with the image expanded to
+    the processor's tokens, and the HF engine samples a response that stops within the budget."""
+    member = load_member(MemberConfig(id="g", model=str(generic_zoo[arch]), trainable=False))
+    vision = arch in GENERIC_VISION
+    assert (member.family.name, member.family.modality) == ("generic", "vision" if vision else "text")
+    im_end = member.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert member.eos_token_ids[0] == im_end and im_end not in member.suppressed_ids
+    example = load_examples("easyvqa", split="train", limit=1).examples[0] if vision else Example("a", "2+2?")
+    prompt = Renderer(member, "original", 1 << 20, 1 << 14)(example)
+    ids = prompt.inputs["input_ids"][0].tolist()
+    if vision:
+        image = member.processor.image_token
+        image_id = member.tokenizer.convert_tokens_to_ids(image)
+        assert image_id in member.suppressed_ids and ids.count(image_id) > 1  # expanded by the processor
+    assert member.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    torch.manual_seed(0)
+    (group,) = HFEngine(member).generate([prompt], SamplingParams(n=2, max_new_tokens=4, temperature=1.0))
+    assert [len(r.token_ids) <= 4 for r in group.responses] == [True, True]
+    assert not set(member.suppressed_ids) & {t for r in group.responses for t in r.token_ids}
+
+
+def test_family_generic_serves_a_registered_architecture_too(tiny_zoo):
+    """`members[i].family: generic` on a Qwen2-VL member: its own template and tokens, not the family table."""
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), family="generic", trainable=False))
+    assert member.family.name == "generic" and member.family.auto_model == "AutoModelForImageTextToText"
+    assert member.eos_token_ids[0] == member.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_the_end_of_turn_is_read_from_the_chat_template():
+    """Llama-3's template closes an assistant turn with <|eot_id|>; a template without a close gives None."""
+    tokenizer = MLLAMA.build_tokenizer()
+    assert end_of_turn(tokenizer, tokenizer) == tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert end_of_turn(tokenizer, tokenizer) is None
+
+
+def test_a_generic_checkpoint_without_a_chat_template_is_refused(generic_zoo, tmp_path):
+    """Named at load, before any weight is read: what is missing and how to add it."""
+    copy = shutil.copytree(generic_zoo["llava_onevision"], tmp_path / "llava")
+    (copy / "chat_template.jinja").unlink()
+    with pytest.raises(MemberLoadError, match="generic family serves a 'llava_onevision' model.*only with a chat"):
+        load_member(MemberConfig(id="g", model=str(copy)))
+
+
+def test_a_type_no_auto_class_loads_is_refused(tmp_path):
+    """A config.json of an architecture neither Auto class knows: the member and what is wrong, not a traceback."""
+    (tmp_path / "config.json").write_text('{"model_type": "vit"}')
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(MemberLoadError, match="'vit' has no registered family and is neither"):
+        load_member(MemberConfig(id="b", model=str(tmp_path)))
+
+
+def test_zoo_arch_says_why_it_cannot_build_an_architecture(tmp_path):
+    """exit 2 and the reason, for an unknown type and for a processor that names no image token (BLIP)."""
+    for arch, reason in (("not_a_model", "is not an image-text-to-text or causal-LM"), ("blip", "no image_token")):
+        done = subprocess.run(
+            [sys.executable, "-m", "vlm_corl.zoo", "--arch", arch, "--out", str(tmp_path / arch)],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr
+    with pytest.raises(ArchUnavailable):
+        build_arch("blip", tmp_path / "again")
+
+
+def test_generic_is_not_a_registered_family_the_zoo_would_build():
+    """The generic family exists per checkpoint; `zoo` without --arch builds registered families only."""
+    assert "generic" not in FAMILIES.names()
