@@ -5,7 +5,7 @@ SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo lint test test-scale test-e2e test-slow test-vllm gpu-bundle
+.PHONY: setup demo lint test test-scale test-e2e test-slow test-vllm gpu-bundle models-doc
 
 # torch/torchvision first, by exact pins (an unpinned torch pulls a multi-GB build from the index).
 $(SETUP): pyproject.toml
@@ -75,3 +75,7 @@ gpu-bundle: setup
 	DS_BUILD_OPS=0 $(VENV)/bin/pip wheel --no-deps -w $(GPU_BUNDLE) deepspeed==0.19.8
 	$(VENV)/bin/pip wheel --no-deps --no-build-isolation -w $(GPU_BUNDLE) . && rm -rf build
 	@du -sh $(GPU_BUNDLE); ls $(GPU_BUNDLE)
+
+## docs/models.md: every architecture the installed transformers knows, with its family and coverage (~15 min).
+models-doc: setup
+	$(PY) -m vlm_corl.coverage --out docs/models.md $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python)

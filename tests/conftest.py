@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cohort_helpers import shipped_families
 from fake_vllm import fake_vllm  # noqa: F401 (a fixture: the recording stand-in for vllm)
 
 from vlm_corl.config import MemberConfig
@@ -18,8 +19,8 @@ from vlm_corl.zoo import build_zoo
 # One torch thread: on a shared 2-core machine two threads collapse 20-30x as soon as another process is busy.
 torch.set_num_threads(1)
 
-# Named, not "every registered family": a test may register a stand-in family that cannot be built.
-ZOO_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl", "qwen3", "qwen2", "llama")
+# The shipped families, read before a test may register a stand-in family that cannot be built.
+ZOO_FAMILIES = shipped_families()
 
 
 @pytest.fixture(scope="session")

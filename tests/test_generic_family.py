@@ -12,24 +12,26 @@ import sys
 
 import pytest
 import torch
+import transformers
 from cohort_helpers import ENV, ROOT
 
+from vlm_corl import coverage
 from vlm_corl.config.schema import MemberConfig
+from vlm_corl.coverage import architectures, tested_architectures
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.data.records import Example
 from vlm_corl.members.engines.hf import HFEngine
 from vlm_corl.members.families import MLLAMA, family_for_model_type
-from vlm_corl.members.families.generic import end_of_turn
+from vlm_corl.members.families.generic import TESTED_GENERIC, auto_class_for, end_of_turn
 from vlm_corl.members.member import MemberLoadError, load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.registry import FAMILIES
 from vlm_corl.zoo_arch import ArchUnavailable, build_arch
 
-# Architectures with no registered family that the generic family is tested on: vision, then text. The coverage
-# table (docs/models.md) marks these as tested.
-GENERIC_VISION = ("llava_onevision", "idefics3", "mistral3", "qwen3_5")
-GENERIC_TEXT = ("smollm3", "olmo2")
+# The architectures with no registered family that docs/models.md marks tested: vision, then text.
+GENERIC_VISION = tuple(a for a in TESTED_GENERIC if auto_class_for(a)[0] == "vision")
+GENERIC_TEXT = tuple(a for a in TESTED_GENERIC if auto_class_for(a)[0] == "text")
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,39 @@ def test_zoo_arch_says_why_it_cannot_build_an_architecture(tmp_path):
 def test_generic_is_not_a_registered_family_the_zoo_would_build():
     """The generic family exists per checkpoint; `zoo` without --arch builds registered families only."""
     assert "generic" not in FAMILIES.names()
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells] for cells in rows[1:]}  # rows[0]: the header
+
+
+def test_the_coverage_table_lists_every_architecture_the_installed_transformers_knows():
+    """docs/models.md: one row per architecture the Auto classes load, the registered family or generic, tested
+    exactly where the tests run it, a zoo that builds every tested generic one; the counts add up. Regenerate it
+    with `make models-doc` after a transformers upgrade or a new family."""
+    text = (ROOT / "docs" / "models.md").read_text()
+    version = transformers.__version__
+    if f"against transformers {version}" not in text:
+        pytest.skip(f"docs/models.md was generated against another transformers than {version}: make models-doc")
+    rows = _table_rows(text)
+    assert set(rows) == set(architectures())
+    tested = tested_architectures()
+    for arch, (_, modality, served_by, zoo, tested_here, _, _) in rows.items():
+        try:
+            family = family_for_model_type(arch).name
+        except ValueError:
+            family = "generic"
+        assert (modality, served_by, tested_here) == (architectures()[arch][0], family, "yes" if arch in tested else "")
+        assert zoo == "builds" or served_by != "generic" or arch not in TESTED_GENERIC
+    counts = coverage._counts([coverage.Row(*cells) for cells in rows.values()])
+    assert f"- served generically and tested here: {counts['generic tested']}" in text
+
+
+def test_the_coverage_command_writes_a_row(tmp_path):
+    """`python -m vlm_corl.coverage` at its smallest: one registered and one generic architecture."""
+    out = tmp_path / "models.md"
+    assert coverage.main(["--out", str(out), "--only", "qwen2_vl,smollm3"]) == 0
+    rows = _table_rows(out.read_text())
+    assert rows["qwen2_vl"][2:5] == ["qwen2_vl", "zoo --families qwen2_vl", "yes"]
+    assert rows["smollm3"][2:5] == ["generic", "builds", "yes"] and "q_proj" in rows["smollm3"][6]

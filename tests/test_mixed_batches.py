@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from cohort_helpers import shipped_families
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
@@ -17,7 +18,7 @@ from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import _full_logprobs, _shared_prompt_logprobs
 
-VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl")
+VISION = shipped_families("vision")
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from cohort_helpers import shipped_families
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
@@ -18,7 +19,7 @@ from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import _full_logprobs, _shared_prompt_logprobs, response_logprobs
 from vlm_corl.training.grpo import token_entropy, token_self_certainty
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl", "qwen3", "qwen2", "llama")
+FAMILIES = shipped_families()
 TEXT = {"qwen3", "qwen2", "llama"}
 
 

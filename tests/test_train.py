@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cohort_helpers import cohort, metrics, trained_fields, weights, write_jsonl
+from cohort_helpers import cohort, metrics, shipped_families, trained_fields, weights, write_jsonl
 
 from vlm_corl.config import config_from_dict
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.training.loop import run_cohort
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT_FAMILIES = {"qwen3", "qwen2", "llama"}
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl", "qwen3", "qwen2", "llama")
+TEXT_FAMILIES = set(shipped_families("text"))
+FAMILIES = shipped_families()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

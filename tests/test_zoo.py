@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from cohort_helpers import shipped_families
 from PIL import Image
 from transformers import (
     AutoConfig,
@@ -23,8 +24,8 @@ from vlm_corl.members.families.tokenizer import BASE_VOCAB_SIZE, FORMAT_TOKENS, 
 from vlm_corl.registry import FAMILIES
 from vlm_corl.zoo import build_member, main, member_dir
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "internvl")
-TEXT_FAMILIES = ("qwen3", "qwen2", "llama")
+VISION_FAMILIES = shipped_families("vision")
+TEXT_FAMILIES = shipped_families("text")
 QUESTIONS = ("What shape is in the image?", "Does the image contain a red circle?")
 VLLM_HEAD_DIMS = {32, 64, 80, 96, 112, 128}
 

@@ -23,7 +23,7 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedConfig
 from vlm_corl.errors import UserError
 from vlm_corl.members.families.base import TEXT_DIMS, VISION_DIMS, Dims
 from vlm_corl.members.families.generic import auto_class_for
-from vlm_corl.members.families.qwen import CHATML_TOKENS, chatml_template
+from vlm_corl.members.families.qwen import CHATML_TOKENS, chatml_template, mrope_section
 from vlm_corl.members.families.tokenizer import build_tokenizer
 
 
@@ -38,11 +38,11 @@ def _dims_rules(dims: Dims, text_hidden: int) -> list[tuple[str, int]]:
         (r"(moe|shared_expert)_intermediate_size", dims.intermediate // 2),
         (r"linear_(key|value)_head_dim", dims.head_dim),
         (r"linear_num_(key|value)_heads", dims.kv_heads),
-        (r"(^|_)(hidden_size|embed_dim|d_model|width)$", dims.hidden),
-        (r"(^|_)(intermediate_size|ffn_dim|mlp_dim)$", dims.intermediate),
-        (r"^(num_hidden_layers|depth|num_layers)$", dims.layers),
-        (r"^(num_attention_heads|num_heads)$", dims.heads),
-        (r"^num_key_value_heads$", dims.kv_heads),
+        (r"(^|_)(hidden_size|embed_dim|d_model|width)$|^(n_embd|dim|hidden_dim)$", dims.hidden),
+        (r"(^|_)(intermediate_size|ffn_dim|mlp_dim)$|^(n_inner|ffn_hidden_size)$", dims.intermediate),
+        (r"^(num_hidden_layers|depth|num_layers|n_layer|n_layers)$", dims.layers),
+        (r"^(num_attention_heads|num_heads|n_head|n_heads)$", dims.heads),
+        (r"^(num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num)$", dims.kv_heads),
         (r"^head_dim$", dims.head_dim),
         (r"^(num_experts|num_local_experts|n_routed_experts)$", 4),
         (r"^num_experts_per_tok$", 2),
@@ -52,6 +52,8 @@ def _dims_rules(dims: Dims, text_hidden: int) -> list[tuple[str, int]]:
 def shrink(config: PreTrainedConfig, dims: Dims, text_hidden: int) -> None:
     """Set `config`'s size attributes (those it has, as ints) to `dims`; per-layer lists keep `dims.layers`."""
     rules = _dims_rules(dims, text_hidden)
+    if isinstance(getattr(config, "embed_dim", None), int) and isinstance(getattr(config, "hidden_size", None), int):
+        rules.insert(0, (r"^hidden_size$", text_hidden))  # Qwen2-VL's tower: embed_dim inside, hidden_size out
     for name, value in list(vars(config).items()):
         if isinstance(value, bool) or not isinstance(value, int):
             continue
@@ -84,6 +86,8 @@ PROCESSOR_ARGS = {
     "vision_feature_select_strategy": lambda c, vc: c.vision_feature_select_strategy,
     "num_image_tokens": lambda c, vc: _grid(vc) ** 2,
     "image_seq_len": lambda c, vc: int(_grid(vc) ** 2 / c.scale_factor**2),
+    # CLIP towers put a class token before the patches, which the "default" feature strategy drops
+    "num_additional_image_tokens": lambda c, vc: int(getattr(vc, "model_type", "") == "clip_vision_model"),
 }
 # Image processor attributes that must agree with the vision tower: (attribute, vision config attribute).
 IMAGE_PROCESSOR_ATTRS = (
@@ -132,6 +136,13 @@ def _processor_parts(model_type: str, config: PreTrainedConfig, cls: type) -> di
     if isinstance(getattr(image, "max_image_size", None), dict) and isinstance(side, int):  # tiles of the tower's size
         image.max_image_size = {"longest_edge": side}
         image.size = {"longest_edge": 2 * side}
+    elif isinstance(side, int) and getattr(image, "crop_size", None):  # a CLIP-style tower: resize, crop to its size
+        for attr in ("size", "crop_size"):
+            value = getattr(image, attr, None)
+            read = value.get if isinstance(value, dict) else lambda k, v=value: getattr(v, k, None)
+            keys = [k for k in ("height", "width", "shortest_edge") if read(k) is not None] if value else []
+            if keys:
+                setattr(image, attr, {k: side for k in keys})
     for name in inspect.signature(cls.__init__).parameters:
         if name in PROCESSOR_ARGS:
             try:
@@ -177,6 +188,25 @@ def _tokenizer(extra: list[str], named: dict[str, str], image: str | None):
     )
 
 
+def _probe_tokens(cls: type, parts: dict) -> dict[str, str]:
+    """The special tokens a processor names: built with turn tokens only, then with each token attribute it asks
+    the tokenizer for and does not find (`tokenizer.image_token_id`: Gemma-4, DeepSeek-VL) added, until it builds."""
+    asked: dict[str, str] = {}
+    for _ in range(8):
+        try:
+            processor = cls(tokenizer=_tokenizer(list(asked.values()), asked, "<image>"), **parts)
+        except AttributeError as err:
+            missing = re.search(r"has no attribute '?([A-Za-z_]+?_token)(?:_id)?'?$", str(err))
+            if missing is None or missing.group(1) in asked:
+                break
+            asked[missing.group(1)] = f"<|{missing.group(1).removesuffix('_token')}|>"
+        except Exception:  # noqa: BLE001 - a processor that needs more than tokens: its constructor's defaults
+            break
+        else:
+            return {**asked, **_processor_tokens(cls, processor)}
+    return {**asked, **_processor_tokens(cls)}
+
+
 def _image_placeholder(tokens: dict[str, str]) -> str:
     """What the chat template writes for one image: the processor's image token, inside its vision start/end."""
     image = tokens.get("image_token")
@@ -191,10 +221,7 @@ def offline_processor(model_type: str, config: PreTrainedConfig, vision: bool):
         return _tokenizer([], {}, None), None, {}
     cls = _processor_class(model_type)
     parts = _processor_parts(model_type, config, cls)
-    try:  # a first build with turn tokens only: which tokens does this processor name?
-        tokens = _processor_tokens(cls, cls(tokenizer=_tokenizer([], {}, "<image>"), **parts))
-    except Exception:  # noqa: BLE001 - some processors need their tokens in the vocabulary to build at all
-        tokens = _processor_tokens(cls)
+    tokens = _probe_tokens(cls, parts)
     wanted = {**tokens}
     for _, name in _config_token_attrs(config):
         stem = re.sub(r"_token_(id|index)$", "_token", name)
@@ -212,11 +239,14 @@ def _brief(err: BaseException) -> str:
 
 
 def tiny_config(model_type: str) -> PreTrainedConfig:
-    """The architecture's default config shrunk to zoo size; a vision grid the pixel shuffle divides."""
+    """The architecture's default config shrunk to zoo size; M-RoPE sections that fit the new head width; a vision
+    grid the pixel shuffle divides."""
     config = AutoConfig.for_model(model_type)
     text = getattr(config, "text_config", None) or config
     hidden = TEXT_DIMS["tiny"].hidden
     shrink(text, TEXT_DIMS["tiny"], hidden)
+    if _uses_mrope(model_type) and isinstance(getattr(text, "rope_parameters", None), dict):
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": mrope_section(TEXT_DIMS["tiny"].head_dim)}
     vision = getattr(config, "vision_config", None)
     if vision is not None:
         shrink(vision, VISION_DIMS["tiny"], hidden)
@@ -225,6 +255,20 @@ def tiny_config(model_type: str) -> PreTrainedConfig:
             side = -(-_grid(vision) // factor) * factor  # Idefics3's pixel shuffle folds factor x factor patches
             vision.image_size = side * vision.patch_size
     return config
+
+
+def _uses_mrope(model_type: str) -> bool:
+    """Whether the architecture's modeling code splits rotary frequencies into M-RoPE sections (Qwen-VL, GLM-4V):
+    their default split is for head_dim 128."""
+    import sys
+
+    from transformers.models.auto import modeling_auto
+
+    names = modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES | modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        return "mrope_section" in inspect.getsource(sys.modules[getattr(transformers, names[model_type]).__module__])
+    except (AttributeError, KeyError, OSError, TypeError):
+        return False
 
 
 def point_tokens(config: PreTrainedConfig, token_ids: dict[str, int], tokenizer) -> None:
@@ -261,6 +305,7 @@ def build_arch(model_type: str, out: str | Path, seed: int = 0) -> int:
     config = tiny_config(model_type)
     tokenizer, processor, token_ids = offline_processor(model_type, config, vision)
     point_tokens(config, token_ids, tokenizer)
+    _check_size(model_type, auto_name, config)
     torch.manual_seed(seed)
     try:
         model = getattr(transformers, auto_name).from_config(config, dtype=torch.float32)
@@ -275,7 +320,29 @@ def build_arch(model_type: str, out: str | Path, seed: int = 0) -> int:
     out = Path(out)
     model.save_pretrained(out)
     (processor or tokenizer).save_pretrained(out)
+    try:
+        AutoConfig.from_pretrained(out)
+    except Exception as err:  # noqa: BLE001 - the saved config must load back, or the member is unusable
+        raise ArchUnavailable(f"{model_type}: its saved config does not load back ({_brief(err)})") from err
     return sum(p.numel() for p in model.parameters())
+
+
+MAX_PARAMETERS = 20_000_000  # a zoo member is ~0.3M; more means sizes under names `shrink` does not know
+
+
+def _check_size(model_type: str, auto_name: str, config: PreTrainedConfig) -> None:
+    """Count the shrunk model's parameters on the `meta` device before allocating it: a config whose sizes go by
+    names `shrink` does not know would otherwise build a full-size model (tens of GB)."""
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in getattr(transformers, auto_name).from_config(config).parameters())
+    except Exception as err:  # noqa: BLE001
+        raise ArchUnavailable(f"{model_type}: the shrunk model cannot be built ({_brief(err)})") from err
+    if count > MAX_PARAMETERS:
+        raise ArchUnavailable(
+            f"{model_type}: still {count / 1e6:.0f}M parameters after shrinking (its config names its sizes in a way "
+            "the zoo does not know)"
+        )
 
 
 def _smoke(model_type: str, model, templater, vision: bool) -> None:
