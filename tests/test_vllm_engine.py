@@ -30,13 +30,16 @@ from PIL import Image
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import LoraConfig, RolloutConfig, VllmConfig
 from vlm_corl.data.records import Example
+from vlm_corl.errors import UserError
 from vlm_corl.members.engines import make_engine
 from vlm_corl.members.engines.vllm import VLLMEngine, patch_for_vllm_cpu
+from vlm_corl.members.families.generic import TESTED_GENERIC, auto_class_for
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import response_logprobs
 from vlm_corl.zoo import build_zoo, member_dir
+from vlm_corl.zoo_arch import build_arch
 
 pytestmark = [
     pytest.mark.slow,
@@ -64,6 +67,11 @@ ROLLOUT = RolloutConfig(max_prompt_tokens=256, max_new_tokens=64)
 KV_BYTES = 32 << 20
 
 VISION = ("qwen2_vl", "qwen2_5_vl", "gemma3", "internvl")  # the zoo's vision families vLLM serves
+# Text architectures of no registered family (the generic family), built here by `zoo --arch` (issue 34): vLLM
+# 0.32 serves them through transformers' modeling code, rewriting those classes in this process, so the engine is
+# refused (test_a_generic_member_whose_classes_vllm_rewrites_is_refused). The generic vision architectures are not
+# in this lane: vLLM inspects their model classes in a subprocess that imports torchvision, absent here.
+GENERIC_TEXT = tuple(a for a in TESTED_GENERIC if auto_class_for(a)[0] == "text")
 FAMILIES = ("text", *VISION)  # "text": a Qwen2 member
 # Where vllm-cpu 0.32 itself differs (not our code): strict, so a vLLM that fixes one turns its cases into failures.
 # 1. It serves Gemma-3's image tokens with causal attention: its only CPU attention backend (CPU_ATTN) has no
@@ -193,7 +201,9 @@ def test_truncated_sampling_reports_no_logprob(text):
 
 
 @pytest.mark.parametrize(
-    "setup", _families(FAMILIES, {"gemma3": GEMMA3_BOTH, "internvl": CPU_TIED_HEAD}), indirect=True
+    "setup",
+    _families(FAMILIES, {"gemma3": GEMMA3_BOTH, "internvl": CPU_TIED_HEAD}),
+    indirect=True,
 )
 def test_sync_weights_makes_vllm_follow_the_member(setup):
     model = setup.member.model
@@ -369,7 +379,9 @@ def test_sync_writes_every_pushed_tensor_into_vllm(setup):
 
 
 @pytest.mark.parametrize(
-    "setup", _families(FAMILIES, {"gemma3": CPU_TIED_HEAD, "internvl": CPU_TIED_HEAD}), indirect=True
+    "setup",
+    _families(FAMILIES, {"gemma3": CPU_TIED_HEAD, "internvl": CPU_TIED_HEAD}),
+    indirect=True,
 )
 def test_every_vllm_gemm_computes_with_the_synced_weights(setup):
     """After an update and `sync_weights` every GEMM vllm-cpu runs (its repacked copies, a tied output head's
@@ -482,3 +494,18 @@ def test_stop_strings_end_a_response_after_the_completing_token(text):
     assert hits > 0
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=32, stop=(stop,))
     assert _tokens(text.vllm.generate(text.prompts, greedy)) == _tokens(text.hf.generate(text.prompts, greedy))
+
+
+@pytest.mark.parametrize("arch", GENERIC_TEXT)
+def test_a_generic_member_whose_classes_vllm_rewrites_is_refused(tmp_path, arch):
+    """vLLM 0.32 serves SmolLM3 and OLMo-2 through transformers' modeling code and decorates those classes in
+    place: the member's own forward then fails (no attribute 'do_not_compile'). The engine refuses, naming the
+    member, the classes and the way out, before any rollout; the member's HF forward still failing afterwards shows
+    why (if vLLM stops rewriting, this test fails and the refusal can go)."""
+    build_arch(arch, tmp_path / arch, size="small")
+    member = load_member(MemberConfig(id="g", model=str(tmp_path / arch)))
+    with pytest.raises(UserError, match=r"member 'g': vLLM serves this .* rewrites its classes .* engine: hf"):
+        VLLMEngine(member, ROLLOUT, kv_cache_memory_bytes=KV_BYTES)
+    prompt = Renderer(member, "original", 10**6, ROLLOUT.max_prompt_tokens)(Example("q", QUESTIONS[0]))
+    with pytest.raises(AttributeError, match="do_not_compile"):
+        make_engine("hf", member).generate([prompt], GREEDY)

@@ -53,26 +53,24 @@ def quiet_library_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1 (counts, limits, steps, sizes)."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (counts, limits, steps, sizes)."""
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer of at least 0 (offsets, skips)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0 (got {value})")
-    return value
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.arch:
         from vlm_corl.zoo_arch import build_arch
 
-        n_params = build_arch(args.arch, cli.output_dir(args.out, "--out"), args.seed)
+        n_params = build_arch(args.arch, cli.output_dir(args.out, "--out"), args.seed, args.size)
         print(f"{args.out}  {args.arch}  {n_params:,} parameters")
         return 0
     if args.real:

@@ -238,18 +238,18 @@ def _brief(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if str(err) else type(err).__name__
 
 
-def tiny_config(model_type: str) -> PreTrainedConfig:
+def tiny_config(model_type: str, size: str = "tiny") -> PreTrainedConfig:
     """The architecture's default config shrunk to zoo size; M-RoPE sections that fit the new head width; a vision
     grid the pixel shuffle divides."""
     config = AutoConfig.for_model(model_type)
     text = getattr(config, "text_config", None) or config
-    hidden = TEXT_DIMS["tiny"].hidden
-    shrink(text, TEXT_DIMS["tiny"], hidden)
+    hidden = TEXT_DIMS[size].hidden
+    shrink(text, TEXT_DIMS[size], hidden)
     if _uses_mrope(model_type) and isinstance(getattr(text, "rope_parameters", None), dict):
-        text.rope_parameters = {**text.rope_parameters, "mrope_section": mrope_section(TEXT_DIMS["tiny"].head_dim)}
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": mrope_section(TEXT_DIMS[size].head_dim)}
     vision = getattr(config, "vision_config", None)
     if vision is not None:
-        shrink(vision, VISION_DIMS["tiny"], hidden)
+        shrink(vision, VISION_DIMS[size], hidden)
         factor = getattr(config, "scale_factor", None)
         if isinstance(factor, int) and factor > 1 and isinstance(getattr(vision, "image_size", None), int):
             side = -(-_grid(vision) // factor) * factor  # Idefics3's pixel shuffle folds factor x factor patches
@@ -287,9 +287,10 @@ def point_tokens(config: PreTrainedConfig, token_ids: dict[str, int], tokenizer)
             sub.bos_token_id = None
 
 
-def build_arch(model_type: str, out: str | Path, seed: int = 0) -> int:
-    """Build a tiny random member of `model_type` in `out`; returns its parameter count. ArchUnavailable says why
-    it cannot (no Auto class for it, no processor, a processor or forward that fails offline)."""
+def build_arch(model_type: str, out: str | Path, seed: int = 0, size: str = "tiny") -> int:
+    """Build a random member of `model_type` at a zoo `size` ("tiny"; "small": head_dim 32, which vLLM's CPU
+    attention needs) in `out`; returns its parameter count. ArchUnavailable says why it cannot (no Auto class for
+    it, no processor, a processor or forward that fails offline)."""
     found = auto_class_for(model_type)
     if found is None:
         raise ArchUnavailable(
@@ -302,7 +303,7 @@ def build_arch(model_type: str, out: str | Path, seed: int = 0) -> int:
     except Exception as err:  # noqa: BLE001
         raise ArchUnavailable(f"{model_type}: no default config ({_brief(err)})") from err
     vision = modality == "vision"
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, size)
     tokenizer, processor, token_ids = offline_processor(model_type, config, vision)
     point_tokens(config, token_ids, tokenizer)
     _check_size(model_type, auto_name, config)

@@ -128,6 +128,7 @@ class VLLMEngine:
             if not _is_memory_error(err):
                 raise
             raise _no_room(member.id, rollout, budget, share, err) from err
+        _refuse_rewritten_classes(member)
         self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
         # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them.
         self.sync_weights()
@@ -350,6 +351,24 @@ def _memory_budget(settings, share: float) -> dict:
     if settings.kv_cache_memory_bytes:
         budget["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_bytes * share)
     return budget
+
+
+def _refuse_rewritten_classes(member) -> None:
+    """Refuse an engine whose build rewrote the trainer's own model classes. vLLM 0.32 serves some architectures
+    (SmolLM3, OLMo-2 ...) through transformers' modeling code and decorates those transformers classes in place
+    for torch.compile (a new base class, `__init__` and `__call__`): the member's modules, built before, then fail
+    in their next forward (AttributeError: no attribute 'do_not_compile'), in the middle of a run."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    rewritten = sorted(
+        {type(m).__name__ for m in member.model.modules() if TorchCompileWithNoGuardsWrapper in type(m).__mro__}
+    )
+    if rewritten:
+        raise UserError(
+            f"member {member.id!r}: vLLM serves this {member.family.model_types[0]} model through transformers' own "
+            f"modeling code and rewrites its classes ({', '.join(rewritten)}) in this process, which breaks the "
+            "trainer's forward passes; roll this member out with engine: hf"
+        )
 
 
 def _no_room(member_id: str, rollout: RolloutConfig, budget: dict, share: float, err: Exception) -> UserError:
