@@ -146,31 +146,28 @@ def train_check(members: dict[str, Path], work: Path, settings: dict, steps: int
     return report
 
 
-def zero3_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
+def _deepspeed_run(members: dict[str, Path], work: Path, settings: dict, stage: str) -> dict:
+    """The Qwen2-VL member alone under the `stage` ("zero2" | "zero3") DeepSpeed config, in one process."""
     from vlm_corl.config import load_config
     from vlm_corl.training.loop import run_cohort
 
     one = {"qwen": members["qwen"]}
-    path = cohort_file(work, "zero3", one, settings, deepspeed=str(ROOT / "configs" / "deepspeed" / "zero3.json"))
+    path = cohort_file(work, stage, one, settings, deepspeed=str(ROOT / "configs" / "deepspeed" / f"{stage}.json"))
     start = time.perf_counter()
     run_cohort(load_config(path))
-    report = step_report(rows_of(work / "zero3" / "run"), work / "zero3" / "run")
+    report = step_report(rows_of(work / stage / "run"), work / stage / "run")
     report["wall_s"] = round(time.perf_counter() - start, 1)
     return report
+
+
+def zero3_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
+    return _deepspeed_run(members, work, settings, "zero3")
 
 
 def zero2_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
     """The Qwen2-VL member alone under DeepSpeed ZeRO-2 in one process: the update phase's measured peak (the
     optimizer step's flat fp32 gradient partition included) against the plan's (resident + update)."""
-    from vlm_corl.config import load_config
-    from vlm_corl.training.loop import run_cohort
-
-    one = {"qwen": members["qwen"]}
-    path = cohort_file(work, "zero2", one, settings, deepspeed=str(ROOT / "configs" / "deepspeed" / "zero2.json"))
-    start = time.perf_counter()
-    run_cohort(load_config(path))
-    report = step_report(rows_of(work / "zero2" / "run"), work / "zero2" / "run")
-    report["wall_s"] = round(time.perf_counter() - start, 1)
+    report = _deepspeed_run(members, work, settings, "zero2")
     planned = report["plan"]["resident_gb"] + report["plan"]["update_gb"]
     measured = report["qwen"].get("peak_gb_update")
     report["update_plan_gb"] = round(planned, 3)
