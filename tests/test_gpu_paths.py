@@ -620,3 +620,25 @@ def test_rollout_autocast_reads_the_weights_the_rollout_runs_on(tiny_zoo):
     member.deepspeed = SimpleNamespace(partitioned=False, full_model=copy, stage=3)
     with member.rollout_autocast():
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_an_engine_that_rewrote_the_trainers_model_classes_is_refused():
+    """vLLM serving an architecture through transformers' own code decorates those classes in place (a base named
+    TorchCompileWithNoGuardsWrapper): the member's forward would fail mid-run, so the engine refuses, naming the
+    member and the classes; an untouched model passes. (The real rewrite is shown in the vLLM lane.)"""
+    from types import SimpleNamespace
+
+    from vlm_corl.errors import UserError
+    from vlm_corl.members.engines.vllm import _refuse_rewritten_classes
+
+    class TorchCompileWithNoGuardsWrapper:  # the name vLLM's decorator adds as a base
+        pass
+
+    class Rewritten(torch.nn.Module, TorchCompileWithNoGuardsWrapper):
+        pass
+
+    family = SimpleNamespace(model_types=("smollm3",))
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    _refuse_rewritten_classes(SimpleNamespace(id="g", family=family, model=plain))
+    with pytest.raises(UserError, match=r"member 'g': vLLM serves this smollm3 model .*\(Rewritten\).*engine: hf"):
+        _refuse_rewritten_classes(SimpleNamespace(id="g", family=family, model=torch.nn.Sequential(Rewritten())))

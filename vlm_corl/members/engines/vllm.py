@@ -358,17 +358,19 @@ def _refuse_rewritten_classes(member) -> None:
     (SmolLM3, OLMo-2 ...) through transformers' modeling code and decorates those transformers classes in place
     for torch.compile (a new base class, `__init__` and `__call__`): the member's modules, built before, then fail
     in their next forward (AttributeError: no attribute 'do_not_compile'), in the middle of a run."""
-    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-
-    rewritten = sorted(
-        {type(m).__name__ for m in member.model.modules() if TorchCompileWithNoGuardsWrapper in type(m).__mro__}
-    )
+    # by the base class's name (vllm.compilation.wrapper), which needs no import of vLLM's internals
+    rewritten = sorted({type(m).__name__ for m in member.model.modules() if _compile_wrapped(type(m))})
     if rewritten:
         raise UserError(
             f"member {member.id!r}: vLLM serves this {member.family.model_types[0]} model through transformers' own "
             f"modeling code and rewrites its classes ({', '.join(rewritten)}) in this process, which breaks the "
             "trainer's forward passes; roll this member out with engine: hf"
         )
+
+
+def _compile_wrapped(cls: type) -> bool:
+    """Whether vLLM's torch.compile decorator rewrote `cls` (it adds TorchCompileWithNoGuardsWrapper as a base)."""
+    return any(base.__name__ == "TorchCompileWithNoGuardsWrapper" for base in cls.__mro__)
 
 
 def _no_room(member_id: str, rollout: RolloutConfig, budget: dict, share: float, err: Exception) -> UserError:
