@@ -163,3 +163,20 @@ def test_the_coverage_command_writes_a_row(tmp_path):
     rows = _table_rows(out.read_text())
     assert rows["qwen2_vl"][2:5] == ["qwen2_vl", "zoo --families qwen2_vl", "yes"]
     assert rows["smollm3"][2:5] == ["generic", "builds", "yes"] and "q_proj" in rows["smollm3"][6]
+
+
+@pytest.mark.parametrize("arch", ["llava_onevision", "idefics3"])
+def test_a_generic_member_trains_lora_adapters_on_its_language_model_only(generic_zoo, arch):
+    """The default LoRA targets of a generic VLM: the language model's projections (Idefics3's SigLIP tower in
+    `vision_model` has q/k/v_proj too, and gets none); a loss on a rendered image prompt reaches the adapters
+    alone, the frozen base and the vision tower get no gradient."""
+    from vlm_corl.config.schema import LoraConfig
+
+    member = load_member(MemberConfig(id="g", model=str(generic_zoo[arch]), lora=LoraConfig(r=4)))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in member.model.named_parameters() if ".lora_A." in n}
+    assert adapted and not any(part in n for n in adapted for part in ("vision_tower", "vision_model"))
+    example = load_examples("easyvqa", split="train", limit=1).examples[0]
+    inputs = Renderer(member, "original", 1 << 20, 1 << 14)(example).inputs
+    member.model(**inputs).logits[:, -1].logsumexp(-1).sum().backward()
+    grads = {n for n, p in member.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads and all("lora_" in n for n in grads)
