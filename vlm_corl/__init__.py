@@ -10,3 +10,13 @@ __version__ = "0.1.0"
 # NVIDIA driver the answer is known: the CPU. A user's DS_ACCELERATOR always wins.
 if _shutil.which("nvidia-smi") is None:
     _os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def __getattr__(name: str):
+    """The public API, imported on first use (`from vlm_corl import CohortTrainer`): every command imports this
+    package, and the API's imports need not slow them."""
+    if name in ("CohortTrainer", "CallbackFailed"):
+        from vlm_corl import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'vlm_corl' has no attribute {name!r}")

@@ -14,14 +14,13 @@ import os
 import sys
 from typing import Sequence
 
-import torch.distributed as dist
 import transformers
 
 from vlm_corl import cli
-from vlm_corl.config import ConfigError, check_registered, load_config
+from vlm_corl.api import CohortTrainer
+from vlm_corl.config import ConfigError
 from vlm_corl.distributed.world import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
-from vlm_corl.members.engines import release_engines
 from vlm_corl.training.guard import CollapseStopped
 from vlm_corl.training.numerics import NonFiniteStopped, RolloutMismatchStopped
 
@@ -32,18 +31,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4 members.0.view=paraphrase:1")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        from vlm_corl.training.loop import RankFailure, run_cohort  # heavy imports after the cheap checks
-
-        check_registered(cfg)
+        trainer = CohortTrainer(args.config, overrides=args.overrides)  # the cheap checks; heavy imports after
     except ConfigError as err:
         print(_named(args.config, err), file=sys.stderr)
         return 2
+    from vlm_corl.training.loop import RankFailure  # heavy imports after the cheap checks
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # per-file load/save bars drown the step progress
 
     try:
-        summary = run_cohort(cfg)
+        summary = trainer.train()
     except UserError as err:  # found once the data, the models or the launch are known
         if debug_requested(args.debug):
             raise
@@ -64,10 +62,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"stopped: {err}", file=sys.stderr)
         return err.exit_status
-    finally:
-        release_engines()  # vLLM's groups first: its exit hooks would destroy groups that are gone
-        if dist.is_initialized():
-            dist.destroy_process_group()  # every group, DeepSpeed's member groups included
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(summary, indent=2))
         print(f"run directory: {summary['run_dir']}")

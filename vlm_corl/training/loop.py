@@ -5,6 +5,7 @@ sample → render → rollout → extract → exchange → reward → advantage 
 
 from __future__ import annotations
 
+import collections.abc
 import logging
 import math
 import signal
@@ -44,6 +45,7 @@ from vlm_corl.members.rollout import Prompt, RolloutGroup, SamplingParams
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
 from vlm_corl.planning.check import against_plan
 from vlm_corl.registry import BENCHMARKS
+from vlm_corl.training.callbacks import Callbacks
 from vlm_corl.training.category_metrics import category_step_stats, window_metrics
 from vlm_corl.training.checkpoint import (
     latest_checkpoint,
@@ -139,9 +141,11 @@ class RankFailure(RuntimeError):
     """Another rank died or hung: this rank stops with a report of where every rank was (no traceback)."""
 
 
-def run_cohort(cfg: CohortConfig) -> dict:
-    """Train the cohort described by `cfg`; returns the summary also written to summary.json (by rank 0)."""
+def run_cohort(cfg: CohortConfig, callbacks: collections.abc.Sequence[object] = ()) -> dict:
+    """Train the cohort described by `cfg`; returns the summary also written to summary.json (by rank 0).
+    `callbacks`: objects with any of `callbacks.EVENTS`, called on world rank 0 (`CohortTrainer`)."""
     run = start_run(cfg)
+    run.callbacks = Callbacks(callbacks, run.world.is_main)
     timer = PhaseTimer(run.world, run.start)
     try:
         with stopped_by_launcher(run.world):
@@ -192,6 +196,8 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
         dynamic_ncols=True,
     )
     renders, stopped = RenderAhead(run), None
+    run.callbacks.fire("on_train_begin", run.start)
+    run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
     if cfg.eval.every and run.start == 0:  # the step-0 baseline of the eval-drop flag and the first best model
         with timer("eval"):
             eval_phase(run, 0)
@@ -204,6 +210,7 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
             with timer("checkpoint"):
                 checkpoint_phase(run, step + 1, rows)
+            run.callbacks.fire("on_save", step + 1, step + 1, latest_checkpoint(run.run_dir))
         if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
             with timer("eval"):
                 warnings += eval_phase(run, step + 1)
@@ -211,12 +218,16 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
             times = {f"time_{k}": v for k, v in timer.seconds.items()}
             times["time_step"] = time.perf_counter() - step_start  # everything but this write
             run.sink.write([{**row, **times} for row in rows])
+        run.callbacks.fire("on_step_end", step + 1, step + 1, rows)
+        run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
         run.nonfinite.observe(step + 1, run.updates, latest_checkpoint(run.run_dir), run.world.is_main)
         stopped = guard_phase(run, warnings)
         if stopped is not None:
             break
     renders.close()
     summary = finish_run(run, stopped)
+    run.callbacks.fire("on_train_end", cfg.train.max_steps, summary)
+    run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
     if stopped is not None:
         raise CollapseStopped(stopped["message"])
     return summary
@@ -359,6 +370,7 @@ def eval_phase(run: CohortRun, step: int) -> list[dict]:
     if run.sink is None:
         return []
     run.sink.write_eval(rows)
+    run.callbacks.fire("on_evaluate", step, step, rows)
     run.eval_history.extend(rows)
     max_drop = run.cfg.eval.max_category_drop
     new = [w for w in eval_drops(run.eval_history, max_drop) if w["step"] == step] if max_drop else []

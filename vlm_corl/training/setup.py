@@ -67,6 +67,7 @@ class CohortRun:
     plan: object = None  # vlm_corl.planning.cohort.CohortPlan of this launch (None: train.check_memory off)
     nonfinite: NonFiniteTracker | None = None  # the numerical guard's skip counts (vlm_corl.training.numerics)
     updates: dict = field(default_factory=dict)  # the last step's update stats of every member, on every rank
+    callbacks: object = None  # the user's callbacks (vlm_corl.training.callbacks.Callbacks), set by run_cohort
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
