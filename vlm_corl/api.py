@@ -7,11 +7,13 @@ launched by accelerate or torchrun the same way.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from vlm_corl.config import CohortConfig, check_registered, config_from_dict, load_config
+from vlm_corl.config.loading import with_overrides
 from vlm_corl.training.callbacks import EVENTS, CallbackFailed, Callbacks
 
 __all__ = ["EVENTS", "CallbackFailed", "CohortTrainer"]
@@ -42,7 +44,7 @@ class CohortTrainer:
                 raise TypeError("overrides apply to a YAML file or a dict, not to a CohortConfig")
             self.config = config
         elif isinstance(config, dict):
-            self.config = config_from_dict(_overridden(config, overrides))
+            self.config = config_from_dict(with_overrides(copy.deepcopy(config), overrides))
         else:
             self.config = load_config(config, overrides)
         check_registered(self.config)
@@ -62,19 +64,3 @@ class CohortTrainer:
             release_engines()  # vLLM's groups first: its exit hooks would destroy groups that are gone
             if dist.is_initialized():
                 dist.destroy_process_group()  # every group, DeepSpeed's member groups included
-
-
-def _overridden(config: dict, overrides: Sequence[str]) -> dict:
-    """`config` with dotted `key=value` overrides applied (the same parser as the command line's)."""
-    if not overrides:
-        return config
-    import copy
-
-    from vlm_corl.config.parse import Problems, apply_override
-
-    raw, problems = copy.deepcopy(config), Problems()
-    for text in overrides:
-        apply_override(raw, text, problems)
-    if problems.items:
-        raise problems.error()
-    return raw

@@ -110,14 +110,11 @@ def _lora_targets(config) -> str:
     import torch
     import transformers
 
+    from vlm_corl.members.families.generic import auto_class_for
     from vlm_corl.members.lora import LM_PROJECTIONS, in_vision_tower
 
-    auto = "AutoModelForImageTextToText" if hasattr(config, "vision_config") else "AutoModelForCausalLM"
-    try:
-        with torch.device("meta"):
-            model = getattr(transformers, auto).from_config(config)
-    except Exception:  # noqa: BLE001
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = getattr(transformers, auto_class_for(config.model_type)[1]).from_config(config)
     names = {
         n.rsplit(".", 1)[-1]
         for n, m in model.named_modules()

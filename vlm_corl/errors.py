@@ -18,3 +18,9 @@ class Interrupted(Exception):
 def debug_requested(argv_flag: bool = False) -> bool:
     """Whether a command should let errors propagate with their traceback."""
     return argv_flag or os.environ.get("VLM_CORL_DEBUG", "").strip().lower() in ("1", "true", "yes")
+
+
+def brief(err: BaseException) -> str:
+    """An exception in one line for a user-facing message: its type and the first line of its text."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__

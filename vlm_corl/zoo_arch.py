@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig, PreTrainedConfig
 
-from vlm_corl.errors import UserError
+from vlm_corl.errors import UserError, brief
 from vlm_corl.members.families.base import TEXT_DIMS, VISION_DIMS, Dims
 from vlm_corl.members.families.generic import auto_class_for
 from vlm_corl.members.families.qwen import CHATML_TOKENS, chatml_template, mrope_section
@@ -230,12 +230,8 @@ def offline_processor(model_type: str, config: PreTrainedConfig, vision: bool):
     try:
         processor = cls(tokenizer=tokenizer, chat_template=tokenizer.chat_template, **parts)
     except Exception as err:  # noqa: BLE001
-        raise ArchUnavailable(f"its processor {cls.__name__} cannot be built offline ({_brief(err)})") from err
+        raise ArchUnavailable(f"its processor {cls.__name__} cannot be built offline ({brief(err)})") from err
     return tokenizer, processor, {stem: tokenizer.convert_tokens_to_ids(t) for stem, t in wanted.items()}
-
-
-def _brief(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if str(err) else type(err).__name__
 
 
 def tiny_config(model_type: str, size: str = "tiny") -> PreTrainedConfig:
@@ -298,33 +294,36 @@ def build_arch(model_type: str, out: str | Path, seed: int = 0, size: str = "tin
             f"{transformers.__version__}"
         )
     modality, auto_name = found
-    try:
-        AutoConfig.for_model(model_type)
-    except Exception as err:  # noqa: BLE001
-        raise ArchUnavailable(f"{model_type}: no default config ({_brief(err)})") from err
     vision = modality == "vision"
-    config = tiny_config(model_type, size)
-    tokenizer, processor, token_ids = offline_processor(model_type, config, vision)
-    point_tokens(config, token_ids, tokenizer)
+    try:
+        config = tiny_config(model_type, size)
+    except Exception as err:  # noqa: BLE001 - no default config, or its validators refuse the shrunk one
+        raise ArchUnavailable(f"{model_type}: no shrunk config ({brief(err)})") from err
+    try:
+        tokenizer, processor, token_ids = offline_processor(model_type, config, vision)
+        point_tokens(config, token_ids, tokenizer)
+    except ArchUnavailable:
+        raise
+    except Exception as err:  # noqa: BLE001 - a processor that needs files only a real checkpoint has
+        raise ArchUnavailable(f"{model_type}: no offline processor ({brief(err)})") from err
     _check_size(model_type, auto_name, config)
     torch.manual_seed(seed)
     try:
         model = getattr(transformers, auto_name).from_config(config, dtype=torch.float32)
     except Exception as err:  # noqa: BLE001
-        raise ArchUnavailable(f"{model_type}: the shrunk model cannot be built ({_brief(err)})") from err
+        raise ArchUnavailable(f"{model_type}: the shrunk model cannot be built ({brief(err)})") from err
     eos = tokenizer.convert_tokens_to_ids(list(CHATML_TOKENS.eos))
     specials = [i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i not in eos]
     model.generation_config = GenerationConfig(
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, suppress_tokens=sorted(specials)
     )
     _smoke(model_type, model, processor or tokenizer, vision)
-    out = Path(out)
-    model.save_pretrained(out)
-    (processor or tokenizer).save_pretrained(out)
-    try:
+    try:  # the saved member must load back, or it is unusable
+        model.save_pretrained(out)
+        (processor or tokenizer).save_pretrained(out)
         AutoConfig.from_pretrained(out)
-    except Exception as err:  # noqa: BLE001 - the saved config must load back, or the member is unusable
-        raise ArchUnavailable(f"{model_type}: its saved config does not load back ({_brief(err)})") from err
+    except Exception as err:  # noqa: BLE001 - its config's validators refuse the shrunk sizes on save or load
+        raise ArchUnavailable(f"{model_type}: it does not save and load back ({brief(err)})") from err
     return sum(p.numel() for p in model.parameters())
 
 
@@ -338,7 +337,7 @@ def _check_size(model_type: str, auto_name: str, config: PreTrainedConfig) -> No
         with torch.device("meta"):
             count = sum(p.numel() for p in getattr(transformers, auto_name).from_config(config).parameters())
     except Exception as err:  # noqa: BLE001
-        raise ArchUnavailable(f"{model_type}: the shrunk model cannot be built ({_brief(err)})") from err
+        raise ArchUnavailable(f"{model_type}: the shrunk model cannot be built ({brief(err)})") from err
     if count > MAX_PARAMETERS:
         raise ArchUnavailable(
             f"{model_type}: still {count / 1e6:.0f}M parameters after shrinking (its config names its sizes in a way "
@@ -362,4 +361,4 @@ def _smoke(model_type: str, model, templater, vision: bool) -> None:
         with torch.no_grad():
             model(**{k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
     except Exception as err:  # noqa: BLE001
-        raise ArchUnavailable(f"{model_type}: a rendered prompt does not run through it ({_brief(err)})") from err
+        raise ArchUnavailable(f"{model_type}: a rendered prompt does not run through it ({brief(err)})") from err

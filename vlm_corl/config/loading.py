@@ -359,6 +359,12 @@ def read_raw_config(path: str | Path, overrides: Sequence[str] = (), problems: P
         raise ConfigError(
             [f"{path}: the top level must be a mapping of sections (members, data, ...), got a {yaml_kind(raw)}"]
         )
+    return with_overrides(raw, overrides, problems)
+
+
+def with_overrides(raw: dict, overrides: Sequence[str], problems: Problems | None = None) -> dict:
+    """`raw` (a config mapping, changed in place) with dotted `key=value` overrides applied; their problems go to
+    `problems`, or are raised as ConfigError when it is not given."""
     own = problems if problems is not None else Problems()
     for text_override in overrides:
         apply_override(raw, text_override, own)

@@ -22,7 +22,7 @@ from transformers import AutoProcessor, AutoTokenizer
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
 from vlm_corl.distributed.world import default_device, sum_over
-from vlm_corl.errors import UserError
+from vlm_corl.errors import UserError, brief
 from vlm_corl.members.families import GENERIC, Family, detect_family
 from vlm_corl.members.families.generic import SWITCHED_OFF
 from vlm_corl.members.finite import check_finite_weights
@@ -466,7 +466,7 @@ def member_family(cfg: MemberConfig, path: str | Path) -> Family:
         detected = detect_family(path, cfg.family)
     except (OSError, KeyError, json.JSONDecodeError) as err:
         raise MemberLoadError(
-            f"{where}: cannot read the model type from config.json ({_brief(err)}); it must be a "
+            f"{where}: cannot read the model type from config.json ({brief(err)}); it must be a "
             "Hugging Face model directory (python -m vlm_corl.zoo builds tiny ones)"
         ) from err
     except ValueError as err:  # no registered family, and the generic one cannot serve it
@@ -565,7 +565,7 @@ def _load_files(cfg: MemberConfig, family: Family, path: str, base: str, target:
         if isinstance(err, (torch.cuda.OutOfMemoryError, MemoryError)):
             raise
         raise MemberLoadError(
-            f"member {cfg.id!r}: cannot load {path} ({_brief(err)}); it needs config.json, the "
+            f"member {cfg.id!r}: cannot load {path} ({brief(err)}); it needs config.json, the "
             "weights (model.safetensors) and the tokenizer/processor files, as save_pretrained "
             "writes them"
         ) from err
@@ -599,12 +599,7 @@ def _apply_adapter(cfg: MemberConfig, model, base: str, adapter: Path | None) ->
         if adapter is None:
             raise
         raise MemberLoadError(
-            f"member {cfg.id!r}: cannot apply the adapter in {adapter} to {base} ({_brief(err)}); it needs "
+            f"member {cfg.id!r}: cannot apply the adapter in {adapter} to {base} ({brief(err)}); it needs "
             "adapter_config.json and adapter_model.safetensors as PeftModel.save_pretrained writes them, for "
             "this base model"
         ) from err
-
-
-def _brief(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"

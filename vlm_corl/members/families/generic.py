@@ -13,7 +13,7 @@ config, the tokenizer's eos and the end-of-turn token the chat template writes a
 tokens never to sample from the tokenizer's special added tokens (image placeholders, control tokens); M-RoPE
 positions from the model's own `get_rope_index` where it has one. What needs family knowledge and cannot be found
 so (resizing images onto a patch grid before the processor, a chat template's default variables) is switched off,
-and `switched_off` says what, for the run log. `check_servable` refuses, before any weight loads, what the generic
+and `SWITCHED_OFF` says what, for the run log. `check_servable` refuses, before any weight loads, what the generic
 path cannot serve, naming what is missing.
 """
 
@@ -107,10 +107,9 @@ def end_of_turn(templater: object, tokenizer: PreTrainedTokenizerBase) -> int | 
     <|eot_id|>, <end_of_turn>, ...), or None when it writes none or cannot render one."""
     marker = "Zq7Zq7"
     specials = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    for content in ([{"type": "text", "text": marker}], marker):  # content parts first, then plain strings
-        user = content if isinstance(content, str) else [{"type": "text", "text": "hi"}]
-        messages = [{"role": "user", "content": "hi" if isinstance(content, str) else user}]
-        messages.append({"role": "assistant", "content": content})
+    for parts in (True, False):  # content parts (VLM templates) first, then plain strings
+        user, content = ([{"type": "text", "text": t}] if parts else t for t in ("hi", marker))
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": content}]
         try:
             text = templater.apply_chat_template(messages, tokenize=False)
         except Exception:  # noqa: BLE001 - templates raise anything on a message shape they do not take
