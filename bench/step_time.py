@@ -61,21 +61,6 @@ TARGET_MEMBER_RATIO = 0.5  # our member step <= 0.5 x TRL's step
 TARGET_OUTSIDE_SHARE = 0.05  # < 5% of a step outside rollout and update
 
 
-def dense_reward(batch, cfg):
-    """Bench reward: -mean token entropy of each response (the entropy baseline), distinct per response, so
-    no group has zero variance and the update trains every sequence. Reads no labels."""
-    from vlm_corl.training.rewards import RewardOutput
-
-    n, b, k = batch.shape
-    rewards = -batch.scores["entropy"]  # (N, B, K)
-    return RewardOutput(
-        rewards, {"agreement": torch.zeros(n, b, k), "entropy": rewards}, [[None] * b for _ in range(n)]
-    )
-
-
-dense_reward.needs_scores = True  # the loop fills batch.scores only for rewards that ask
-
-
 def load_anchor(path: Path):
     spec = importlib.util.spec_from_file_location("trl_grpo_tiny", path)
     module = importlib.util.module_from_spec(spec)
@@ -112,7 +97,7 @@ def write_shapes(anchor, n: int, size: int, folder: Path) -> Path:
 def cohort_config(args, model_dir: str, data_file: str | None, n_members: int, out_dir: Path):
     from vlm_corl.config import config_from_dict
 
-    reward = {"custom": "__main__:dense_reward"} if args.reward == "dense" else {"mode": args.reward}
+    reward = {"mode": "entropy"} if args.reward == "dense" else {"mode": args.reward}  # dense: -entropy
     if args.reward == "ring" and n_members == 1:
         reward = {"mode": "self_vote"}  # a cohort of one has no peer
     train = (

@@ -1,19 +1,12 @@
-"""Custom cohort rewards used by the tests (named in configs as "reward_fixtures:<function>")."""
-
-import torch
-
-from vlm_corl.training.rewards import RewardOutput
+"""Reward functions used by the tests (named in configs as "reward_fixtures:<function>"; the contract of
+vlm_corl.training.reward_funcs)."""
 
 
-def shorter_is_better(batch, cfg) -> RewardOutput:
+def shorter_is_better(*, completions, **_) -> list[float]:
     """-len(text)/100 per response: always varies within a group, so even a random model gets a gradient."""
-    lengths = torch.tensor([[[len(t) for t in g] for g in m] for m in batch.texts], dtype=torch.float32)
-    n, b, _ = lengths.shape
-    return RewardOutput(-lengths / 100, {"length": lengths}, [[None] * b for _ in range(n)])
+    return [-len(t) / 100 for t in completions]
 
 
-def constant(batch, cfg) -> RewardOutput:
+def constant(*, completions, **_) -> list[float]:
     """The same reward for every response: every group has zero variance (nothing to learn)."""
-    n, b, k = batch.shape
-    ones = torch.ones(n, b, k)
-    return RewardOutput(ones, {"constant": ones}, [[None] * b for _ in range(n)])
+    return [1.0] * len(completions)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import reward_fixtures
 from cohort_helpers import cohort, metrics, on_ranks
 
 from vlm_corl import CallbackFailed, CohortTrainer
@@ -111,20 +112,177 @@ def test_a_failure_on_the_main_rank_stops_every_rank(tmp_path):
     assert "no checkpoint was written yet" in first
 
 
-def test_the_docs_example_runs(tiny_zoo, tmp_path, monkeypatch, capsys):
-    """docs/python-api.md's example as written, on zoo members in place of the demo's base models."""
-    import re
+# ---- datasets and reward functions ----------------------------------------------------------------------
 
-    import yaml
-    from cohort_helpers import ROOT
 
-    text = (ROOT / "docs" / "python-api.md").read_text()
-    (code,) = re.findall(r"```python\n(from vlm_corl.*?)```", text, re.S)
-    cfg = cohort(tmp_path, [("qwen", tiny_zoo["qwen2_vl"]), ("llama", tiny_zoo["mllama"])], reward={"mode": "ring"})
-    (tmp_path / "configs" / "cohorts").mkdir(parents=True)
-    (tmp_path / "configs" / "cohorts" / "tiny_easyvqa.yaml").write_text(yaml.safe_dump(cfg))
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    exec(compile(code, "docs/python-api.md", "exec"), scope)
-    assert sorted(scope["log"].rows)[0][:2] == (1, "llama") and len(scope["log"].rows) == 4
-    assert scope["summary"]["run_dir"] == "runs/api_example" and "step 2 qwen: agreement" in capsys.readouterr().out
+def _dataset_config(tiny_zoo, tmp_path, **reward) -> dict:
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"]), ("l", tiny_zoo["mllama"])], reward=reward or {"mode": "none"})
+    del cfg["data"]["train"]
+    cfg["rollout"]["n"] = 2
+    return cfg
+
+
+def test_the_api_script_gives_every_member_the_functions_rewards(tiny_zoo, tmp_path):
+    """tests/api_script.py in this process (the scale-out suite runs it under torchrun too): a Dataset of 16 rows
+    with a renamed question column, one reward function, a callback; 2 steps."""
+    import math
+
+    from api_script import main
+
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    for family in ("qwen2_vl", "mllama"):
+        (zoo / family).symlink_to(tiny_zoo[family])
+    summary = main(zoo, tmp_path)
+    calls = json.loads((tmp_path / "calls-0.json").read_text())
+    assert calls == [
+        {"member": m, "n": 8, "peers": [peer], "topic": ["shapes"]}
+        for _ in range(2)
+        for m, peer in (("q", "l"), ("l", "q"))
+    ]
+    assert json.loads((tmp_path / "steps.json").read_text()) == [1, 2]
+    rows = metrics(tmp_path / "run")
+    assert sorted((r["step"], r["member"]) for r in rows) == [(1, "l"), (1, "q"), (2, "l"), (2, "q")]
+    for r in rows:  # reward.mode none: the reward is the function's, abstentions (every fifth) adding 0
+        assert r["reward_brevity"] < 0 and math.isclose(r["reward_mean"], r["reward_brevity"] * 6 / 8, rel_tol=1e-5)
+    assert summary["data"] == {"kept": 16, "skipped": {}, "skipped_examples": {}}
+    assert summary["reward_functions"] == [{"name": "brevity", "weight": 1.0}]
+
+
+def test_bad_rows_of_a_list_dataset_are_skipped_counted_and_reported(tiny_zoo, tmp_path, caplog):
+    from PIL import Image
+
+    picture = Image.new("RGB", (32, 32), "red")
+    rows = [{"question": f"what color is it? {i}", "answer": "red", "image": picture} for i in range(6)]
+    rows += [{"question": "", "image": picture}, {"question": "a missing image?", "image": str(tmp_path / "no.png")}]
+    rows += [{"question": "what color is it? 0", "image": picture}]  # its id repeats no other: kept
+    summary = CohortTrainer(
+        _dataset_config(tiny_zoo, tmp_path), train_dataset=rows, reward_funcs=reward_fixtures.shorter_is_better
+    ).train()
+    assert summary["data"]["kept"] == 7
+    assert summary["data"]["skipped"] == {"empty_question": 1, "missing_image": 1}
+    assert "skipped 2" in caplog.text and "missing_image: 1" in caplog.text
+
+
+def test_dataset_mistakes_name_the_argument_and_the_column(tiny_zoo, tmp_path):
+    import datasets
+
+    from vlm_corl.data.loaders import DataError
+
+    ds = datasets.Dataset.from_dict({"query": ["q"], "solution": ["a"]})
+    cfg = _dataset_config(tiny_zoo, tmp_path)
+    fn = reward_fixtures.constant
+    with pytest.raises(DataError, match=r"train_dataset: no question column .*columns: query, solution"):
+        CohortTrainer(cfg, train_dataset=ds, reward_funcs=fn)
+    with pytest.raises(DataError, match=r"train_dataset: no column 'answer_text' \(for answer\)"):
+        CohortTrainer(cfg, train_dataset=ds, columns={"question": "query", "answer": "answer_text"}, reward_funcs=fn)
+    with pytest.raises(DataError, match=r"unknown field\(s\) \['label'\]"):
+        CohortTrainer(cfg, train_dataset=ds, columns={"label": "solution"}, reward_funcs=fn)
+    with pytest.raises(DataError, match="must be a datasets.Dataset, a datasets.IterableDataset or a list of dicts"):
+        CohortTrainer(cfg, train_dataset="data.jsonl", reward_funcs=fn)
+    twice = {**cfg, "data": {"train": {"loader": "easyvqa"}, "batch_size": 4}}
+    with pytest.raises(ConfigError, match="data.train.loader: the training data would come from two places"):
+        CohortTrainer(twice, train_dataset=ds, columns={"question": "query"}, reward_funcs=fn)
+    with pytest.raises(ConfigError, match="eval.every: eval_dataset is evaluated every eval.every steps"):
+        CohortTrainer(cfg, eval_dataset=ds, columns={"question": "query"}, reward_funcs=fn)
+
+
+def test_reward_function_mistakes_are_refused_before_training(tiny_zoo, tmp_path):
+    cfg = _dataset_config(tiny_zoo, tmp_path)
+    cfg["data"]["train"] = {"loader": "easyvqa", "limit": 16}
+    with pytest.raises(ConfigError, match="reward.mode: none means only the reward functions, and none is given"):
+        CohortTrainer(cfg)
+    with pytest.raises(ConfigError, match=r"reward_weights: 2 weight\(s\) for 1 reward function"):
+        CohortTrainer(cfg, reward_funcs=[reward_fixtures.constant], reward_weights=[1.0, 2.0])
+    with pytest.raises(ConfigError, match=r"old_style does not take the reward-function arguments.*lacks member"):
+        CohortTrainer(cfg, reward_funcs=[old_style])
+    yaml_cfg = {**cfg, "reward": {"mode": "none", "custom": ["test_api:old_style"]}}
+    with pytest.raises(ConfigError, match=r"reward.custom\[0\]: test_api:old_style does not take the reward-function"):
+        CohortTrainer(yaml_cfg)
+
+
+def old_style(batch, cfg):
+    """A cohort-level reward (a reward mode's signature), not a reward function."""
+
+
+class FailsOnMember:
+    """A reward function that fails for member 'l' at step 2, in one of three ways."""
+
+    def __init__(self, how: str):
+        self.how, self.__name__, self.__qualname__ = how, f"fails_{how}", f"fails_{how}"
+        self.step = {}
+
+    def __call__(self, *, member, completions, **_):
+        self.step[member] = self.step.get(member, 0) + 1
+        values = [0.5] * len(completions)
+        if member != "l" or self.step[member] < 2:
+            return values
+        if self.how == "raise":
+            raise KeyError("no column 'level'")
+        return values[:-1] if self.how == "length" else ["high"] * len(completions)
+
+
+@pytest.mark.parametrize(
+    "how, said",
+    [
+        ("raise", "raised KeyError: \"no column 'level'\" (traceback in the run log)"),
+        ("length", "returned 15 values for 16 completions"),  # 4 questions x 4 responses
+        ("type", "returned 'high' at position 0: expected a finite number or None"),
+    ],
+)
+def test_a_failing_reward_function_stops_the_step_named_with_the_checkpoint_intact(tiny_zoo, tmp_path, how, said):
+    from vlm_corl import RewardFunctionFailed
+
+    cfg = _config(tiny_zoo, tmp_path)
+    cfg["eval"] = {"every": 0}
+    with pytest.raises(RewardFunctionFailed) as err:
+        CohortTrainer(cfg, reward_funcs=[FailsOnMember(how)]).train()
+    assert f"reward function test_api:fails_{how} for member 'l' at step 2 {said}" in str(err.value)
+    assert load_cohort_state(tmp_path / "run" / "checkpoints" / "step-1")["step"] == 1
+    assert not (tmp_path / "run" / "checkpoints" / "step-2").exists()
+
+
+def test_a_reward_function_failure_on_one_rank_stops_every_rank():
+    """Slots are scored on rank (slot mod world size): member 'l' (slot 1) on rank 1; rank 0 learns of its
+    failure in the same all_gather, so neither rank waits alone."""
+    from vlm_corl import RewardFunctionFailed
+    from vlm_corl.data.records import Example
+    from vlm_corl.training.reward_funcs import function_rewards, reward_functions
+    from vlm_corl.training.rewards import CohortBatch
+    from vlm_corl.training.slots import SlotSpec
+
+    batch = CohortBatch(("q", "l"), [[["a", "b"]], [["a", None]]], [[["x", "yy"]], [["x", "y"]]], [[[1, 1]]] * 2,
+                        [None], [None])  # fmt: skip
+    specs = [SlotSpec("q", "q", "original"), SlotSpec("l", "l", "original")]
+    funcs = reward_functions([FailsOnMember("raise")], None)
+    funcs[0].fn.step = {"l": 1}
+
+    def on_rank(world):
+        try:
+            return function_rewards(funcs, batch, [Example("e", "?")], specs, [True, True], world, 2)
+        except RewardFunctionFailed as err:
+            return str(err)
+
+    first, second = on_ranks(2, on_rank)
+    assert first == second and "for member 'l' at step 2 raised KeyError" in first
+
+
+def test_a_resume_with_other_data_is_refused(tiny_zoo, tmp_path):
+    import datasets
+
+    cfg = _dataset_config(tiny_zoo, tmp_path)
+    cfg["train"].update(max_steps=1, save_every=1)
+    one = datasets.Dataset.from_dict({"question": [f"what shape is {i}?" for i in range(8)]})
+    CohortTrainer(cfg, train_dataset=one, reward_funcs=reward_fixtures.constant).train()
+    other = datasets.Dataset.from_dict({"question": [f"what color is {i}?" for i in range(8)]})
+    cfg["train"].update(max_steps=2, resume=True)
+    with pytest.raises(ConfigError, match="data.train.options"):
+        CohortTrainer(cfg, train_dataset=other, reward_funcs=reward_fixtures.constant).train()
+    summary = CohortTrainer(cfg, train_dataset=one, reward_funcs=reward_fixtures.constant).train()  # same data: on
+    assert sorted((r["step"], r["member"]) for r in metrics(tmp_path / "run")) == [
+        (1, "l"),
+        (1, "q"),
+        (2, "l"),
+        (2, "q"),
+    ]
+    assert summary["steps"] == 2

@@ -355,8 +355,19 @@ def test_single_model_baselines_work_with_any_n(models, mode):
         assert len(config_from_dict(cohort(n, reward={"mode": mode})).members) == n
 
 
-def test_custom_reward_replaces_the_mode_checks(models):
-    assert config_from_dict(cohort(1, reward={"mode": "ring", "custom": "m:f"})).reward.custom == "m:f"
+def test_reward_functions_add_to_the_mode_and_mode_none_is_theirs_alone(models):
+    """reward.custom's functions are added to the mode's reward, so the mode's own checks still hold; with
+    mode none (only the functions) one member is a cohort."""
+    assert config_from_dict(cohort(1, reward={"mode": "none", "custom": "m:f"})).reward.custom == "m:f"
+    assert "needs at least 2 members" in one_problem(cohort(1, reward={"mode": "ring", "custom": "m:f"}))
+    listed = config_from_dict(cohort(2, reward={"custom": ["m:f", "m:g"], "weights": [1.0, 0.5]})).reward
+    assert listed.custom == ["m:f", "m:g"] and listed.weights == [1.0, 0.5]
+    assert one_problem(cohort(2, reward={"custom": ["m:f", "m:g"], "weights": [1.0]})) == (
+        "reward.weights: 1 weight(s) for 2 reward.custom function(s); give one each"
+    )
+    assert one_problem(cohort(2, reward={"custom": ["m:f", "m.g"]})) == (
+        "reward.custom[1]: 'm.g' is not valid; expected module:function, e.g. my_pkg.rewards:score"
+    )
 
 
 def test_frozen_peers_and_all_frozen(models):

@@ -107,7 +107,7 @@ def test_a_member_saved_in_bf16_learns_at_lr_1e6(tiny_zoo, tmp_path):
     frozen = load_member(MemberConfig(id="q", model=str(bf16), trainable=False))
     assert all(p.dtype == torch.bfloat16 for p in frozen.model.parameters())  # peers may stay in bf16
 
-    cfg = cohort(tmp_path, [("q", bf16)], reward={"mode": "self_vote", "custom": "reward_fixtures:shorter_is_better"})
+    cfg = cohort(tmp_path, [("q", bf16)], reward={"mode": "none", "custom": "reward_fixtures:shorter_is_better"})
     cfg["train"].update(max_steps=1, lr=1e-6, mixed_precision="bf16")
     summary = run_cohort(config_from_dict(cfg))
     before, after = weights(bf16), weights(Path(summary["checkpoint"]) / "q")
@@ -196,9 +196,7 @@ def test_summary_records_dropped_records_and_the_environment(tiny_zoo, tmp_path)
 def test_a_step_with_nothing_to_learn_still_steps_the_schedule(tiny_zoo, tmp_path, filtered):
     """All-zero advantages and all groups filtered out (algo.filter_zero_variance) behave the same: a
     zero-gradient optimizer step, so the learning-rate schedule advances identically."""
-    cfg = cohort(
-        tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "self_vote", "custom": "reward_fixtures:constant"}
-    )
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward={"mode": "none", "custom": "reward_fixtures:constant"})
     cfg["train"].update(max_steps=3, warmup_ratio=0.0, lr=1e-3)
     cfg["algo"] = {"filter_zero_variance": filtered}
     run_cohort(config_from_dict(cfg))

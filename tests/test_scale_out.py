@@ -244,3 +244,26 @@ def test_a_launch_the_members_cannot_be_placed_on_exits_2_with_the_fix(two_membe
     assert "2 members (qwen, llama) cannot be split evenly over 3 processes" in err
     assert "vlm_corl/" not in err, err[-3000:]  # no traceback through our code (torchrun prints its own)
     assert not (tmp_path / "bad" / "run" / "checkpoints").exists()
+
+
+def test_an_api_script_under_torchrun_gives_the_rows_of_one_process(tiny_zoo, tmp_path):
+    """tests/api_script.py (CohortTrainer with a Dataset, a reward function and a callback) launched as
+    `torchrun --nproc_per_node 2 script.py` and as `python script.py`: the same metrics rows; each member's
+    reward function ran on its own rank, the callback on rank 0 saw both steps."""
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    for family in ("qwen2_vl", "mllama"):
+        (zoo / family).symlink_to(tiny_zoo[family])
+    script = str(ROOT / "tests" / "api_script.py")
+    for out, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])):
+        result = subprocess.run(
+            [sys.executable, *launcher, script, str(zoo), str(tmp_path / out)],
+            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+    key = lambda r: (r["step"], r["member"])  # noqa: E731
+    one, two = (sorted(trained_fields(metrics(tmp_path / o / "run")), key=key) for o in ("one", "two"))
+    assert [key(r) for r in one] == [(1, "l"), (1, "q"), (2, "l"), (2, "q")] and one == two
+    calls = [json.loads((tmp_path / "two" / f"calls-{r}.json").read_text()) for r in (0, 1)]
+    assert [{c["member"] for c in part} for part in calls] == [{"q"}, {"l"}] and all(len(p) == 2 for p in calls)
+    assert json.loads((tmp_path / "two" / "steps.json").read_text()) == [1, 2]

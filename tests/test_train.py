@@ -41,7 +41,7 @@ def test_every_family_trains(tiny_zoo, tmp_path, family):
         tmp_path,
         [(family, tiny_zoo[family])],
         data=data,
-        reward={"mode": "self_vote", "custom": "reward_fixtures:shorter_is_better"},
+        reward={"mode": "none", "custom": "reward_fixtures:shorter_is_better"},
     )
     summary = run_cohort(config_from_dict(cfg))
     after = weights(Path(summary["checkpoint"]) / family)
@@ -95,7 +95,7 @@ def test_mixed_cohort_vlm_and_text_model_on_text_questions(tiny_zoo, tmp_path):
     rows = [{"id": f"q{i}", "question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(16)]
     data = {"train": {"loader": "jsonl", "path": str(write_jsonl(tmp_path / "q.jsonl", rows))}, "batch_size": 2}
     members = [("vlm", tiny_zoo["qwen2_vl"]), ("llm", tiny_zoo["qwen3"])]
-    cfg = cohort(tmp_path, members, data=data, reward={"custom": "reward_fixtures:shorter_is_better"})
+    cfg = cohort(tmp_path, members, data=data, reward={"mode": "none", "custom": "reward_fixtures:shorter_is_better"})
     summary = run_cohort(config_from_dict(cfg))
     for mid, path in members:
         after, before = weights(Path(summary["checkpoint"]) / mid), weights(path)

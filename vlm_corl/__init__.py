@@ -12,10 +12,18 @@ if _shutil.which("nvidia-smi") is None:
     _os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+__all__ = ["CohortTrainer", "CallbackFailed", "RewardFunctionFailed", "__version__"]
+
+
 def __getattr__(name: str):
     """The public API, imported on first use (`from vlm_corl import CohortTrainer`): every command imports this
-    package, and the API's imports need not slow them."""
-    if name in ("CohortTrainer", "CallbackFailed"):
+    package, and the API's imports need not slow them.
+
+    CohortTrainer: train a cohort (vlm_corl.api.CohortTrainer; docs/python-api.md).
+    CallbackFailed: a user callback raised; the run stopped, its last checkpoint intact.
+    RewardFunctionFailed: a reward function raised or returned something unusable; the step stopped.
+    """
+    if name in ("CohortTrainer", "CallbackFailed", "RewardFunctionFailed"):
         from vlm_corl import api
 
         return getattr(api, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from vlm_corl.config.parse import (
     yaml_kind,
     yaml_problem,
 )
-from vlm_corl.config.schema import PEER_MODES, CohortConfig, MemberConfig, has_teachers
+from vlm_corl.config.schema import PEER_MODES, CohortConfig, MemberConfig, custom_rewards, has_teachers
 from vlm_corl.errors import UserError
 from vlm_corl.members.lora import base_model_dir, is_adapter_dir
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
@@ -204,7 +205,8 @@ def _cohort_problems(cfg: CohortConfig, problems: Problems) -> None:
             "members", "every member has trainable: false, so nothing would train; set trainable: true on at least one"
         )
 
-    if cfg.reward.custom is None and members:
+    _custom_problems(cfg, problems)
+    if members:
         if mode in PEER_MODES and n_members < 2:
             problems.add(
                 "reward.mode",
@@ -216,6 +218,23 @@ def _cohort_problems(cfg: CohortConfig, problems: Problems) -> None:
             problems.add(
                 "reward.mode", "with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
             )
+
+
+CUSTOM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*")
+
+
+def _custom_problems(cfg: CohortConfig, problems: Problems) -> None:
+    """reward.custom names module:function reward functions; reward.weights gives one weight per function."""
+    custom = custom_rewards(cfg)
+    for i, name in enumerate(custom):
+        if not CUSTOM_NAME.fullmatch(name):
+            path = "reward.custom" if isinstance(cfg.reward.custom, str) else f"reward.custom[{i}]"
+            problems.add(path, f"{name!r} is not valid; expected module:function, e.g. my_pkg.rewards:score")
+    weights = cfg.reward.weights
+    if weights is not None and len(weights) != len(custom):
+        problems.add(
+            "reward.weights", f"{len(weights)} weight(s) for {len(custom)} reward.custom function(s); give one each"
+        )
 
 
 def _run_problems(cfg: CohortConfig, problems: Problems) -> None:
@@ -280,11 +299,15 @@ def check_registered(cfg: CohortConfig) -> None:
     `text_corl` or a user's package are imported, which the config layer must not do itself.
     """
     import vlm_corl.training.rewards  # noqa: F401  (registers the built-in reward modes)
+    from vlm_corl.training.reward_funcs import contract_problem
 
     problems = Problems()
     lookups = [("data.train.loader", LOADERS, cfg.data.train.loader)]
+    lookups += [("reward.mode", REWARDS, cfg.reward.mode)]
+    single = isinstance(cfg.reward.custom, str)
     lookups += [
-        ("reward.custom" if cfg.reward.custom else "reward.mode", REWARDS, cfg.reward.custom or cfg.reward.mode)
+        ("reward.custom" if single else f"reward.custom[{i}]", REWARDS, name)
+        for i, name in enumerate(custom_rewards(cfg))
     ]
     lookups += [("eval.benchmarks", BENCHMARKS, name) for name in cfg.eval.benchmarks]
     lookups += [
@@ -294,9 +317,12 @@ def check_registered(cfg: CohortConfig) -> None:
     ]
     for path, registry, name in lookups:
         try:
-            registry.get(name)
+            found = registry.get(name)
         except (KeyError, ImportError, AttributeError, UserError) as err:  # a benchmark file's mistakes too
             problems.add(path, str(err))
+            continue
+        if path.startswith("reward.custom") and contract_problem(found):
+            problems.add(path, contract_problem(found))
     if problems.items:
         raise problems.error()
 

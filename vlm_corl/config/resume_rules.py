@@ -88,6 +88,7 @@ RULES: dict[str, Rule] = {
     "rollout.vllm.lora_sync": _free("how the engine gets the weights"),
     "reward.mode": _fixed(LAYOUT + ": EMA teachers (co_rewarding_2, peers_ema) and the slots a mode rolls out"),
     "reward.custom": _free("the reward (a change of method, logged in config.yaml)"),
+    "reward.weights": _free("the reward (a change of method, logged in config.yaml)"),
     "reward.vote_threshold": _free("the reward"),
     "reward.format_weight": _free("the reward"),
     "reward.answer_style": _free("the reward"),

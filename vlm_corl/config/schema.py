@@ -21,6 +21,7 @@ RewardMode = Literal[
     "entropy",
     "co_rewarding_1",
     "co_rewarding_2",
+    "none",
 ]
 PEER_MODES = ("ring", "peers", "soft", "peers_ema")  # label_n comes from the other members' votes
 TWO_VIEW_MODES = ("co_rewarding_1",)  # one member rolls out twice: the original wording and its view
@@ -214,14 +215,15 @@ class RewardConfig:
 
     mode: RewardMode = _f(
         "reward: ring | peers | soft | peers_ema (Co-RL; peers_ema: the other members' EMA teachers vote) or a "
-        "baseline",
+        "baseline; none = only the reward functions (reward.custom, CohortTrainer's reward_funcs)",
         "ring",
     )
-    custom: str | None = _f(
-        "module:function of a custom cohort reward, used instead of mode; null = mode",
+    custom: str | list[str] | None = _f(
+        "reward functions as module:function (one or a list), each fn(*, member, prompts, completions, answers, "
+        "peer_answers, **columns) -> list[float | None], added to the mode's reward (docs/python-api.md)",
         None,
-        pattern=(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*", "module:function, e.g. my_pkg.rewards:score"),
     )
+    weights: list[float] | None = _f("weights of reward.custom's functions, in order; null = 1 each", None)
     vote_threshold: float = _f(
         "self-consistency tau: a member abstains when its plurality answer's share is below it", 0.0, ge=0, le=1
     )
@@ -410,13 +412,19 @@ class CohortConfig:
     logging: LoggingConfig = _f("logging", factory=LoggingConfig)
 
 
+def custom_rewards(cfg: CohortConfig) -> list[str]:
+    """reward.custom as a list of module:function names (it may be given as one string)."""
+    custom = cfg.reward.custom
+    return [] if custom is None else [custom] if isinstance(custom, str) else list(custom)
+
+
 def has_teachers(cfg: CohortConfig) -> bool:
     """Whether the run's reward keeps an EMA teacher per trained member (its slots, engines and memory)."""
-    return cfg.reward.custom is None and cfg.reward.mode in TEACHER_MODES
+    return cfg.reward.mode in TEACHER_MODES
 
 
 def slots_per_member(cfg: CohortConfig) -> int:
     """How many slots (renderers, rollouts) each member has: two under a two-view or EMA-teacher reward, else
     one (the layouts of vlm_corl.training.slots, which the reward registry declares)."""
     modes = TWO_VIEW_MODES + TEACHER_MODES
-    return 2 if cfg.reward.custom is None and cfg.reward.mode in modes else 1
+    return 2 if cfg.reward.mode in modes else 1

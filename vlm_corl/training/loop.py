@@ -65,6 +65,12 @@ from vlm_corl.training.guard import (
 )
 from vlm_corl.training.metrics import cohort_unanimity, member_metrics, unanimity
 from vlm_corl.training.numerics import NonFiniteStopped, check_rollout_mismatch
+from vlm_corl.training.reward_funcs import (
+    RewardFunction,
+    add_function_rewards,
+    function_rewards,
+    run_reward_functions,
+)
 from vlm_corl.training.rewards import CohortBatch
 from vlm_corl.training.samples import SampleSettings, sample_rows, samples_due
 from vlm_corl.training.setup import CohortRun, start_run
@@ -141,11 +147,19 @@ class RankFailure(RuntimeError):
     """Another rank died or hung: this rank stops with a report of where every rank was (no traceback)."""
 
 
-def run_cohort(cfg: CohortConfig, callbacks: collections.abc.Sequence[object] = ()) -> dict:
+def run_cohort(
+    cfg: CohortConfig,
+    callbacks: collections.abc.Sequence[object] = (),
+    reward_funcs: collections.abc.Sequence[RewardFunction] | None = None,
+) -> dict:
     """Train the cohort described by `cfg`; returns the summary also written to summary.json (by rank 0).
-    `callbacks`: objects with any of `callbacks.EVENTS`, called on world rank 0 (`CohortTrainer`)."""
+    `callbacks`: objects with any of `callbacks.EVENTS`, called on world rank 0; `reward_funcs`: the reward
+    functions added to the mode's reward (`CohortTrainer`'s, `run_reward_functions`; None: reward.custom's)."""
+    if reward_funcs is None:
+        reward_funcs = run_reward_functions(cfg)
     run = start_run(cfg)
     run.callbacks = Callbacks(callbacks, run.world.is_main)
+    run.reward_funcs = list(reward_funcs)
     timer = PhaseTimer(run.world, run.start)
     try:
         with stopped_by_launcher(run.world):
@@ -251,6 +265,11 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
     with timer("reward"):
         cohort = cohort_batch(run, batch, exchanged)
         scored = run.reward_spec.fn(cohort, cfg.reward)
+        if run.reward_funcs:
+            values = function_rewards(
+                run.reward_funcs, cohort, batch, run.specs, trained_slots(run), run.world, step + 1
+            )
+            scored = add_function_rewards(scored, values, run.reward_funcs)
     with timer("advantage"):
         advantages = [
             group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps) for n in range(len(run.specs))
@@ -279,8 +298,9 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
         )
         rows, warnings = metrics_rows(run, outcome)
         if samples_due(step + 1, cfg.logging.samples_every):
-            mode = cfg.reward.mode if cfg.reward.custom is None else "custom"
-            settings = SampleSettings(mode, cfg.reward.vote_threshold, cfg.logging.samples_per_step, run.category_key)
+            settings = SampleSettings(
+                cfg.reward.mode, cfg.reward.vote_threshold, cfg.logging.samples_per_step, run.category_key
+            )
             sampled = sample_rows(step + 1, batch, cohort, scored, advantages, settings)
             run.sink.write_samples(sampled, step + 1)
         return rows, warnings
@@ -321,6 +341,12 @@ class RenderAhead:
 
     def close(self) -> None:
         self.pool.shutdown()
+
+
+def trained_slots(run: CohortRun) -> list[bool]:
+    """Per slot of the cohort: does its model train (a member's slots, not its EMA teacher, not a frozen peer)?"""
+    trainable = {m.id: m.trainable for m in run.cfg.members}
+    return [trainable[s.member_id] and not s.teacher for s in run.specs]
 
 
 def cohort_batch(run: CohortRun, batch: list[Example], exchanged: list[list]) -> CohortBatch:

@@ -41,6 +41,10 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _finite_or_none(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
 def entropy(counts: Sequence[int]) -> float:
     """Shannon entropy (nats) of the distribution given by `counts` (zeros ignored); 0.0 for no mass."""
     total = sum(counts)
@@ -116,7 +120,8 @@ def member_metrics(
     labelled = [j for j, lab in enumerate(labels) if lab is not None]
     with_gold = [j for j in labelled if gold[j] is not None]
     flat = [(j, a) for j, group in enumerate(answers) for a in group]
-    parts = {f"reward_{name}": part[n].mean().item() for name, part in out.parts.items()}
+    # a reward function's part is NaN where it abstained: its mean is over the completions it scored
+    parts = {f"reward_{name}": _finite_or_none(part[n].nanmean().item()) for name, part in out.parts.items()}
     return {
         "reward_mean": rewards.mean().item(),
         **parts,

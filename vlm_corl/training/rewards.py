@@ -63,12 +63,7 @@ class RewardSpec:
 
 
 def resolve_reward(cfg: RewardConfig) -> RewardSpec:
-    """The reward of a `RewardConfig`: `custom` ("module:function", never given gold) or the registered mode."""
-    if cfg.custom:
-        # A custom reward that reads `CohortBatch.scores` (entropy, self-certainty) says so with an attribute:
-        # `fn.needs_scores = True`; it is never given gold.
-        fn = REWARDS.get(cfg.custom)
-        return RewardSpec(fn, uses_gold=False, needs_scores=bool(getattr(fn, "needs_scores", False)))
+    """The registered reward mode of a `RewardConfig` (reward functions are added on top: `reward_funcs`)."""
     return REWARDS.get(cfg.mode)
 
 
@@ -225,6 +220,13 @@ def peers_ema_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
         labels.append([consensus([o[j] for o in others], batch.choices[j]) for j in range(len(votes[0]))])
         labels.append([None] * len(votes[0]))
     return _label_reward(labels, batch, cfg)
+
+
+@reward_mode("none")
+def no_mode_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
+    """No reward of its own: the run's reward functions (reward.custom, CohortTrainer's reward_funcs) are all."""
+    n, b, k = batch.shape
+    return RewardOutput(torch.zeros(n, b, k), {}, [[None] * b for _ in range(n)])
 
 
 REWARDS.register("co_rewarding_1")(RewardSpec(paired_reward, layout="two_views"))

@@ -41,7 +41,7 @@ def label_sources(mode: str, n: int, slots: int) -> list[int] | str:
 class SampleSettings:
     """The run's settings a samples row is written under, the same at every step."""
 
-    mode: str  # the reward mode (reward.mode; "custom" for reward.custom): where labels come from
+    mode: str  # the reward mode (reward.mode): where labels come from
     vote_threshold: float  # reward.vote_threshold: a member's vote, as its reward saw it
     count: int  # logging.samples_per_step: how many of the step's questions
     category_key: str | None = None  # the metadata key of an example's category, when the data has one

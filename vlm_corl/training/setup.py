@@ -68,6 +68,7 @@ class CohortRun:
     nonfinite: NonFiniteTracker | None = None  # the numerical guard's skip counts (vlm_corl.training.numerics)
     updates: dict = field(default_factory=dict)  # the last step's update stats of every member, on every rank
     callbacks: object = None  # the user's callbacks (vlm_corl.training.callbacks.Callbacks), set by run_cohort
+    reward_funcs: list = field(default_factory=list)  # reward functions (vlm_corl.training.reward_funcs), likewise
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:

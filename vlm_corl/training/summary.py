@@ -27,6 +27,7 @@ def finish_run(run: CohortRun, stopped: dict | None) -> dict:
         for sid, n in part.items()
     }
     summary = _summary(run.cfg, run.collapse, run.run_dir, fallbacks)
+    summary["reward_functions"] = [{"name": f.name, "weight": f.weight} for f in run.reward_funcs]
     if run.cfg.eval.max_category_drop:
         summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
     summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning")}
@@ -85,7 +86,7 @@ def _summary(cfg, collapse: CollapseTracker, run_dir: Path, view_fallbacks: dict
     return {
         "run_dir": str(run_dir),
         "steps": cfg.train.max_steps,
-        "reward_mode": cfg.reward.custom or cfg.reward.mode,
+        "reward_mode": cfg.reward.mode,
         "members": {
             mid: {k: row.get(k) for k in ("reward_mean", "agreement", "pseudo_label_acc", "answer_acc")}
             for mid, row in last.items()
