@@ -286,3 +286,24 @@ def test_a_resume_with_other_data_is_refused(tiny_zoo, tmp_path):
         (2, "q"),
     ]
     assert summary["steps"] == 2
+
+
+def test_an_iterable_dataset_and_its_decoded_images_load_like_a_file(tmp_path):
+    """A streamed dataset yields decoded PIL images: they are read as PNG bytes, and limit stops the stream."""
+    import datasets
+    import easy_vqa
+
+    from vlm_corl.data.images import load_image
+    from vlm_corl.data.loaders import load_examples
+    from vlm_corl.data.python_data import register_dataset
+
+    paths = easy_vqa.get_train_image_paths()
+    ds = datasets.Dataset.from_dict(
+        {"q": ["what shape?"] * 3, "img": [paths[0], paths[1], paths[2]], "level": [1, 2, 3]}
+    )
+    stream = ds.cast_column("img", datasets.Image()).to_iterable_dataset()
+    options = register_dataset(stream, {"question": "q", "image": "img"}, "train_dataset")
+    data = load_examples("python", None, limit=2, **options)
+    assert [ex.metadata for ex in data.examples] == [{"level": 1}, {"level": 2}]
+    assert isinstance(data.examples[0].images[0], bytes)
+    assert load_image(data.examples[0].images[0]).size == load_image(paths[0]).size

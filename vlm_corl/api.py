@@ -36,7 +36,7 @@ class CohortTrainer:
         (optional) and `image` (a PIL image, a path, bytes, or a list of them); `columns={"question": "problem"}`
         names others. Rows go through the loaders' checks: a bad row is skipped, counted and reported.
     eval_dataset: the same kinds, with answers; evaluated every `eval.every` steps beside `eval.benchmarks`
-        (its rows are named "eval_dataset" in eval.jsonl).
+        (its rows are named "eval_dataset" in eval.jsonl). `columns` applies to both datasets.
     reward_funcs: callables `fn(*, member, prompts, completions, answers, peer_answers, **columns)` returning one
         float (or None: abstain) per completion; their values, weighted by `reward_weights` (default 1 each), are
         added to the `reward.mode`'s reward (`reward.mode: none`: they are the whole reward). See
