@@ -63,7 +63,7 @@ from vlm_corl.training.guard import (
     stop_message,
     write_best,
 )
-from vlm_corl.training.metrics import cohort_unanimity, member_metrics, unanimity
+from vlm_corl.training.metrics import cohort_unanimity, member_metrics, pairwise_agreement, unanimity
 from vlm_corl.training.numerics import NonFiniteStopped, check_rollout_mismatch
 from vlm_corl.training.reward_funcs import (
     RewardFunction,
@@ -299,7 +299,12 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
         rows, warnings = metrics_rows(run, outcome)
         if samples_due(step + 1, cfg.logging.samples_every):
             settings = SampleSettings(
-                cfg.reward.mode, cfg.reward.vote_threshold, cfg.logging.samples_per_step, run.category_key
+                cfg.reward.mode,
+                cfg.reward.vote_threshold,
+                cfg.logging.samples_per_step,
+                run.category_key,
+                views=tuple(s.view for s in run.specs),
+                styles=tuple(run.prompt_styles.get(s.member_id) for s in run.specs),
             )
             sampled = sample_rows(step + 1, batch, cohort, scored, advantages, settings)
             run.sink.write_samples(sampled, step + 1)
@@ -776,9 +781,11 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
     rows, reported = [], set()
     unanimous = cohort_unanimity(o.cohort, o.gold, run.cfg.reward.vote_threshold)
     shared = unanimity(unanimous)
+    pairs = pairwise_agreement(o.cohort, run.cfg.reward.vote_threshold)
     for n, s in enumerate(run.specs):
         row = {"step": o.step, "member": s.id}
         row.update(member_metrics(n, o.cohort, o.scored, o.lengths[n], o.gold))
+        row.update(pairs[n])
         row.update(shared)
         if any(c is not None for c in o.categories):
             row["category_stats"] = category_step_stats(n, o.cohort, o.scored, o.categories, o.gold, unanimous)

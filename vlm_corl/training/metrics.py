@@ -111,6 +111,26 @@ def cohort_unanimity(batch: CohortBatch, gold: list[str | None], vote_threshold:
     return unanimous_questions(member_votes(batch, vote_threshold), batch.choices, gold)
 
 
+PAIR_PREFIX = "vote_agreement/"
+
+
+def pairwise_agreement(batch: CohortBatch, vote_threshold: float = 0.0) -> list[dict[str, float | None]]:
+    """Per slot, `vote_agreement/<other slot>`: the share of the step's questions on which both voted where
+    their votes are equivalent (None when they never both voted): the report's member x member matrix."""
+    votes = member_votes(batch, vote_threshold)
+    ids, out = batch.member_ids, []
+    for i in range(len(ids)):
+        row = {}
+        for j in range(len(ids)):
+            if j == i:
+                continue
+            both = [b for b in range(len(votes[i])) if votes[i][b] is not None and votes[j][b] is not None]
+            same = [answers_equivalent(votes[i][b], votes[j][b], batch.choices[b]) for b in both]
+            row[PAIR_PREFIX + ids[j]] = _mean([float(x) for x in same])
+        out.append(row)
+    return out
+
+
 def member_metrics(
     n: int, batch: CohortBatch, out: RewardOutput, lengths: list[list[int]], gold: list[str | None]
 ) -> dict:

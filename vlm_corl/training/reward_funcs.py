@@ -234,6 +234,14 @@ def run_reward_functions(cfg: CohortConfig, fns=None, weights: Sequence[float] |
             ["reward_weights"],
         )
     named = [REWARDS.get(name) for name in custom_rewards(cfg)]
+    single = isinstance(cfg.reward.custom, str)
+    wrong = [
+        (("reward.custom" if single else f"reward.custom[{i}]"), problem)
+        for i, fn in enumerate(named)
+        if (problem := contract_problem(fn))
+    ]
+    if wrong:
+        raise ConfigError([f"{path}: {problem}" for path, problem in wrong], [path for path, _ in wrong])
     yaml_weights = cfg.reward.weights or [1.0] * len(named)
     api_weights = list(weights) if weights is not None else [1.0] * len(fns)
     if cfg.reward.mode == "none" and not (named or fns):

@@ -13,6 +13,7 @@ import torch
 
 from vlm_corl.data.answers import answers_equivalent
 from vlm_corl.data.records import Example
+from vlm_corl.members.render import PROMPT_STYLES
 from vlm_corl.training.rewards import CohortBatch, RewardOutput, member_votes
 
 
@@ -45,6 +46,8 @@ class SampleSettings:
     vote_threshold: float  # reward.vote_threshold: a member's vote, as its reward saw it
     count: int  # logging.samples_per_step: how many of the step's questions
     category_key: str | None = None  # the metadata key of an example's category, when the data has one
+    views: tuple[str, ...] = ()  # each slot's view (its question's wording), in slot order
+    styles: tuple[str | None, ...] = ()  # each slot's answer instruction (render.PROMPT_STYLES), in slot order
 
 
 def sample_rows(
@@ -73,6 +76,7 @@ def sample_rows(
                     ids[m] for m in sources if label is not None and answers_equivalent(label, votes[m][j], ex.choices)
                 ]
             members[sid] = {
+                "prompt": _prompt(ex, settings, n),
                 "responses": batch.texts[n][j],
                 "answers": batch.answers[n][j],
                 "vote": votes[n][j],
@@ -94,6 +98,14 @@ def sample_rows(
             }
         )
     return rows
+
+
+def _prompt(ex: Example, settings: SampleSettings, n: int) -> str:
+    """The text slot n was asked: the question in its view's wording and its answer instruction (the chat
+    template and any system prompt around it are the member's own)."""
+    question = ex.question_for(settings.views[n]) if n < len(settings.views) else ex.question
+    style = settings.styles[n] if n < len(settings.styles) else None
+    return PROMPT_STYLES[style].format(question=question) if style in PROMPT_STYLES else question
 
 
 def sample_markdown(row: dict, image: str | None = None) -> str:

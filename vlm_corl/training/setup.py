@@ -69,6 +69,7 @@ class CohortRun:
     updates: dict = field(default_factory=dict)  # the last step's update stats of every member, on every rank
     callbacks: object = None  # the user's callbacks (vlm_corl.training.callbacks.Callbacks), set by run_cohort
     reward_funcs: list = field(default_factory=list)  # reward functions (vlm_corl.training.reward_funcs), likewise
+    prompt_styles: dict = field(default_factory=dict)  # member id -> its answer instruction (render.PROMPT_STYLES)
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
@@ -128,11 +129,15 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     nonfinite.restore(history)
     if state is not None:
         log.info("resumed from %s (step %d)", resume_from, start)
+    styles = {
+        m.id: m.prompt_style or member_family(m, resume_from / m.id if resume_from else m.model).prompt_style
+        for m in cfg.members
+    }
     # fmt: off
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, collapse, data_report, eval_history, read_best(run_dir),
                      category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
-                     nonfinite=nonfinite)
+                     nonfinite=nonfinite, prompt_styles=styles)
     # fmt: on
 
 

@@ -1,0 +1,366 @@
+"""report.html: one self-contained page for one run or several overlaid (`corl report RUN [RUN2 ...]`).
+
+The page needs nothing outside itself: plots are inline SVG (matplotlib), question pictures inline data URIs,
+and the little JavaScript that filters and sorts the completions table is embedded; a Content-Security-Policy
+forbids every request (no fonts, scripts or images are fetched). Every text from a run (model output,
+questions, member ids) is HTML-escaped where the page is written: model output such as `<answer>x</answer>`
+or `<script>` shows as text. The table's filters are also read from the address (`report.html#member=q&step=3`),
+so a filtered view can be linked.
+
+Sections: the runs; per-member curves of reward, agreement, pseudo-label accuracy and answer accuracy (one line
+per run and member); evaluation curves; per-category curves with the collapse flags, and every collapse warning
+in words; the member x member vote agreement (a matrix at the last step and its pairs over time); the sampled
+completions (step, member, prompt, response, extracted answer, vote, label and where it came from, reward,
+advantage).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from vlm_corl.run_plots import (
+    CATEGORY_PLOT_KEYS,
+    LABELS,
+    RunData,
+    by_member,
+    category_lines,
+    eval_category_lines,
+    eval_lines,
+    mark_flags,
+    per_step,
+    plot_metric,
+    read_jsonl,
+)
+from vlm_corl.training.collapse import collapse_warnings, describe
+from vlm_corl.training.metrics import PAIR_PREFIX
+
+CURVES = (
+    ("reward_mean", "Reward"),
+    ("agreement", "Agreement with the pseudo-label"),
+    ("pseudo_label_acc", "Pseudo-label accuracy (gold, diagnostic)"),
+    ("answer_acc", "Answer accuracy (gold, diagnostic)"),
+)
+MAX_COMPLETIONS = 3000  # table rows (one per response), the newest kept: a long run's page stays light
+MAX_PICTURE_BYTES = 200_000  # larger question pictures are named, not embedded
+
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+
+
+def render_html(runs: Sequence[RunData], out: Path, smooth: int = 5) -> Path:
+    """Write `out` (report.html) for `runs` (one, or several overlaid; labels are the run directories' names)."""
+    names = _names(runs)
+    sections = [
+        _header(runs, names),
+        _curves(runs, names, smooth),
+        _evaluation(runs, names),
+        _categories(runs, names),
+        _agreement(runs, names),
+        _completions(runs, names),
+    ]
+    title = "Co-RL report: " + ", ".join(names)
+    page = PAGE.format(
+        csp=CSP, title=html.escape(title), body="\n".join(s for s in sections if s), style=STYLE, script=SCRIPT
+    )
+    out = Path(out)
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+def _names(runs: Sequence[RunData]) -> list[str]:
+    names = [r.run_dir.resolve().name for r in runs]
+    if len(set(names)) < len(names):  # same leaf names: the parent tells them apart
+        names = [f"{r.run_dir.resolve().parent.name}/{r.run_dir.resolve().name}" for r in runs]
+    return names
+
+
+def _label(names: list[str], i: int, member: str) -> str:
+    return member if len(names) == 1 else f"{names[i]}: {member}"
+
+
+def _svg(fig: Figure) -> str:
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays text: searchable, and a smaller page
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+    text = buffer.getvalue()
+    return '<div class="plot">' + text[text.index("<svg") :] + "</div>"  # drop the XML prolog and DOCTYPE
+
+
+def _header(runs, names) -> str:
+    rows = []
+    for name, run in zip(names, runs):
+        s = run.summary
+        steps = sorted({r["step"] for r in run.rows})
+        functions = ", ".join(f"{f['name']} x{f['weight']:g}" for f in s.get("reward_functions") or [])
+        data = s.get("data") or {}
+        cells = [
+            name,
+            s.get("reward_mode", "?") + (f" + {functions}" if functions else ""),
+            f"{steps[-1] if steps else 0}" + (f" of {s['steps']}" if s.get("steps") else ""),
+            ", ".join(by_member(run.rows)),
+            f"kept {data['kept']}, skipped {sum((data.get('skipped') or {}).values())}" if data else "?",
+        ]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    return (
+        '<section id="runs"><h2>Runs</h2><table class="grid"><tr><th>run</th><th>reward</th><th>steps logged</th>'
+        "<th>members</th><th>data</th></tr>" + "".join(rows) + "</table></section>"
+    )
+
+
+def _curves(runs, names, smooth: int) -> str:
+    lines = {
+        _label(names, i, member): rows for i, run in enumerate(runs) for member, rows in by_member(run.rows).items()
+    }
+    present = [(k, t) for k, t in CURVES if any(per_step(rows, k)[0] for rows in lines.values())]
+    if not present:
+        return ""
+    fig = Figure(figsize=(5.2 * min(len(present), 2), 3.6 * ((len(present) + 1) // 2)), layout="constrained")
+    for j, (key, title) in enumerate(present):
+        ax = fig.add_subplot((len(present) + 1) // 2, min(len(present), 2), j + 1)
+        plot_metric(lines, key, smooth=smooth, ax=ax, band=False, title=title)
+    note = f"One line per member{' and run' if len(runs) > 1 else ''}; faint: per step, bold: {smooth}-step average."
+    return f'<section id="curves"><h2>Training curves</h2><p>{note}</p>{_svg(fig)}</section>'
+
+
+def _evaluation(runs, names) -> str:
+    lines = {}
+    for i, run in enumerate(runs):
+        for label, rows in eval_lines(run.eval_rows).items():
+            lines[_label(names, i, label)] = rows
+    if not lines:
+        return ""
+    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    plot_metric(lines, "accuracy", smooth=1, ax=ax, band=False, title="Evaluation accuracy")
+    return f'<section id="evaluation"><h2>Evaluation</h2>{_svg(fig)}</section>'
+
+
+def _warnings(run: RunData) -> list[dict]:
+    return run.summary.get("collapse_warnings") if "collapse_warnings" in run.summary else collapse_warnings(run.rows)
+
+
+def _categories(runs, names) -> str:
+    parts, words = [], []
+    for i, run in enumerate(runs):
+        warnings = _warnings(run)
+        words += [
+            f"<li><b>{html.escape(_label(names, i, w['slot']))}</b>"
+            + (f" in category <b>{html.escape(str(w['category']))}</b>" if w.get("category") is not None else "")
+            + f" at step {w['step']}: {html.escape(describe(w))}</li>"
+            for w in warnings
+        ]
+        lines = {_label(names, i, k): v for k, v in category_lines(run.rows).items()}
+        keys = [k for k in CATEGORY_PLOT_KEYS if any(per_step(rows, k)[0] for rows in lines.values())]
+        if keys:
+            fig = Figure(figsize=(4.6 * len(keys), 3.6), layout="constrained")
+            for j, key in enumerate(keys):
+                ax = fig.add_subplot(1, len(keys), j + 1)
+                plot_metric(lines, key, smooth=1, ax=ax, band=False, ylabel=f"{LABELS.get(key, key)} (window)")
+                mark_flags(ax, [w for w in warnings if w.get("rule") != "eval_drop"])
+            fig.suptitle(f"{names[i]}: per category (running windows; dashed red: collapse flags)")
+            parts.append(_svg(fig))
+        eval_cats = eval_category_lines(run.eval_rows)
+        if eval_cats:
+            fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+            ax = fig.add_subplot()
+            plot_metric(eval_cats, "accuracy", smooth=1, ax=ax, band=False, title=f"{names[i]}: eval per category")
+            mark_flags(ax, [w for w in warnings if w.get("rule") == "eval_drop"])
+            parts.append(_svg(fig))
+    said = (
+        "<ul>" + "".join(words) + "</ul>"
+        if words
+        else "<p>No collapse warning: no member's answer diversity fell while its agreement rose.</p>"
+    )
+    return f'<section id="categories"><h2>Categories and collapse</h2>{said}{"".join(parts)}</section>'
+
+
+def _agreement(runs, names) -> str:
+    parts = []
+    for i, run in enumerate(runs):
+        members = list(by_member(run.rows))
+        last: dict[str, dict] = {}
+        for row in run.rows:
+            last[row["member"]] = row  # each member's newest row
+        if not any(k.startswith(PAIR_PREFIX) for row in last.values() for k in row):
+            continue
+        header = "".join(f"<th>{html.escape(m)}</th>" for m in members)
+        body = []
+        for a in members:
+            cells = []
+            for b in members:
+                v = 1.0 if a == b else last.get(a, {}).get(PAIR_PREFIX + b)
+                shade = "" if v is None else f' style="background: rgba(40, 110, 200, {0.15 + 0.7 * v:.2f})"'
+                cells.append(f"<td{shade}>{'–' if v is None else f'{v:.2f}'}</td>")
+            body.append(f"<tr><th>{html.escape(a)}</th>{''.join(cells)}</tr>")
+        step = max(r["step"] for r in run.rows)
+        parts.append(
+            f"<h3>{html.escape(names[i])}: votes agreeing at step {step}</h3>"
+            f'<table class="grid matrix"><tr><th></th>{header}</tr>{"".join(body)}</table>'
+        )
+        pairs = {}
+        for x, a in enumerate(members):
+            for b in members[x + 1 :]:
+                rows = [{"step": r["step"], "v": r.get(PAIR_PREFIX + b)} for r in run.rows if r["member"] == a]
+                pairs[f"{a} ~ {b}"] = rows
+        fig = Figure(figsize=(6.4, 3.4), layout="constrained")
+        plot_metric(pairs, "v", smooth=5, ax=fig.add_subplot(), band=False, title="Vote agreement over time")
+        parts.append(_svg(fig))
+    if not parts:
+        return ""
+    note = "Share of a step's questions on which two members' plurality votes agree (both voting)."
+    return f'<section id="agreement"><h2>Member x member agreement</h2><p>{note}</p>{"".join(parts)}</section>'
+
+
+def _picture(path: str | None) -> str:
+    if not path:
+        return ""
+    file = Path(path)
+    if not file.is_file() or file.stat().st_size > MAX_PICTURE_BYTES:
+        return f'<div class="muted">{html.escape(file.name)}</div>'
+    kind = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".gif": "gif", ".webp": "webp"}.get(file.suffix.lower())
+    if kind is None:
+        return f'<div class="muted">{html.escape(file.name)}</div>'
+    data = base64.b64encode(file.read_bytes()).decode()
+    return f'<img alt="" src="data:image/{kind};base64,{data}">'
+
+
+def _completions(runs, names) -> str:
+    rows, members, steps = [], set(), set()
+    for i, run in enumerate(runs):
+        for sample in read_jsonl(run.run_dir / "samples.jsonl"):
+            picture = _picture(sample.get("image"))
+            for mid, m in sample["members"].items():
+                label = _label(names, i, mid)
+                members.add(label)
+                steps.add(sample["step"])
+                prompt = m.get("prompt", sample["question"])
+                source = ", ".join(m.get("label_from") or []) or "nobody"
+                for k, text in enumerate(m["responses"]):
+                    reward, advantage = m["rewards"][k], m["advantages"][k]
+                    cells = [
+                        (sample["step"], str(sample["step"])),
+                        (label, html.escape(label)),
+                        (prompt, picture + f"<div class=\"text\">{html.escape(prompt)}</div>"),
+                        (text, f'<div class="text response">{html.escape(text)}</div>'),
+                        (str(m["answers"][k]), html.escape(str(m["answers"][k]))),
+                        (str(m["vote"]), html.escape(str(m["vote"]))),
+                        (str(m["label"]), f"{html.escape(str(m['label']))} <span class=\"muted\">from "
+                                          f"{html.escape(source)}</span>"),
+                        (reward, f"{reward:.3f}"),
+                        (advantage, f"{advantage:+.3f}"),
+                    ]  # fmt: skip
+                    tds = "".join(f'<td data-v="{html.escape(str(v))}">{shown}</td>' for v, shown in cells)
+                    rows.append(f'<tr data-member="{html.escape(label)}" data-step="{sample["step"]}">{tds}</tr>')
+    if not rows:
+        return ""
+    dropped = max(0, len(rows) - MAX_COMPLETIONS)
+    rows = rows[-MAX_COMPLETIONS:]
+    options = lambda values: "".join(  # noqa: E731
+        f'<option value="{html.escape(str(v))}">{html.escape(str(v))}</option>' for v in values
+    )
+    heads = ["step", "member", "prompt", "response", "answer", "vote", "label (source)", "reward", "advantage"]
+    numeric = {"step", "reward", "advantage"}
+    header = "".join(
+        f'<th data-col="{j}" data-numeric="{int(h in numeric)}" title="click to sort">{h}</th>'
+        for j, h in enumerate(heads)
+    )
+    more = f" The oldest {dropped} rows are left out." if dropped else ""
+    return (
+        '<section id="completions"><h2>Completions</h2>'
+        f"<p>Every response of the sampled questions (logging.samples_every): one row per response.{more} "
+        'Click a column to sort; filter by member and step.</p><div class="filters">'
+        f'<label>member <select id="member-filter"><option value="">all</option>{options(sorted(members))}'
+        "</select></label> "
+        f'<label>step <select id="step-filter"><option value="">all</option>{options(sorted(steps))}</select>'
+        '</label> <span id="shown"></span></div>'
+        f'<table class="grid" id="completions-table"><thead><tr>{header}</tr></thead><tbody>{"".join(rows)}'
+        "</tbody></table></section>"
+    )
+
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 1.6em; }
+.plot svg { max-width: 100%; height: auto; }
+table.grid { border-collapse: collapse; margin: .5em 0; }
+table.grid td, table.grid th { border: 1px solid #ddd; padding: 3px 6px; vertical-align: top; text-align: left; }
+table.grid th { background: #f3f3f3; }
+#completions-table th { cursor: pointer; position: sticky; top: 0; }
+.matrix td { text-align: center; min-width: 3.5em; }
+.text { white-space: pre-wrap; max-width: 32em; font-family: ui-monospace, monospace; font-size: 12px; }
+.response { max-width: 40em; }
+.muted { color: #777; font-size: 12px; }
+img { image-rendering: pixelated; width: 64px; height: auto; display: block; }
+.filters { margin: .5em 0; } #shown { color: #555; margin-left: 1em; }
+"""
+
+# Filters and sorting over the rows the page already holds: nothing is fetched, no text is parsed as HTML.
+SCRIPT = """
+function applyFilters() {
+  const member = document.getElementById('member-filter').value;
+  const step = document.getElementById('step-filter').value;
+  let shown = 0, total = 0;
+  for (const tr of document.querySelectorAll('#completions-table tbody tr')) {
+    const ok = (!member || tr.dataset.member === member) && (!step || tr.dataset.step === step);
+    tr.hidden = !ok; total += 1; if (ok) shown += 1;
+  }
+  document.getElementById('shown').textContent = shown + ' of ' + total + ' rows';
+  return shown;
+}
+function setFilter(name, value) {
+  document.getElementById(name + '-filter').value = value;
+  return applyFilters();
+}
+function sortBy(col, numeric, descending) {
+  const body = document.querySelector('#completions-table tbody');
+  const rows = Array.from(body.rows);
+  const key = tr => tr.cells[col].dataset.v;
+  rows.sort((a, b) => {
+    const x = numeric ? parseFloat(key(a)) : key(a), y = numeric ? parseFloat(key(b)) : key(b);
+    return (x < y ? -1 : x > y ? 1 : 0) * (descending ? -1 : 1);
+  });
+  for (const tr of rows) body.appendChild(tr);
+}
+function fromAddress() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  for (const name of ['member', 'step']) {
+    const select = document.getElementById(name + '-filter');
+    if (select && params.has(name)) select.value = params.get(name);
+  }
+}
+document.addEventListener('DOMContentLoaded', () => {
+  const table = document.getElementById('completions-table');
+  if (!table) return;
+  for (const th of table.tHead.rows[0].cells) {
+    th.addEventListener('click', () => {
+      const descending = th.dataset.sorted === 'asc';
+      for (const other of table.tHead.rows[0].cells) delete other.dataset.sorted;
+      th.dataset.sorted = descending ? 'desc' : 'asc';
+      sortBy(Number(th.dataset.col), th.dataset.numeric === '1', descending);
+    });
+  }
+  for (const name of ['member', 'step']) {
+    document.getElementById(name + '-filter').addEventListener('change', applyFilters);
+  }
+  fromAddress();
+  applyFilters();
+});
+window.addEventListener('hashchange', () => { fromAddress(); applyFilters(); });
+"""
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="{csp}">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title><style>{style}</style></head>
+<body><h1>{title}</h1>
+{body}
+<script>{script}</script>
+</body></html>
+"""
