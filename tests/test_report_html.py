@@ -53,10 +53,11 @@ def _run(tmp_path, name: str, members=("qwen", "llama")):
             }
         )  # fmt: skip
     write_jsonl(run / "samples.jsonl", samples)
-    summary = {"reward_mode": "ring", "steps": 12, "data": {"kept": 64, "skipped": {"empty_question": 1}},
-               "collapse_warnings": [{"slot": "qwen", "step": 9, "category": "shape", "rule": "diversity_agreement",
-                                      "early_steps": [1, 4], "late_steps": [6, 9], "answer_entropy_early": 1.0,
-                                      "answer_entropy_late": 0.3, "agreement_early": 0.4, "agreement_late": 0.9}]}  # fmt: skip
+    warning = {"slot": "qwen", "step": 9, "category": "shape", "rule": "diversity_agreement"}
+    warning |= {"early_steps": [1, 4], "late_steps": [6, 9], "answer_entropy_early": 1.0}
+    warning |= {"answer_entropy_late": 0.3, "agreement_early": 0.4, "agreement_late": 0.9}
+    summary = {"reward_mode": "ring", "steps": 12, "data": {"kept": 64, "skipped": {"empty_question": 1}}}
+    summary["collapse_warnings"] = [warning]
     (run / "summary.json").write_text(json.dumps(summary))
     return run
 
