@@ -145,7 +145,7 @@ def test_the_api_script_gives_every_member_the_functions_rewards(tiny_zoo, tmp_p
     assert sorted((r["step"], r["member"]) for r in rows) == [(1, "l"), (1, "q"), (2, "l"), (2, "q")]
     for r in rows:  # reward.mode none: the reward is the function's, abstentions (every fifth) adding 0
         assert r["reward_brevity"] < 0 and math.isclose(r["reward_mean"], r["reward_brevity"] * 6 / 8, rel_tol=1e-5)
-    assert summary["data"] == {"kept": 16, "skipped": {}, "skipped_examples": {}}
+    assert summary["data"] == {"used": 16, "kept": 16, "skip": 0, "skipped": {}, "skipped_examples": {}}
     assert summary["reward_functions"] == [{"name": "brevity", "weight": 1.0}]
 
 
@@ -307,3 +307,31 @@ def test_an_iterable_dataset_and_its_decoded_images_load_like_a_file(tmp_path):
     assert [ex.metadata for ex in data.examples] == [{"level": 1}, {"level": 2}]
     assert isinstance(data.examples[0].images[0], bytes)
     assert load_image(data.examples[0].images[0]).size == load_image(paths[0]).size
+
+
+def test_the_data_line_and_summary_give_what_the_run_uses_after_skip_and_limit(caplog):
+    """skip 30, limit 20: 50 records read and kept, the run trains on 20 of them, and says so."""
+    import logging
+
+    from vlm_corl.config.schema import DatasetConfig
+    from vlm_corl.training.setup import load_training_examples
+
+    with caplog.at_level(logging.INFO, logger="vlm_corl"):
+        examples, report = load_training_examples(DatasetConfig(loader="easyvqa", skip=30, limit=20))
+    assert len(examples) == 20 and report.as_dict()["used"] == 20 and report.kept == 50
+    assert "easyvqa[train]: kept 50, skipped 0; the run uses 20 (after the first 30 and the limit)" in caplog.text
+
+
+def test_progress_to_a_log_file_is_plain_lines_not_bar_frames(tiny_zoo, tmp_path, caplog, capsys):
+    """Under pytest stderr is not a terminal: the run logs a plain line per ~5% of its steps, and no tqdm frame."""
+    import logging
+
+    cfg = _config(tiny_zoo, tmp_path)
+    cfg["eval"] = {"every": 0}
+    cfg["logging"]["progress"] = True
+    with caplog.at_level(logging.INFO, logger="vlm_corl"):
+        CohortTrainer(cfg).train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 1/2 (50%)", "step 2/2 (100%)"]
+    assert "reward q " in lines[0] and "s/step" in lines[0]
+    assert "\r" not in capsys.readouterr().err

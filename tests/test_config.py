@@ -340,10 +340,12 @@ def test_peer_rewards_need_two_members(models, mode):
     assert message.startswith(f"reward.mode: {mode!r} rewards each member with its peers' answers and needs at least 2")
 
 
-def test_peers_needs_three_members(models):
-    assert one_problem(cohort(2, reward={"mode": "peers"})) == (
-        "reward.mode: with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
-    )
+def test_peers_with_two_members_runs_with_a_warning(models):
+    from vlm_corl.config.loading import peers_of_two
+
+    two = config_from_dict(cohort(2, reward={"mode": "peers"}))
+    assert peers_of_two(two) and "equals ring" in peers_of_two(two)
+    assert peers_of_two(config_from_dict(cohort(3, reward={"mode": "peers"}))) is None
     assert config_from_dict(cohort(3, reward={"mode": "peers"})).reward.mode == "peers"
     assert config_from_dict(cohort(2, reward={"mode": "soft"})).reward.mode == "soft"
 

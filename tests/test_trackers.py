@@ -79,12 +79,16 @@ def test_wandb_offline_and_tensorboard_hold_both_members_series_and_samples_are_
         assert {"q/reward_mean", "m/reward_mean", "q/loss", "m/grad_norm"} <= history[step]
     assert "samples/_type" in history[1] and "samples/_type" in history[2]  # the sampled responses: W&B tables
     assert len(glob.glob(str(run / "wandb" / "offline-run-*" / "files" / "media" / "table" / "samples_*.json"))) == 2
+    # TensorBoard: one run per member with the same tag names (members overlay); text in the cohort's run
+    for member in ("q", "m"):
+        events = EventAccumulator(str(run / "tensorboard" / member))
+        events.Reload()
+        assert {"reward_mean", "loss", "grad_norm"} <= set(events.Tags()["scalars"])
+        assert [e.step for e in events.Scalars("reward_mean")] == [1, 2]
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
-    tags = events.Tags()
-    assert {"q/reward_mean", "m/reward_mean"} <= set(tags["scalars"])
-    assert [e.step for e in events.Scalars("q/reward_mean")] == [1, 2]
-    assert any(t.startswith("samples/") for t in tags["tensors"])  # text summaries are stored as tensors
+    assert events.Tags()["scalars"] == []
+    assert any(t.startswith("samples/") for t in events.Tags()["tensors"])  # text summaries are stored as tensors
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 1, 2, 2]
     for row in rows:

@@ -104,7 +104,9 @@ def _header(runs, names) -> str:
             s.get("reward_mode", "?") + (f" + {functions}" if functions else ""),
             f"{steps[-1] if steps else 0}" + (f" of {s['steps']}" if s.get("steps") else ""),
             ", ".join(by_member(run.rows)),
-            f"kept {data['kept']}, skipped {sum((data.get('skipped') or {}).values())}" if data else "?",
+            f"uses {data.get('used', data.get('kept'))}, skipped {sum((data.get('skipped') or {}).values())}"
+            if data
+            else "?",
         ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     return (

@@ -214,10 +214,6 @@ def _cohort_problems(cfg: CohortConfig, problems: Problems) -> None:
                 f" (got {n_members}); add a member or use a single-model mode"
                 " (self_vote, self_certainty, entropy, gt, co_rewarding_1, co_rewarding_2)",
             )
-        elif mode == "peers" and n_members < 3:
-            problems.add(
-                "reward.mode", "with 2 members peers equals ring: use reward.mode=ring (or add a third member)"
-            )
 
 
 CUSTOM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*")
@@ -235,6 +231,13 @@ def _custom_problems(cfg: CohortConfig, problems: Problems) -> None:
         problems.add(
             "reward.weights", f"{len(weights)} weight(s) for {len(custom)} reward.custom function(s); give one each"
         )
+
+
+def peers_of_two(cfg: CohortConfig) -> str | None:
+    """The warning a run of `peers` over two members gets (it is `ring`: each member's only peer labels it)."""
+    if cfg.reward.mode == "peers" and len(cfg.members) == 2:
+        return "reward.mode peers with 2 members equals ring (each member's only peer labels it); it runs as given"
+    return None
 
 
 def _run_problems(cfg: CohortConfig, problems: Problems) -> None:

@@ -87,6 +87,8 @@ class LoadReport:
     skipped: dict[str, int] = field(default_factory=dict)
     samples: dict[str, list[str]] = field(default_factory=dict)
     """reason -> the first `SAMPLES_PER_REASON` dropped records, as "id: detail" or the loader's detail."""
+    skip_first: int = 0  # kept examples a training run passes over first (data.train.skip)
+    used: int | None = None  # the examples the run uses (after data.train.skip and limit); None: all kept
 
     def skip(self, reason: str, detail: str) -> None:
         """Count one dropped record."""
@@ -104,6 +106,8 @@ class LoadReport:
         """One line of totals, then one line per skip reason with its first few records."""
         where = f" {self.path}" if self.path is not None else ""
         lines = [f"{self.loader}[{self.split}]{where}: kept {self.kept}, skipped {self.total_skipped}"]
+        if self.used is not None and (self.used != self.kept or self.skip_first):
+            lines[0] += f"; the run uses {self.used} (after the first {self.skip_first} and the limit)"
         for reason, count in self.skipped.items():
             lines.append(f"  {reason}: {count} (e.g. {'; '.join(self.samples[reason])})")
         return "\n".join(lines)
@@ -115,6 +119,7 @@ class LoadReport:
             "path": self.path,
             "split": self.split,
             "kept": self.kept,
+            "used": self.kept if self.used is None else self.used,
             "skipped": dict(self.skipped),
             "samples": {reason: list(s) for reason, s in self.samples.items()},
         }

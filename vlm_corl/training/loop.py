@@ -9,6 +9,7 @@ import collections.abc
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -157,6 +158,10 @@ def run_cohort(
     functions added to the mode's reward (`CohortTrainer`'s, `run_reward_functions`; None: reward.custom's)."""
     if reward_funcs is None:
         reward_funcs = run_reward_functions(cfg)
+    if not sys.stderr.isatty():  # a log file: no carriage-return frames of the libraries' loading/saving bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     run = start_run(cfg)
     run.callbacks = Callbacks(callbacks, run.world.is_main)
     run.reward_funcs = list(reward_funcs)
@@ -201,14 +206,18 @@ def stopped_by_launcher(world: World) -> Iterator[None]:
 def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     """The step loop from `run.start` to train.max_steps; `timer` is renewed each step (phases and times)."""
     cfg = run.cfg
+    # A terminal gets tqdm's bar; a log file (stderr not a terminal) plain lines every ~5% (`progress_line`), not
+    # the bar's carriage-return frames.
+    shown = cfg.logging.progress and run.world.is_main
     bar = tqdm(
         range(run.start, cfg.train.max_steps),
         initial=run.start,
         total=cfg.train.max_steps,
-        disable=not (cfg.logging.progress and run.world.is_main),
+        disable=not (shown and sys.stderr.isatty()),
         desc="cohort",
         dynamic_ncols=True,
     )
+    every, started = max(1, cfg.train.max_steps // 20), time.perf_counter()
     renders, stopped = RenderAhead(run), None
     run.callbacks.fire("on_train_begin", run.start)
     run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
@@ -221,6 +230,12 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
         rows, warnings = step_phases(run, step, timer, renders)
         if rows:
             bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
+        if shown and bar.disable and ((step + 1) % every == 0 or step + 1 == cfg.train.max_steps):
+            log.info(
+                progress_line(
+                    step + 1, cfg.train.max_steps, rows, (time.perf_counter() - started) / (step + 1 - run.start)
+                )
+            )
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
             with timer("checkpoint"):
                 checkpoint_phase(run, step + 1, rows)
@@ -245,6 +260,12 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     if stopped is not None:
         raise CollapseStopped(stopped["message"])
     return summary
+
+
+def progress_line(step: int, total: int, rows: list[dict], seconds_per_step: float) -> str:
+    """A plain progress line for a log file: step, share done, each member's mean reward, time per step."""
+    rewards = ", ".join(f"{r['member']} {r['reward_mean']:.3f}" for r in rows)
+    return f"step {step}/{total} ({100 * step / total:.0f}%): reward {rewards or '-'}; {seconds_per_step:.2f} s/step"
 
 
 def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAhead") -> tuple[list, list]:

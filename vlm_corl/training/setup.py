@@ -16,7 +16,7 @@ import torch
 from vlm_corl.cli import output_dir
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
-from vlm_corl.config.loading import config_to_dict
+from vlm_corl.config.loading import config_to_dict, peers_of_two
 from vlm_corl.config.resume_rules import changed_at_resume
 from vlm_corl.config.schema import DatasetConfig
 from vlm_corl.data.loaders import DataError, load_examples, loader_category
@@ -104,6 +104,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         if plan is not None:
             write_plan(plan, run_dir)
         log.info("placement over %d process(es): %s", world.size, describe(placement))
+        if peers_of_two(cfg):
+            log.warning(peers_of_two(cfg))
     torch.manual_seed(cfg.seed)
     examples, data_report = _load_data(cfg, resume_from)
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
@@ -290,13 +292,14 @@ def load_training_examples(spec: DatasetConfig) -> tuple[list, object]:
     loader's report of the records it kept and skipped (by reason)."""
     stop = spec.skip + spec.limit if spec.limit else None
     data = load_examples(spec.loader, spec.path, split=spec.split, limit=stop, **spec.options)
-    log.info("data: %s", data.report.summary())
     kept = data.examples[spec.skip :]
     if not kept:
         raise DataError(
             f"data.train: no training examples left ({len(data.examples)} loaded, skip={spec.skip}; "
             f"{data.report.summary()}): check data.train.path, split, skip and limit"
         )
+    data.report.skip_first, data.report.used = spec.skip, len(kept)  # what the run trains on, after skip/limit
+    log.info("data: %s", data.report.summary())
     return kept, data.report
 
 

@@ -40,7 +40,9 @@ def finish_run(run: CohortRun, stopped: dict | None) -> dict:
         examples["prompt_too_long"] = [
             f"{example_id}: {d['tokens']} tokens for {d['member']}" for example_id, d in list(run.too_long.items())[:5]
         ]
-    summary["data"] = {"kept": report.kept, "skipped": skipped, "skipped_examples": examples}
+    used = report.kept if report.used is None else report.used
+    summary["data"] = {"used": used, "kept": report.kept, "skip": report.skip_first, "skipped": skipped,
+                       "skipped_examples": examples}  # fmt: skip
     summary["environment"] = environment(run.world)
     if run.sink is not None:
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -9,9 +9,11 @@ error naming the extra, raised before any model loads (`check_trackers`). Each s
 of the client's own retries) or the run stops with an error naming it; trackers keep their own run handle rather
 than a client's current run, so they work from the thread that started them.
 
-Where they write: TensorBoard to RUN/tensorboard; W&B to RUN/wandb (online, or offline with WANDB_MODE=offline:
-`wandb sync RUN/wandb/offline-run-*` uploads it later); MLflow to MLFLOW_TRACKING_URI, else a file store in
-RUN/mlruns; trackio to its local store (TRACKIO_DIR, default ~/.cache/huggingface/trackio).
+Where they write: TensorBoard to RUN/tensorboard, one run per member (RUN/tensorboard/<member>, the same tag names
+in each, so members overlay) and the config, samples and summary in RUN/tensorboard itself; W&B to RUN/wandb
+(online, or offline with WANDB_MODE=offline: `wandb sync RUN/wandb/offline-run-*` uploads it later); MLflow to
+MLFLOW_TRACKING_URI, else a file store in RUN/mlruns; trackio to its local store (TRACKIO_DIR, default
+~/.cache/huggingface/trackio).
 """
 
 from __future__ import annotations
@@ -55,16 +57,25 @@ class Tracker:
 
 
 class TensorBoard(Tracker):
+    """One TensorBoard run per member (RUN/tensorboard/<member>/), each with the same tag names (`reward_mean`,
+    `eval/<benchmark>/accuracy`, ...), so members overlay in one chart; the config, the sampled responses and
+    the summary go to the cohort's own run (RUN/tensorboard/)."""
+
     def __init__(self, run_dir: Path, config: dict, name: str, timeout_s: float = 30.0):
         from torch.utils.tensorboard import SummaryWriter  # imported here: it pulls in tensorboard
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.root, self.make, self.members = run_dir / "tensorboard", SummaryWriter, {}
+        self.writer = SummaryWriter(log_dir=str(self.root))
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
 
     def scalars(self, values, step):
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
-        self.writer.flush()
+            member, _, metric = tag.partition("/")  # series are <member>/<metric> (member ids hold no "/")
+            if member not in self.members:
+                self.members[member] = self.make(log_dir=str(self.root / member))
+            self.members[member].add_scalar(metric, value, step)
+        for writer in self.members.values():
+            writer.flush()
 
     def samples(self, rows, step):
         for row in rows:
@@ -75,6 +86,8 @@ class TensorBoard(Tracker):
         if summary is not None:
             self.writer.add_text("summary", "```\n" + json.dumps(summary, indent=2) + "\n```", summary.get("steps", 0))
         self.writer.close()
+        for writer in self.members.values():
+            writer.close()
 
 
 class WandB(Tracker):
