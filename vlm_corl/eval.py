@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from vlm_corl import cli
-from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import RolloutConfig, VllmConfig
 from vlm_corl.distributed.world import default_device
 from vlm_corl.errors import UserError
@@ -29,6 +28,7 @@ from vlm_corl.evaluation.scoring import (
 )
 from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import Member, load_member
+from vlm_corl.members.prompt_format import member_config
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
 
@@ -108,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict] = {}
         engines = []  # vLLM engines live as long as the process (closing one tears down vLLM's shared state)
         for model_dir in dirs:
-            member = load_member(
-                MemberConfig(id=model_dir.name, model=str(model_dir), trainable=False), device=default_device()
-            )
+            member = load_member(member_config(model_dir), device=default_device())  # an export's prompt format
             engine, room = _engine(args, member, list(benches.values()), examples, share=1 / len(dirs))
             engines.append(engine if args.engine == "vllm" else None)
             for name, bench in benches.items():

@@ -5,7 +5,9 @@ RUN_DIR is a run directory (its newest complete checkpoint, or `--step N`) or on
 (`RUN/checkpoints/step-N`). Each member goes to DIR/<member>: a fully fine-tuned member as its model
 (`from_pretrained` loads it), a LoRA member as its adapter (`PeftModel.from_pretrained` applies it to the base its
 adapter_config.json names) or, with `--merge`, as a whole model with the adapter merged into the base's weights,
-in the base's dtype. Optimizer states are left behind.
+in the base's dtype. Optimizer states are left behind. Each member also gets a model card (README.md: base model,
+peers, reward, steps, data, the run's evaluations, the prompt format) and prompt_format.json, which `corl eval`
+reads back so an export is asked as training asked it. Files are written readable by all (0644).
 
 DIR must be new or empty: an export beside another one would mix them (an adapter next to full weights, and
 loading the folder gives the other run's weights). `--overwrite` replaces DIR whole: the export is written to a
@@ -32,6 +34,7 @@ from vlm_corl.members.deepspeed_update import STATE_FILE
 from vlm_corl.members.lora import is_adapter_dir
 from vlm_corl.members.member import load_member
 from vlm_corl.members.state_files import TRAINER_STATE
+from vlm_corl.model_card import write_card
 from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
 
 STATE_PATTERN = re.compile(re.escape(STATE_FILE).replace(r"\{\}", r"[0-9]+"))  # a DeepSpeed optimizer partition
@@ -68,6 +71,12 @@ def export_member(source: Path, out: Path, merge: bool) -> str:
         if f.is_file() and f.name != TRAINER_STATE and not STATE_PATTERN.fullmatch(f.name):
             shutil.copy2(f, out / f.name)
     return "adapter" if is_adapter_dir(source) else "model"
+
+
+def readable_by_all(folder: Path) -> None:
+    """Exported files 0644 and folders 0755: an export is shared (checkpoints may be written private)."""
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def used_entries(out: Path) -> list[str]:
@@ -157,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     written = []
     with replaced_whole(out) if replace else cli.kept_if_written(out, "--out") as where:
         for mid in args.member or members:
-            written.append(f"{mid}: {export_member(checkpoint / mid, where / mid, args.merge)} -> {out / mid}")
+            kind = export_member(checkpoint / mid, where / mid, args.merge)
+            write_card(checkpoint, mid, where / mid)
+            readable_by_all(where / mid)
+            written.append(f"{mid}: {kind} + model card -> {out / mid}")
     print("\n".join(written))  # once the export is in place (with --overwrite: after the swap)
     return 0
 

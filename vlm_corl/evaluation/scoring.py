@@ -22,6 +22,7 @@ from vlm_corl.data.records import Example
 from vlm_corl.distributed.world import default_device
 from vlm_corl.members.engines import RolloutEngine, make_engine
 from vlm_corl.members.member import Member, check_modality, load_member, member_family
+from vlm_corl.members.prompt_format import member_config
 from vlm_corl.members.render import PromptTooLong, Renderer, Wording
 from vlm_corl.members.rollout import SamplingParams
 
@@ -227,7 +228,7 @@ def evaluate_dir(
 ) -> dict:
     """Load a saved model (zoo member or checkpoint) as a frozen member and evaluate it; `view`: the question's
     wording it sees (a member's `view`; an example without that paraphrase is asked in its own wording)."""
-    cfg = MemberConfig(id=name or Path(model_dir).name, model=str(model_dir), trainable=False, view=view)
+    cfg = member_config(model_dir, name, view=view)  # an exported model's prompt format (prompt_format.json)
     return evaluate_member(load_member(cfg, device=default_device()), examples, bench, progress=progress)
 
 
