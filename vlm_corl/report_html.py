@@ -211,7 +211,15 @@ def _agreement(runs, names) -> str:
                 rows = [{"step": r["step"], "v": r.get(PAIR_PREFIX + b)} for r in run.rows if r["member"] == a]
                 pairs[f"{a} ~ {b}"] = rows
         fig = Figure(figsize=(6.4, 3.4), layout="constrained")
-        plot_metric(pairs, "v", smooth=5, ax=fig.add_subplot(), band=False, title="Vote agreement over time")
+        plot_metric(
+            pairs,
+            "v",
+            smooth=5,
+            ax=fig.add_subplot(),
+            band=False,
+            title="Vote agreement over time",
+            ylabel="votes agreeing",
+        )
         parts.append(_svg(fig))
     if not parts:
         return ""
