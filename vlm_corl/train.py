@@ -14,15 +14,9 @@ import os
 import sys
 from typing import Sequence
 
-import transformers
-
 from vlm_corl import cli
-from vlm_corl.api import CohortTrainer
 from vlm_corl.config import ConfigError
-from vlm_corl.distributed.world import PlacementError
 from vlm_corl.errors import Interrupted, UserError, debug_requested
-from vlm_corl.training.guard import CollapseStopped
-from vlm_corl.training.numerics import NonFiniteStopped, RolloutMismatchStopped
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.train") -> int:
@@ -30,6 +24,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     parser.add_argument("--config", required=True, help="cohort YAML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4 members.0.view=paraphrase:1")
     args = parser.parse_args(argv)
+    # torch and transformers load only now: `--help` and argument mistakes answer at once
+    import transformers
+
+    from vlm_corl.api import CohortTrainer
+    from vlm_corl.distributed.world import PlacementError
+    from vlm_corl.training.guard import CollapseStopped
+    from vlm_corl.training.numerics import NonFiniteStopped, RolloutMismatchStopped
+
     try:
         trainer = CohortTrainer(args.config, overrides=args.overrides)  # the cheap checks; heavy imports after
     except ConfigError as err:

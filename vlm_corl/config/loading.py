@@ -24,7 +24,7 @@ from vlm_corl.config.parse import (
 )
 from vlm_corl.config.schema import PEER_MODES, CohortConfig, MemberConfig, custom_rewards, has_teachers
 from vlm_corl.errors import UserError
-from vlm_corl.members.lora import base_model_dir, is_adapter_dir
+from vlm_corl.members.adapter_files import base_model_dir, is_adapter_dir
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
 
 # Strings a user means as booleans: a quoted "no" would switch a template's flag on (vlm_corl/config/loading.py)

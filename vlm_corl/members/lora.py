@@ -10,7 +10,6 @@ own names: W + (alpha / r) * B @ A, one layer at a time, so no second full copy 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,11 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlm_corl.errors import UserError
+from vlm_corl.members.adapter_files import ADAPTER_CONFIG, base_model_dir, is_adapter_dir  # noqa: F401
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import LoraConfig
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_NAME = "default"
 # Where a vision-language model keeps its vision tower (Qwen-VL, Gemma-3 and InternVL, Llama-3.2-Vision).
 VISION_TOWERS = ("visual", "vision_tower", "vision_model")
@@ -143,29 +142,6 @@ def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torc
         for name, t in named
         if ".lora_A." in name or ".lora_B." in name
     }
-
-
-def is_adapter_dir(path: str | Path) -> bool:
-    """Whether `path` holds a PEFT adapter (a LoRA member's checkpoint) rather than a whole model."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def base_model_dir(adapter_dir: str | Path) -> Path:
-    """The base model an adapter directory was trained on (its adapter_config.json's base_model_name_or_path;
-    a relative path is read from the working directory, as members[i].model is)."""
-    path = Path(adapter_dir) / ADAPTER_CONFIG
-    try:
-        base = json.loads(path.read_text())["base_model_name_or_path"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(
-            f"{path}: not a readable PEFT adapter config ({err}); it must name base_model_name_or_path"
-        ) from err
-    if not base or not Path(base).is_dir():
-        raise UserError(
-            f"{path}: its base model {base!r} is not a directory here; the adapter is applied to that model "
-            "(edit base_model_name_or_path to where the base model is)"
-        )
-    return Path(base)
 
 
 def load_merged(model: torch.nn.Module, adapter_dir: str | Path) -> torch.nn.Module:

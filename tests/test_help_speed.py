@@ -1,0 +1,39 @@
+"""`corl --help` and the commands made fast answer without loading torch or transformers (issue 36, item 5):
+measured against an empty Python start, as a ratio (the machine's speed cancels out), and checked exactly by
+which modules an import of the command loads."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+FAST = ["", "train", "config"]  # `corl` itself, `corl train`, `corl config` (the others: see the issue's note)
+HEAVY = ("torch", "transformers", "matplotlib", "datasets")
+
+
+def _median_s(cmd: list[str], runs: int = 3) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@pytest.mark.parametrize("command", FAST)
+def test_help_answers_within_a_few_empty_python_starts(command):
+    empty = _median_s([sys.executable, "-c", "pass"])
+    help_s = _median_s([sys.executable, "-m", "vlm_corl.commands", *([command] if command else []), "--help"])
+    # an empty start is ~0.03 s here, `corl train --help` ~0.15 s; loading torch alone would be 2 s (~70x)
+    assert help_s / empty < 15, f"corl {command} --help took {help_s:.2f} s, {help_s / empty:.1f}x an empty start"
+
+
+@pytest.mark.parametrize("module", ["vlm_corl.commands", "vlm_corl.train", "vlm_corl.config"])
+def test_the_fast_commands_import_no_heavy_library(module):
+    code = f"import sys, {module}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert loaded.strip() == "[]", f"{module} loads {loaded.strip()} at import"
