@@ -25,12 +25,12 @@ from matplotlib.figure import Figure
 from vlm_corl import cli
 from vlm_corl.report_html import render_html
 from vlm_corl.run_plots import (
-    CATEGORY_PLOT_KEYS,
     LABELS,
     Rows,
     RunData,
     _number,
     by_member,
+    category_figure,
     category_lines,
     edge_window,
     eval_category_lines,
@@ -148,15 +148,8 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
         if path is not None:
             written["eval_accuracy"] = path
     warnings = run.summary.get("collapse_warnings") or collapse_warnings(run.rows)
-    per_category = category_lines(run.rows)
-    present = [k for k in CATEGORY_PLOT_KEYS if any(per_step(rows, k)[0] for rows in per_category.values())]
-    if present:
-        fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
-        for j, key in enumerate(present):
-            ax = fig.add_subplot(1, len(present), j + 1)
-            plot_metric(per_category, key, smooth=1, ax=ax, band=False, ylabel=f"{LABELS.get(key, key)} (window)")
-            mark_flags(ax, [w for w in warnings if w.get("rule") != "eval_drop"])
-        fig.suptitle("Per category (running windows; dashed: collapse flags)")
+    fig = category_figure(category_lines(run.rows), warnings, "Per category (running windows; dashed: collapse flags)")
+    if fig is not None:
         written["categories"] = _save(fig, Path(out) / "categories.png")
     if any(k.startswith("accuracy_") for r in run.eval_rows for k in r):
         fig = Figure(figsize=(6.4, 4.0), layout="constrained")

@@ -26,10 +26,9 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from vlm_corl.run_plots import (
-    CATEGORY_PLOT_KEYS,
-    LABELS,
     RunData,
     by_member,
+    category_figure,
     category_lines,
     eval_category_lines,
     eval_lines,
@@ -158,14 +157,9 @@ def _categories(runs, names) -> str:
             for w in warnings
         ]
         lines = {_label(names, i, k): v for k, v in category_lines(run.rows).items()}
-        keys = [k for k in CATEGORY_PLOT_KEYS if any(per_step(rows, k)[0] for rows in lines.values())]
-        if keys:
-            fig = Figure(figsize=(4.6 * len(keys), 3.6), layout="constrained")
-            for j, key in enumerate(keys):
-                ax = fig.add_subplot(1, len(keys), j + 1)
-                plot_metric(lines, key, smooth=1, ax=ax, band=False, ylabel=f"{LABELS.get(key, key)} (window)")
-                mark_flags(ax, [w for w in warnings if w.get("rule") != "eval_drop"])
-            fig.suptitle(f"{names[i]}: per category (running windows; dashed red: collapse flags)")
+        title = f"{names[i]}: per category (running windows; dashed red: collapse flags)"
+        fig = category_figure(lines, warnings, title)
+        if fig is not None:
             parts.append(_svg(fig))
         eval_cats = eval_category_lines(run.eval_rows)
         if eval_cats:

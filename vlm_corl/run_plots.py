@@ -23,7 +23,7 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -300,16 +300,40 @@ def plot_panel(
 ) -> Path | None:
     """Several metrics side by side (one subplot per key with values, same lines as `plot_metric`) in one PNG;
     None (nothing written) when no key has values."""
-    present = [k for k in keys if any(per_step(rows, k)[0] for rows in runs.values())]
-    if not present:
+    fig = side_by_side(
+        runs, keys, lambda key, ax: plot_metric(runs, key, smooth=smooth, ax=ax, title=(titles or {}).get(key))
+    )
+    if fig is None:
         return None
-    fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
-    for j, key in enumerate(present):
-        ax = fig.add_subplot(1, len(present), j + 1)
-        plot_metric(runs, key, smooth=smooth, ax=ax, title=(titles or {}).get(key))
     if title:
         fig.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def category_figure(lines: Mapping[str, Rows], warnings: Sequence[dict], title: str) -> Figure | None:
+    """One subplot per category metric with values (`CATEGORY_PLOT_KEYS`, lines from `category_lines`), the
+    batch/category collapse flags marked; None when no line has any of them (report.md's PNG, report.html's SVG)."""
+
+    def draw(key: str, ax: Axes) -> None:
+        plot_metric(lines, key, smooth=1, ax=ax, band=False, ylabel=f"{LABELS.get(key, key)} (window)")
+        mark_flags(ax, [w for w in warnings if w.get("rule") != "eval_drop"])
+
+    fig = side_by_side(lines, CATEGORY_PLOT_KEYS, draw)
+    if fig is not None:
+        fig.suptitle(title)
+    return fig
+
+
+def side_by_side(lines: Mapping[str, Rows], keys: Sequence[str], draw: Callable[[str, Axes], None]) -> Figure | None:
+    """A figure of one subplot per key that some line has values of, each drawn by `draw(key, ax)`; None when
+    no key has any."""
+    present = [k for k in keys if any(per_step(rows, k)[0] for rows in lines.values())]
+    if not present:
+        return None
+    fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
+    for j, key in enumerate(present):
+        draw(key, fig.add_subplot(1, len(present), j + 1))
+    return fig
