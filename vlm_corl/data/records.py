@@ -77,6 +77,14 @@ class Example:
             )
         return self.paraphrases[k - 1]
 
+    def wording_for(self, view: str) -> str:
+        """The question as a slot with this view was asked: its view's wording, or the original where the
+        example lacks it (a run goes on past that only under data.view_fallback: original)."""
+        try:
+            return self.question_for(view)
+        except ViewError:
+            return self.question
+
 
 def with_choices(question: str, choices: Sequence[str] | None) -> str:
     """The question followed by its options, "(A) …" one a line (MathVista's own query layout): how a loader

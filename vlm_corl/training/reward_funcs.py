@@ -128,7 +128,7 @@ def call_arguments(
     columns = {key: per([ex.metadata[key] for ex in examples]) for key in sorted(shared) if key not in ARGUMENTS}
     return {
         "member": specs[n].id,
-        "prompts": per([ex.question_for(specs[n].view) for ex in examples]),
+        "prompts": per([ex.wording_for(specs[n].view) for ex in examples]),
         "completions": [t for group in batch.texts[n] for t in group],
         "answers": [a for group in batch.answers[n] for a in group],
         "peer_answers": {

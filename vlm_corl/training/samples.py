@@ -103,7 +103,7 @@ def sample_rows(
 def _prompt(ex: Example, settings: SampleSettings, n: int) -> str:
     """The text slot n was asked: the question in its view's wording and its answer instruction (the chat
     template and any system prompt around it are the member's own)."""
-    question = ex.question_for(settings.views[n]) if n < len(settings.views) else ex.question
+    question = ex.wording_for(settings.views[n]) if n < len(settings.views) else ex.question
     style = settings.styles[n] if n < len(settings.styles) else None
     return PROMPT_STYLES[style].format(question=question) if style in PROMPT_STYLES else question
 
