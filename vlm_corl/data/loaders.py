@@ -475,21 +475,27 @@ def load_hf(
     path = Path(path)
     if not path.exists():
         raise missing_path(path)
-    names = _field_names(fields)
+    _field_names(fields)  # an unknown field name is refused before the dataset is opened
     dataset = _open_hf(path, split, cache_dir)
-    columns = dataset.column_names
-    missing = [f"{column!r} (for {attr})" for attr, column in (fields or {}).items() if column not in columns]
-    if missing:
-        raise DataError(f"{path}: no column {', '.join(missing)}; columns: {', '.join(columns)}")
-    if not set(names["question"]) & set(columns):
-        raise DataError(
-            f"{path}: no question column (looked for {', '.join(names['question'])}; columns: "
-            f"{', '.join(columns)}); name it with fields={{'question': '<column>'}}"
-        )
+    check_columns(dataset.column_names, fields, str(path), "fields")
     directory = path if path.is_dir() else path.parent
     name = source or directory.resolve().name
     root = Path(image_root) if image_root is not None else directory
     return _hf_rows(dataset, split, name, root.resolve(), fields)
+
+
+def check_columns(columns: list[str], fields: Mapping[str, str] | None, where: str, option: str) -> None:
+    """DataError when a column `fields` names is missing, or no question column is there (`where` names the
+    dataset, `option` how the user names columns: "fields" for a loader, "columns" for the API)."""
+    missing = [f"{column!r} (for {attr})" for attr, column in (fields or {}).items() if column not in columns]
+    if missing:
+        raise DataError(f"{where}: no column {', '.join(missing)}; its columns: {', '.join(columns)}")
+    looked = _field_names(fields)["question"]
+    if not set(looked) & set(columns):
+        raise DataError(
+            f"{where}: no question column (looked for {', '.join(looked)}; its columns: {', '.join(columns)}); "
+            f"name it with {option}={{'question': '<column>'}}"
+        )
 
 
 def _open_hf(path: Path, split: str, cache_dir):

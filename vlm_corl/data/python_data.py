@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vlm_corl.data.loaders import FIELD_NAMES, DataError, Skip, example_from_row
+from vlm_corl.data.loaders import FIELD_NAMES, DataError, Skip, check_columns, example_from_row
 from vlm_corl.data.records import Example
 from vlm_corl.registry import LOADERS
 
@@ -39,15 +39,7 @@ def register_dataset(data: object, columns: Mapping[str, str] | None, argument: 
     fields = _fields(columns, argument)
     names = _column_names(data, argument)
     if names is not None:
-        missing = [f"{column!r} (for {field})" for field, column in fields.items() if column not in names]
-        if missing:
-            raise DataError(f"{argument}: no column {', '.join(missing)}; its columns: {', '.join(names)}")
-        wanted = fields.get("question")
-        if wanted is None and not set(FIELD_NAMES["question"]) & set(names):
-            raise DataError(
-                f"{argument}: no question column (looked for {', '.join(FIELD_NAMES['question'])}; its columns: "
-                f"{', '.join(names)}); name it with columns={{'question': '<column>'}}"
-            )
+        check_columns(names, fields, argument, "columns")
     key = fingerprint(data)
     _DATASETS[key] = data
     return {"dataset": key, "fields": fields, "source": argument}
