@@ -47,8 +47,6 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from vlm_corl import cli
 from vlm_corl.config.schema import DataConfig, MemberConfig, RolloutConfig, VllmConfig
 from vlm_corl.data.images import load_image
@@ -64,11 +62,14 @@ from vlm_corl.data.paraphrases import (
 )
 from vlm_corl.data.records import Example
 from vlm_corl.errors import UserError
-from vlm_corl.members.engines import RolloutEngine, make_engine
-from vlm_corl.members.rollout import Prompt, SamplingParams
 
 if TYPE_CHECKING:
+    from vlm_corl.members.engines import RolloutEngine
     from vlm_corl.members.member import Member
+    from vlm_corl.members.rollout import Prompt, SamplingParams
+
+# torch and the engines load in the functions that rewrite (after `main` has parsed its arguments): `--help`
+# and argument mistakes answer at once
 
 _RULES = (
     "Rules:\n"
@@ -93,6 +94,8 @@ SCENARIO_PROMPT = (
 def render(member: Member, example: Example, template: str, max_image_pixels: int) -> Prompt:
     """The rewriting request for one example, in the rewriter's chat template (images only for a VLM)."""
     text = template.replace("{question}", example.question)  # not str.format: questions are full of LaTeX braces
+    from vlm_corl.members.rollout import Prompt
+
     images = [load_image(src, max_pixels=max_image_pixels) for src in example.images] if member.is_vision else []
     chat_text = member.apply_chat_template(text, len(images), None)
     return Prompt(example.id, chat_text, images, member.process(chat_text, images))
@@ -318,10 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device",
         type=cli.device,
-        default="cuda" if torch.cuda.is_available() else "cpu",
+        default=None,
         help="device for the rewriter (default: cuda if available, else cpu)",
     )
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    import torch
+
+    from vlm_corl.members.engines import make_engine
+    from vlm_corl.members.rollout import SamplingParams
+
+    args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     samples = args.samples or 2 * args.n
     if args.n < 1 or samples < args.n:
         parser.error(f"need --n >= 1 and --samples >= --n (got n={args.n}, samples={samples})")

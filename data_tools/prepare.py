@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"math: levels to keep (default {','.join(map(str, DEFAULT_LEVELS))})",
     )
     parser.add_argument("--rephrased", type=Path, default=None, help="math: row-aligned rewordings of the train split")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     if args.format != "math" and (args.levels or args.rephrased):
         parser.error("--levels and --rephrased are for --format math")
     splits = release_splits(args.format, args.src, args.rephrased)

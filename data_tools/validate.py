@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
     )
     parser.add_argument("path", type=Path, help="a record file (.jsonl) or a directory of them")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     reports, extra = validate(args.path)
     text, problems = table(reports, extra)
     records = sum(r.kept + r.total_skipped for r in reports.values())

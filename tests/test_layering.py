@@ -38,7 +38,7 @@ def test_core_never_imports_text_corl():
 
 # the core: the loop, members, distribution, data, evaluation, configs; the tools (commands) build on it
 CORE = ("training", "members", "distributed", "data", "evaluation", "config", "registry.py", "errors.py", "cli.py")
-TOOLS = ("zoo", "warmstart", "demo", "probe", "headroom", "report", "experiments", "train", "eval")
+TOOLS = ("zoo", "warmstart", "demo", "probe", "headroom", "report", "report_md", "experiments", "train", "eval")
 
 
 def test_core_never_imports_the_tools():

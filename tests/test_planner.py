@@ -21,7 +21,7 @@ from vlm_corl.planning import estimates as est
 from vlm_corl.planning.check import against_plan, check_launch
 from vlm_corl.planning.cohort import Hardware, plan_cohort, with_changes
 from vlm_corl.planning.fixes import fixes
-from vlm_corl.planning.render import memory_size
+from vlm_corl.members.memory import memory_size
 from vlm_corl.planning.shapes import model_shape
 from vlm_corl.planning.suggest import compositions, suggest
 

@@ -6,16 +6,9 @@ import json
 
 from cohort_helpers import write_jsonl
 
-from vlm_corl.report import (
-    by_member,
-    first_last,
-    main,
-    moving_average,
-    per_step,
-    plot_metric,
-    plot_panel,
-    render_report,
-)
+from vlm_corl.report import main
+from vlm_corl.report_md import render_report
+from vlm_corl.run_plots import by_member, first_last, moving_average, per_step, plot_metric, plot_panel
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

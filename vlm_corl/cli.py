@@ -29,7 +29,6 @@ def parser(prog: str, doc: str | None, **kwargs: Any) -> argparse.ArgumentParser
 def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
     """Call `main(argv)`; a user mistake prints `error: …` on stderr and returns 2, Ctrl-C returns 130."""
     args = list(sys.argv[1:] if argv is None else argv)
-    quiet_library_bars()
     try:
         code = main(args)
     except UserError as err:
@@ -46,8 +45,22 @@ def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = No
     return code if isinstance(code, int) else 0
 
 
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args(argv)`, then quiet the libraries' bars. A command imports torch and transformers only
+    after this, so `--help` and argument mistakes answer at once (~0.15 s, against 2-7 s with torch loaded)."""
+    args = parser.parse_args(argv)
+    quiet_library_bars()
+    return args
+
+
 def quiet_library_bars() -> None:
-    """Turn off transformers' per-file load/save bars (one per model loaded), which drown our own."""
+    """Turn off transformers' per-file load/save bars (one per model loaded), which drown our own.
+
+    Before transformers is imported this is the hub's switch, which transformers reads when it loads (importing
+    it here would cost a command that never needs it ~1 s); after, transformers' own."""
+    if "transformers" not in sys.modules:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the Markdown file to write (docs/models.md)")
     parser.add_argument("--vllm-python", help="a Python interpreter with vLLM installed (e.g. .venv-vllm/bin/python)")
     parser.add_argument("--only", help="comma-separated model types (default: all)")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     vllm = vllm_architectures(args.vllm_python)

@@ -21,17 +21,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 from vlm_corl import cli
 from vlm_corl.config import ConfigError, MemberConfig, load_config, read_raw_config
 from vlm_corl.errors import UserError
-from vlm_corl.evaluation.scoring import benchmark_examples, evaluate_dir
-from vlm_corl.members.member import load_member
 from vlm_corl.registry import BENCHMARKS, FAMILIES
 from vlm_corl.warmstart import labelled_slice, warm_start
 from vlm_corl.zoo import build_member
+
+# torch and transformers load in the functions that train and evaluate (after `main` has parsed its arguments):
+# `--help` and argument mistakes answer at once
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,11 @@ RECIPES = {
 def build_base(member_id: str, recipe: BaseRecipe, out: Path, seed: int, bar_position: int | None = None) -> dict:
     """Zoo member -> warm start on its labelled slice -> saved at `out` (the path the cohort config names).
     `bar_position`: show a warm-start progress bar (on a terminal) on that line."""
+    import torch
+    from tqdm import tqdm
+
+    from vlm_corl.members.member import load_member
+
     torch.set_num_threads(1)  # one thread per worker: the two warm starts share the machine's cores
     cli.quiet_library_bars()  # a spawned worker starts with transformers' defaults
     init = seed + recipe.init_seed
@@ -123,7 +126,11 @@ def main(argv=None) -> int:
         help="warm-start steps of every base model instead of the recipes' (for smoke runs)",
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the cohort config")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    import torch
+
+    from vlm_corl.evaluation.scoring import benchmark_examples
+
     recipes = {mid: replace(r, steps=args.warm_steps or r.steps) for mid, r in RECIPES.items()}
     start = time.time()
     overrides = ["train.overwrite=true", *args.overrides]  # the demo redoes its run
@@ -197,6 +204,8 @@ def main(argv=None) -> int:
 
 def evaluate_all(models: dict[str, Path], bench, examples) -> dict[str, dict]:
     """Evaluate each model directory, one line per model as it finishes."""
+    from vlm_corl.evaluation.scoring import evaluate_dir
+
     results = {}
     for mid, path in models.items():
         results[mid] = evaluate_dir(path, bench, examples, mid, progress=True)

@@ -13,24 +13,16 @@ import json
 import sys
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from vlm_corl import cli
 from vlm_corl.config.schema import RolloutConfig, VllmConfig
-from vlm_corl.distributed.world import default_device
 from vlm_corl.errors import UserError
-from vlm_corl.evaluation.scoring import (
-    EVAL_IMAGE_PIXELS,
-    Benchmark,
-    benchmark_examples,
-    check_models,
-    evaluate_member,
-    results_markdown,
-    write_results,
-)
-from vlm_corl.members.engines import make_engine
-from vlm_corl.members.member import Member, load_member
-from vlm_corl.members.prompt_format import member_config
 from vlm_corl.registry import BENCHMARKS
-from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
+
+if TYPE_CHECKING:
+    from vlm_corl.evaluation.scoring import Benchmark
+    from vlm_corl.members.member import Member
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="vllm on a CPU: KV cache bytes of all engines together (the share above is of RAM there)",
     )
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     if args.list:
         print(benchmark_list())
         return 0
@@ -96,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--data takes BENCH=PATH, got {bad_data}")
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError("--engine vllm needs vLLM: pip install -e '.[vllm]' (or use --engine hf)")
+    # torch and transformers load only now: `--help` and argument mistakes answer at once
+    from vlm_corl.distributed.world import default_device
+    from vlm_corl.evaluation.scoring import (
+        benchmark_examples,
+        check_models,
+        evaluate_member,
+        results_markdown,
+        write_results,
+    )
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.prompt_format import member_config
+
     # checked before the evaluation, not after it; removed again if the evaluation fails before writing
     with cli.kept_if_written(args.out, "--out") as out:
         names = [name for name in args.benchmarks.split(",") if name]
@@ -123,6 +127,8 @@ def model_dirs(paths: list[str]) -> list[Path]:
     """The models `--models` names: a model directory itself (with config.json), every model of a cohort
     checkpoint (`RUN/checkpoints/step-N`: the members and teachers its manifest lists), or those of a run
     directory's newest complete checkpoint. A path that does not exist is kept, for `check_models` to report."""
+    from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
+
     found = []
     for raw in paths:
         path = Path(raw)
@@ -142,6 +148,9 @@ def model_dirs(paths: list[str]) -> list[Path]:
 def _engine(args, member: Member, benches: list[Benchmark], examples: dict, share: float):
     """The sampler for one model and the longest prompt it takes: the HF engine (no limit), or a vLLM engine
     with room for --max-prompt-tokens plus the longest benchmark answer."""
+    from vlm_corl.evaluation.scoring import EVAL_IMAGE_PIXELS
+    from vlm_corl.members.engines import make_engine
+
     if args.engine == "hf":
         return make_engine("hf", member), 1 << 30
     budget = VllmConfig(gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_bytes)

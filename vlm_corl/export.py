@@ -30,18 +30,16 @@ from pathlib import Path
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
 from vlm_corl.errors import UserError
-from vlm_corl.members.deepspeed_update import STATE_FILE
-from vlm_corl.members.lora import is_adapter_dir
-from vlm_corl.members.member import load_member
-from vlm_corl.members.state_files import TRAINER_STATE
-from vlm_corl.model_card import write_card
-from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
+from vlm_corl.members.adapter_files import is_adapter_dir
 
-STATE_PATTERN = re.compile(re.escape(STATE_FILE).replace(r"\{\}", r"[0-9]+"))  # a DeepSpeed optimizer partition
+# torch and transformers load only once the arguments are parsed (the functions below import what they use):
+# `--help` and argument mistakes answer at once
 
 
 def checkpoint_of(run: Path, step: int | None) -> Path:
     """The checkpoint `run` names: itself, its `--step`, or its newest complete one; UserError otherwise."""
+    from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
+
     if (run / MANIFEST).is_file():
         found = run
     elif step is not None:
@@ -60,6 +58,11 @@ def checkpoint_of(run: Path, step: int | None) -> Path:
 def export_member(source: Path, out: Path, merge: bool) -> str:
     """Write one member's checkpoint `source` to `out`; returns what was written ("model", "adapter" or
     "merged model")."""
+    from vlm_corl.members.deepspeed_update import STATE_FILE
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.state_files import TRAINER_STATE
+
+    optimizer_partition = re.compile(re.escape(STATE_FILE).replace(r"\{\}", r"[0-9]+"))  # DeepSpeed's, per rank
     if is_adapter_dir(source) and merge:
         member = load_member(MemberConfig(id=source.name, model=str(source), trainable=False), device=None)
         out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +71,7 @@ def export_member(source: Path, out: Path, merge: bool) -> str:
         return "merged model"
     out.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
-        if f.is_file() and f.name != TRAINER_STATE and not STATE_PATTERN.fullmatch(f.name):
+        if f.is_file() and f.name != TRAINER_STATE and not optimizer_partition.fullmatch(f.name):
             shutil.copy2(f, out / f.name)
     return "adapter" if is_adapter_dir(source) else "model"
 
@@ -154,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out whole (nothing of it is kept)"
     )
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    from vlm_corl.model_card import write_card
+    from vlm_corl.training.checkpoint import MANIFEST
+
     checkpoint = checkpoint_of(Path(args.run), args.step)
     members = list(json.loads((checkpoint / MANIFEST).read_text())["members"])
     unknown = sorted(set(args.member or ()) - set(members))

@@ -22,11 +22,7 @@ from pathlib import Path
 from vlm_corl import cli
 from vlm_corl.config import ConfigError, load_config, read_raw_config
 from vlm_corl.errors import UserError
-from vlm_corl.members.memory import GB
-from vlm_corl.planning.cohort import Hardware, layout_problems, plan_cohort
-from vlm_corl.planning.fixes import fixes
-from vlm_corl.planning.render import memory_size, render_plan
-from vlm_corl.planning.suggest import suggest
+from vlm_corl.members.memory import GB, memory_size
 
 
 def released_stand_ins(config: str, overrides: Sequence[str]) -> list[str]:
@@ -53,7 +49,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--gpu-memory", type=memory_size, default=80 * GB, help="memory per GPU (default 80GB)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.add_argument("--suggest", action="store_true", help="also search the cheapest layout that fits")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    # torch loads only now (the planner builds models on the meta device): `--help` answers at once
+    from vlm_corl.planning.cohort import Hardware, layout_problems, plan_cohort
+    from vlm_corl.planning.fixes import fixes
+    from vlm_corl.planning.render import render_plan
+    from vlm_corl.planning.suggest import suggest
+
     processes = args.nodes * args.gpus_per_node
     label = f"{args.nodes} node{'s' * (args.nodes > 1)} x {args.gpus_per_node} GPU{'s' * (args.gpus_per_node > 1)}"
     hardware = Hardware(
@@ -103,7 +105,7 @@ def _suggestion_dict(found, cfg) -> dict | None:
     }
 
 
-def _print_suggestion(found, cfg, hardware: Hardware, as_json: bool) -> None:
+def _print_suggestion(found, cfg, hardware, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"suggestion": _suggestion_dict(found, cfg)}, indent=1))
     elif found is None:

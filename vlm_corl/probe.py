@@ -186,16 +186,13 @@ def probe_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """`python -m vlm_corl.probe`: evaluate the models, print the probe and write it to `--out`."""
-    from vlm_corl.evaluation.scoring import (  # registers the built-in benchmarks
-        benchmark_examples,
-        check_models,
-        evaluate_dir,
-    )
+    parser = probe_parser()
+    args = cli.parse(parser, argv)
+    # torch and transformers load only now: `--help` and argument mistakes answer at once
+    from vlm_corl.evaluation.scoring import benchmark_examples, check_models, evaluate_dir
     from vlm_corl.registry import BENCHMARKS
     from vlm_corl.warmstart import labelled_slice
 
-    parser = probe_parser()
-    args = parser.parse_args(argv)
     if len(args.models) < 2:
         parser.error("--models needs at least two model directories")
     try:

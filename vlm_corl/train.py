@@ -23,10 +23,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     parser = cli.parser(prog, __doc__)
     parser.add_argument("--config", required=True, help="cohort YAML file")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n=4 members.0.view=paraphrase:1")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)  # also quiets transformers' per-file load/save bars, which drown the steps
     # torch and transformers load only now: `--help` and argument mistakes answer at once
-    import transformers
-
     from vlm_corl.api import CohortTrainer
     from vlm_corl.distributed.world import PlacementError
     from vlm_corl.training.guard import CollapseStopped
@@ -40,7 +38,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     from vlm_corl.training.loop import RankFailure  # heavy imports after the cheap checks
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    transformers.utils.logging.disable_progress_bar()  # per-file load/save bars drown the step progress
 
     try:
         summary = trainer.train()

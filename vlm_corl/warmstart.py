@@ -14,19 +14,18 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import Callable
-
-import torch
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Callable
 
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import DataError, balance_by, load_examples
 from vlm_corl.data.records import Example
-from vlm_corl.distributed.world import default_device
-from vlm_corl.members.member import Member, check_modality, load_member, member_family
-from vlm_corl.members.render import Renderer
-from vlm_corl.members.update import response_logprobs
+
+if TYPE_CHECKING:
+    from vlm_corl.members.member import Member
+
+# torch and transformers load in the functions that train (and so after `main` has parsed its arguments):
+# `--help` and argument mistakes answer at once
 
 # The response a member is taught for gold answer A, per prompt style (no reasoning: tiny models).
 TARGETS = {"answer_tags": "<answer>{answer}</answer>", "boxed": "\\boxed{{{answer}}}"}
@@ -50,6 +49,11 @@ def warm_start(
 ) -> list[float]:
     """Supervised fine-tuning (cross-entropy on the response tokens); returns the loss per step (also passed
     to `on_step`, e.g. for a progress bar)."""
+    import torch
+
+    from vlm_corl.members.render import Renderer
+    from vlm_corl.members.update import response_logprobs
+
     render = Renderer(member, "original", max_image_pixels, max_prompt_tokens=1 << 30)
     optimizer = torch.optim.AdamW(member.model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
@@ -132,7 +136,13 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=cli.positive_int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
+    import torch
+    from tqdm import tqdm
+
+    from vlm_corl.distributed.world import default_device
+    from vlm_corl.members.member import check_modality, load_member, member_family
+
     torch.manual_seed(args.seed)
     out = cli.output_dir(args.out, "--out")
     examples = labelled_slice(args.loader, args.path, args.split, args.skip, args.limit, args.balance_by)

@@ -20,16 +20,19 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-
-import torch
-from tqdm import tqdm
-from transformers.utils import logging as hf_logging
+from typing import TYPE_CHECKING
 
 from vlm_corl import cli
 from vlm_corl.errors import UserError
-from vlm_corl.members.families import SIZES, Family, detect_family  # importing registers the vision families
-from vlm_corl.members.precision import DTYPES
 from vlm_corl.registry import FAMILIES
+
+if TYPE_CHECKING:
+    import torch
+
+    from vlm_corl.members.families import Family
+
+# torch and transformers load in the functions that build (and so after `main` has parsed its arguments):
+# `--help` and argument mistakes answer at once. Importing vlm_corl.members.families registers the families.
 
 REAL_MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -41,6 +44,8 @@ def member_dir(out: str | Path, family: str, size: str = "tiny") -> Path:
 
 def build_member(family: Family, path: str | Path, size: str = "tiny", seed: int = 0) -> int:
     """Build one randomly initialised member of `family` at `size`, save it to `path`; returns its parameter count."""
+    import torch
+
     tokenizer = family.build_tokenizer()
     config = family.build_config(size, tokenizer)
     # Seed just before construction so a member's weights depend only on (family, size, seed).
@@ -56,10 +61,16 @@ def build_member(family: Family, path: str | Path, size: str = "tiny", seed: int
 
 
 def build_real(
-    name: str | Path, out: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    name: str | Path, out: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 0
 ) -> tuple[Path, int]:
-    """A real-size random member (see the module docstring) at OUT/<name>; returns (its path, parameter count)."""
+    """A real-size random member (see the module docstring) at OUT/<name>, in `dtype` (default bfloat16); returns
+    (its path, parameter count)."""
+    import torch
     from transformers import AutoConfig
+
+    from vlm_corl.members.families import detect_family
+
+    dtype = torch.bfloat16 if dtype is None else dtype
 
     source = Path(name) if Path(name).is_dir() else REAL_MODELS / str(name)
     if not (source / "config.json").is_file():
@@ -130,6 +141,8 @@ def build_zoo(out: str | Path, families: list[str] | None = None, size: str = "t
 
 def _build(out, families, size, seed):
     """Yield (name, path, parameter count) as each member is built, so the CLI can report progress."""
+    from vlm_corl.members.families import SIZES
+
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; use one of {', '.join(SIZES)}")
     names = families or FAMILIES.names()
@@ -146,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", help="comma-separated family names (default: all registered families)")
     parser.add_argument(
         "--size",
-        choices=SIZES,
         default="tiny",
         help="tiny: ~0.2M parameters, for unit tests; small: ~1M, head_dim 32,"
         " servable by vLLM (members go to OUT/<family>-small)",
@@ -167,8 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a tiny random member of any transformers chat architecture (a config.json model_type, e.g."
         " llava_onevision), served by the generic family; it goes to OUT itself",
     )
-    args = parser.parse_args(argv)
-    hf_logging.disable_progress_bar()  # one "Writing model shards" bar per member drowns the table
+    args = cli.parse(parser, argv)  # also quiets the "Writing model shards" bar per member, which drowns the table
+    from tqdm import tqdm
+
+    from vlm_corl.members.families import SIZES
+    from vlm_corl.members.precision import DTYPES
+
+    if args.size not in SIZES:
+        parser.error(f"argument --size: invalid choice: {args.size!r} (choose from {', '.join(SIZES)})")
     if args.arch:
         from vlm_corl.zoo_arch import build_arch
 

@@ -34,7 +34,6 @@ from tqdm import tqdm
 
 from vlm_corl import cli
 from vlm_corl.errors import UserError
-from vlm_corl.evaluation.scoring import write_results
 from vlm_corl.experiments import easyvqa_analysis as analysis
 from vlm_corl.experiments.easyvqa_data import TYPES, UNLABELLED_START, VALIDATION_START
 from vlm_corl.experiments.easyvqa_design import (
@@ -218,7 +217,7 @@ def run_method(cfg_dict: dict, budget: Budget, split: str) -> dict:
 
     from vlm_corl.config import config_from_dict
     from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
-    from vlm_corl.report import first_last, read_jsonl
+    from vlm_corl.run_plots import first_last, read_jsonl
     from vlm_corl.training.loop import run_cohort
 
     path = Path(cfg_dict["output_dir"]) / "result.json"
@@ -372,6 +371,8 @@ def run_all(out: Path, budget: Budget, workers: int, split: str) -> dict:
 
 def finish(out: Path, results: dict) -> None:
     """Analyse, write results.json/md (before plotting, so the tables are safe on disk), plot, write again."""
+    from vlm_corl.evaluation.scoring import write_results  # torch: loaded only when there is work
+
     results = {**analysis.analyse(results), "plots": []}
     write_results(out, results, analysis.markdown(results))
     results["plots"] = analysis.plot_all(out, results)
@@ -444,7 +445,7 @@ def main(argv=None) -> int:
         default="docs/experiment.md",
         help="the page whose easyvqa-summary block --publish rewrites ('' = none)",
     )
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     if args.seeds == 1:
         parser.error("--seeds must be at least 2: the main comparisons give an interval over seeds")
     out = cli.output_dir(args.out, "--out")

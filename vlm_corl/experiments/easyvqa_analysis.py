@@ -520,7 +520,7 @@ CURVES = {
 def plot_all(out: Path, results: Mapping) -> list[str]:
     """The probe-vs-gain scatter and one PNG per training diagnostic over steps (one line per method, the mean
     over seeds and trained members, read from the runs' metrics.jsonl)."""
-    from vlm_corl.report import plot_metric, read_jsonl
+    from vlm_corl.run_plots import plot_metric, read_jsonl
 
     paths = [plot_probe_vs_gain(results["probe_gain"], out / "probe_vs_gain.png").name]
     for key, title in CURVES.items():

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=cli.positive_int, default=600, help="validation questions, balanced by type")
     parser.add_argument("--out", default="out/easyvqa_try", help="where the run directories go")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the runs' cohort configs")
-    args = parser.parse_args(argv)
+    args = cli.parse(parser, argv)
     bases = Path(args.bases)
     methods = planned_methods(bases)
     if args.method == "list":

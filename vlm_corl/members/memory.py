@@ -19,9 +19,20 @@ weights, which is how our members train: fp32 masters, bf16 compute by autocast)
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass
 
 GB = 1e9  # decimal gigabytes, as GPU memory is sold
+UNITS = {"": GB, "gb": GB, "g": GB, "gib": 2**30, "mb": 1e6, "mib": 2**20, "tb": 1e12, "tib": 2**40}
+
+
+def memory_size(text: str) -> float:
+    """argparse type: '80GB', '80GiB', '141 GB', '80' (GB) -> bytes."""
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not found or found.group(2).lower() not in UNITS or float(found.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 141GiB, got {text!r}")
+    return float(found.group(1)) * UNITS[found.group(2).lower()]
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,6 @@ against the card, the verdict with its largest item, and the changes that would 
 
 from __future__ import annotations
 
-import argparse
-import re
-
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import PHASES, CohortPlan, RankPlan
 
@@ -95,14 +92,3 @@ def _vllm_slot_lines(plan: CohortPlan) -> list[str]:
         f"rank {s['set_by']['rank']}'s {s['set_by']['engine']}){'' if s['holds_one_sequence'] else ': too small'}"
         for s in plan.engine_slots
     ]
-
-
-UNITS = {"": GB, "gb": GB, "g": GB, "gib": 2**30, "mb": 1e6, "mib": 2**20, "tb": 1e12, "tib": 2**40}
-
-
-def memory_size(text: str) -> float:
-    """argparse type: '80GB', '80GiB', '141 GB', '80' (GB) -> bytes."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not found or found.group(2).lower() not in UNITS or float(found.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 141GiB, got {text!r}")
-    return float(found.group(1)) * UNITS[found.group(2).lower()]

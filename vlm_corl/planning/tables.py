@@ -84,7 +84,7 @@ BLOCK = re.compile(r"(# plan: (?P<args>[^\n]*)\n)(?P<body>(?:#[^\n]*\n)*?)(# /pl
 def recipe_block(recipe: Path, args: str) -> str:
     """The plan lines of a GPU recipe for the hardware `args` names (`--gpus-per-node N --gpu-memory S`), with
     the released architectures of configs/models/ standing in for the downloaded checkpoints."""
-    from vlm_corl.planning.render import memory_size
+    from vlm_corl.members.memory import memory_size
 
     parsed = argparse.ArgumentParser()
     parsed.add_argument("--nodes", type=int, default=1)
