@@ -17,6 +17,7 @@ from vlm_corl.config import ConfigError, config_from_dict, load_config, read_raw
 from vlm_corl.errors import UserError
 from vlm_corl.members.memory import GB
 from vlm_corl.plan import main as plan_main
+from vlm_corl.plan import released_config
 from vlm_corl.planning import estimates as est
 from vlm_corl.planning.check import against_plan, check_launch
 from vlm_corl.planning.cohort import Hardware, plan_cohort, with_changes
@@ -266,12 +267,33 @@ def test_plan_command_answers_mistakes_with_exit_2(capsys):
     # models/... not downloaded here: the released architectures of the same names stand in (said on stderr)
     assert plan_main(["--config", str(COHORTS / "gpu_1gpu_2vlm.yaml"), "--gpus-per-node", "1"]) == 0
     assert "members[0].model models/qwen2-vl-2b-instruct does not exist: planned with" in capsys.readouterr().err
-    with pytest.raises(UserError, match="does not exist"):  # a model no released architecture stands in for
+    with pytest.raises(UserError, match="names no released architecture under .*configs/models.*add the model's"):
         plan_main(["--config", str(COHORTS / "gpu_1gpu_2vlm.yaml"), "members.0.model=models/mine"])
     result = python_m("vlm_corl.plan", "--config", COHORTS / "gpu_1node_3vlm.yaml", *recipe_overrides(
         COHORTS / "gpu_1node_3vlm.yaml"), "--gpus-per-node", "2")  # fmt: skip
     assert result.returncode == 2 and "cannot launch on 2 process(es)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_model_not_downloaded_is_found_by_its_directory_or_the_repository_models_json_records(tmp_path):
+    models = tmp_path / "models"
+    (models / "vlm-small").mkdir(parents=True)
+    (models / "vlm-small" / "config.json").write_text("{}")
+    (models / "models.json").write_text(json.dumps({"vlm-small": {"repo": "Org/VLM-Small-2B-Instruct"}}))
+    assert released_config("downloads/VLM-SMALL", models) == (models / "vlm-small", "same directory name")
+    by_repo = (models / "vlm-small", "models.json: Org/VLM-Small-2B-Instruct")
+    assert released_config("Org/VLM-Small-2B-Instruct", models) == by_repo  # the hub id as the member's model
+    assert released_config("models/vlm-small-2b-instruct", models) == by_repo  # a folder named after the repo
+    assert released_config("models/vlm-small-7b", models) is None
+
+
+def test_a_member_whose_architecture_transformers_does_not_know_is_refused_without_a_traceback(tmp_path):
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_arch", "hidden_size": 64}))
+    recipe = COHORTS / "gpu_1gpu_2vlm.yaml"
+    with pytest.raises(UserError, match="no_such_arch' has no registered family .* generic family cannot load it"):
+        plan_main(["--config", str(recipe), f"members.1.model={unknown}", "--gpus-per-node", "1"])
 
 
 # --- train's check ---

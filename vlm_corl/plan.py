@@ -7,7 +7,9 @@ rollout's KV cache, and an update's activations and logits; the peak against the
 changes that would make it fit, each with the memory it saves. `--suggest` searches the cheapest layout that
 fits and prints it as lines for the cohort file. No weights are read: parameter counts come from each member's
 config.json on the `meta` device (vlm_corl.planning); a member whose model directory is not downloaded yet but
-is named like a released architecture under configs/models/ is planned from that config.json (said on stderr).
+is named like a released architecture under configs/models/ (its directory, or the repository models.json
+records) is planned from that config.json (said on stderr); one that names none exits 2 naming configs/models.
+A member of a family we do not register is planned through the generic family, or refused (exit 2) saying why.
 Beside the GPUs: the host memory of every node and the disk the checkpoints take. Exit 0 with the plan, 2 on a bad
 config or argument.
 """
@@ -26,18 +28,48 @@ from vlm_corl.members.memory import GB, memory_size
 
 
 def released_stand_ins(config: str, overrides: Sequence[str]) -> list[str]:
-    """Overrides that plan a member whose model directory does not exist from the released architecture of the
-    same name under configs/models/ (config.json only: the planner reads no weights), each said on stderr."""
+    """Overrides that plan a member whose model directory does not exist yet from the released architecture it
+    names under configs/models/ (config.json only: the planner reads no weights), each said on stderr. A missing
+    model that names none is a UserError naming configs/models as the way."""
     from vlm_corl.planning.tables import MODELS
 
-    out = []
+    out, unknown = [], []
     for i, m in enumerate(read_raw_config(config, overrides).get("members") or []):
         model = str(m.get("model", "")) if isinstance(m, dict) else ""
-        released = MODELS / Path(model).name
-        if model and not Path(model).exists() and (released / "config.json").is_file():
-            out.append(f"members.{i}.model={released}")
-            print(f"note: members[{i}].model {model} does not exist: planned with {released}", file=sys.stderr)
+        if not model or Path(model).exists():
+            continue
+        found = released_config(model, MODELS)
+        if found is None:
+            unknown.append(f"members[{i}].model {model}")
+            continue
+        released, how = found
+        out.append(f"members.{i}.model={released}")
+        print(f"note: members[{i}].model {model} does not exist: planned with {released} ({how})", file=sys.stderr)
+    if unknown:
+        known = ", ".join(sorted(p.name for p in MODELS.iterdir() if (p / "config.json").is_file()))
+        raise UserError(
+            f"{config}: {'; '.join(unknown)} does not exist and names no released architecture under "
+            f"{MODELS} ({known}). To plan before downloading, name the member's directory like one of those "
+            "(or its Hugging Face repository, as models.json lists it), or add the model's config.json as "
+            "configs/models/NAME/config.json with its repository in configs/models/models.json"
+        )
     return out
+
+
+def released_config(model: str, models: Path) -> tuple[Path, str] | None:
+    """(the configs/models/ directory, how it matched) that a not-yet-downloaded `model` names: a directory of the
+    same name, or the repository id `models.json` records for one (`Qwen/Qwen2-VL-2B-Instruct`, or a local
+    directory named after it: `models/Qwen2-VL-2B-Instruct`); case does not matter. None when nothing matches."""
+    name = Path(model).name.lower()
+    index_file = models / "models.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else {}
+    for folder in sorted(p for p in models.iterdir() if (p / "config.json").is_file()):
+        if folder.name.lower() == name:
+            return folder, "same directory name"
+        repo = str(index.get(folder.name, {}).get("repo", ""))
+        if repo and (model.lower().rstrip("/") == repo.lower() or name == repo.split("/")[-1].lower()):
+            return folder, f"models.json: {repo}"
+    return None
 
 
 def main(argv: Sequence[str]) -> int:

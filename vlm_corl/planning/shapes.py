@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from vlm_corl.errors import UserError
 from vlm_corl.members.lora import VISION_TOWERS, adapter_parameters
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -74,9 +75,13 @@ def _meta_model(model_dir: str):
     import vlm_corl.members.families  # noqa: F401  (registers the vision families)
     from vlm_corl.members.families import detect_family
 
-    config = AutoConfig.from_pretrained(model_dir)
+    try:  # the family first: its message names what an unknown architecture lacks
+        family = detect_family(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, KeyError, ValueError) as err:
+        raise UserError(f"{model_dir}: cannot plan this model from its config.json: {err}") from None
     with torch.device("meta"):
-        return config, detect_family(model_dir).model_class.from_config(config)
+        return config, family.model_class.from_config(config)
 
 
 @lru_cache(maxsize=64)
