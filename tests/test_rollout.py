@@ -197,3 +197,43 @@ def test_rollout_statistics_are_those_of_the_policy(tiny_zoo, examples, family):
     for stat, fn in (("entropy", token_entropy), ("self_certainty", token_self_certainty)):
         expected = torch.where(mask.bool(), fn(logits), 0.0).sum(dim=1)
         assert torch.allclose(torch.tensor([getattr(r, f"{stat}_sum") for r in responses]), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("stop", ["none", "ascii", "non-ascii"])  # ASCII: device candidates; non-ASCII: every token
+def test_reading_the_device_every_8_tokens_as_on_a_gpu_gives_the_same_rollout(tiny_zoo, examples, monkeypatch, stop):
+    """On a GPU the decode loop reads from the device every 8 tokens (hf.sync_every): ended rows decode on,
+    masked, until then, and stop strings are found afterwards in the tokens since the last read. The CPU reads
+    every token. Both must give the same responses, statistics and finish reasons, sampled and greedy."""
+    import vlm_corl.members.engines.hf as hf
+
+    assert hf.sync_every(torch.device("cuda", 0)) == 8 and hf.sync_every(torch.device("cpu")) == 1
+    member, prompts = _prompts(tiny_zoo, examples, "qwen2_vl")
+    engine = make_engine("hf", member)
+
+    def rollout(every: int, params: SamplingParams) -> list:
+        monkeypatch.setattr(hf, "sync_every", lambda device: every)
+        groups = engine.generate(prompts, params)
+        return [(r.token_ids, r.finish_reason, r.logprob_sum, r.entropy_sum, r.token_logprobs) for g in groups
+                for r in g.responses]  # fmt: skip
+
+    sampled = SamplingParams(n=3, max_new_tokens=12, seed=2)
+    free = member.tokenizer.decode(rollout(1, sampled)[0][0])
+    strings = {"none": (), "ascii": (free[4:6],), "non-ascii": ("é",)}[stop]  # ascii: met mid-way in a response
+    for params in (replace(sampled, stop=strings), SamplingParams(n=1, max_new_tokens=12, temperature=0.0)):
+        cpu, gpu = rollout(1, params), rollout(8, params)
+        assert [r[:2] for r in cpu] == [r[:2] for r in gpu]
+        for a, b in zip(cpu, gpu):
+            assert a[2:4] == pytest.approx(b[2:4], abs=1e-5) and a[4] == pytest.approx(b[4], abs=1e-5)
+    if stop == "ascii":  # the case exercises a stop: the first response ended at the string before the limit
+        first = rollout(8, replace(sampled, stop=strings))[0]
+        assert first[1] == "stop" and len(first[0]) < 12 and strings[0] in member.tokenizer.decode(first[0])
+
+
+def test_only_tokens_holding_a_stop_strings_last_character_are_decoded(tiny_zoo):
+    from vlm_corl.members.engines.hf import _completing_tokens
+
+    tok = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]))).tokenizer
+    ids = _completing_tokens(tok, ("</answer>",), "cpu").tolist()
+    assert ids and all(">" in tok.decode([i]) for i in ids)
+    assert len(ids) < len(tok) / 4  # the point: most tokens are never decoded
+    assert _completing_tokens(tok, ("é",), "cpu") is None  # a non-ASCII end: every token is a candidate

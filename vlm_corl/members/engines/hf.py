@@ -18,6 +18,7 @@ not applied: the update could not reproduce them.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -104,61 +105,99 @@ def sample(
     prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], policy.pad_id, policy.mrope)
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
+    limit = params.max_new_tokens
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
     choose, eos = Chooser(params), torch.tensor(eos_ids, device=device)
     samplable = _samplable(vocab, policy.suppressed, device)  # (V',) token ids the policy can emit
-    tokens = torch.full((rows, params.max_new_tokens), policy.pad_id, dtype=torch.long, device=device)
-    stopped, lengths = (torch.zeros(rows, dtype=kind, device=device) for kind in (torch.bool, torch.long))
-    sums = {name: torch.zeros(rows, device=device) for name in ("logprob", "entropy", "self_certainty")}
-    token_logp = torch.zeros(rows, params.max_new_tokens, device=device)
-    texts = [""] * rows  # decoded responses so far, only when stop strings are checked
-    generated = torch.ones(rows, params.max_new_tokens, dtype=torch.long, device=device)  # sampled tokens' mask
-    # Rows still decoding (indices into the R rows): a row that ends leaves the batch and the cache.
+    stops = StopStrings(tokenizer, params.stop, device) if params.stop else None
+    tokens = torch.full((rows, limit), policy.pad_id, dtype=torch.long, device=device)
+    stats = {name: torch.zeros(rows, limit, device=device) for name in STATS}  # per token, summed at the end
+    # Each row's length: the length limit until it ends (an eos token, or a stop string found at a sync point).
+    lengths = torch.full((rows,), limit, dtype=torch.long, device=device)
+    generated = torch.ones(rows, limit, dtype=torch.long, device=device)  # sampled tokens' mask
+    # The batch (indices into the R rows) and which of its rows still decode. A row that ends stays in the batch
+    # until the next synchronisation (`sync_every`), where ended rows leave the batch and the cache; between
+    # two, the loop reads nothing back from the device (on a GPU each read waits for every queued kernel).
     active = torch.arange(rows, device=device)
+    alive = torch.ones(rows, dtype=torch.bool, device=device)
+    every, synced = sync_every(device), 0
     logits = prefix.last_logits
-    for t in range(params.max_new_tokens):
-        scores, logp = _policy_scores(logits, samplable, params, choose.greedy, t)
+    for t in range(limit):
+        scores, logp = _policy_scores(logits, samplable, params, choose.greedy)
         probs = logp.exp()
-        choice = choose(scores, probs, uniforms[active, t])
+        choice = choose(scores, probs, uniforms[active, t]).clamp_(max=len(samplable) - 1)  # NaN: in range
         next_tokens = samplable[choice]  # (A,)
-        stats = _chosen_token_stats(logp, probs, choice)
-        token_logp[active, t] = stats["logprob"]
-        for name, value in stats.items():
-            sums[name][active] += value
+        for name, value in _chosen_token_stats(logp, probs, choice).items():
+            stats[name][active, t] = value
         tokens[active, t] = next_tokens
-        lengths[active] += 1
-        ended = torch.isin(next_tokens, eos)
-        if params.stop:
-            ended |= _stop_strings(tokenizer, tokens[active, : t + 1], active.tolist(), texts, params.stop)
-        stopped[active[ended]] = True
-        if t + 1 == params.max_new_tokens or bool(ended.all()):
+        ended = alive & torch.isin(next_tokens, eos)
+        lengths[active] = torch.where(ended, t + 1, lengths[active])
+        alive &= ~ended
+        if t + 1 < limit and (t + 1 - synced) % every:
+            inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
+            logits = model(**inputs).logits[:, -1]
+            continue
+        # a synchronisation: stop strings in the tokens since the last one, finite logits, who is left
+        if stops is not None:
+            stopped_at = stops.first_hits(tokens, active, lengths, synced, t)
+            lengths[active] = torch.minimum(lengths[active], stopped_at)
+            alive &= stopped_at > t + 1
+        _check_finite(stats["entropy"], lengths, t)
+        synced = t + 1
+        if t + 1 == limit or not bool(alive.any()):
             break
-        if bool(ended.any()):
-            keep = (~ended).nonzero().squeeze(1)
+        if not bool(alive.all()):
+            keep = alive.nonzero().squeeze(1)
             prefix.select(keep)
-            active, next_tokens = active[keep], next_tokens[keep]
+            active, alive, next_tokens = active[keep], alive[keep], next_tokens[keep]
         inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
         logits = model(**inputs).logits[:, -1]
+    within = torch.arange(limit, device=device) < lengths[:, None]  # (R, T): each row's own tokens
+    sums = {name: (value * within).sum(dim=1).tolist() for name, value in stats.items()}
     n_tokens = lengths.tolist()
-    rows_tokens, rows_logp = (_cut(rows.tolist(), n_tokens) for rows in (tokens, token_logp))
-    return rows_tokens, stopped.tolist(), {name: value.tolist() for name, value in sums.items()}, rows_logp
+    stopped = [n < limit or _ends(row, eos_ids, stops) for n, row in zip(n_tokens, tokens.tolist())]
+    rows_tokens, rows_logp = (_cut(rows.tolist(), n_tokens) for rows in (tokens, stats["logprob"]))
+    return rows_tokens, stopped, sums, rows_logp
+
+
+STATS = ("logprob", "entropy", "self_certainty")  # the policy's statistics of each sampled token
+
+
+def sync_every(device: torch.device) -> int:
+    """Decode steps between reads from the device (has every row ended? a stop string? finite logits?). On a CPU
+    a read costs nothing, so every step (a batch ends as soon as its last row does); on a GPU each read waits
+    for the queued kernels, so every 8 steps (a batch that has ended decodes at most 7 more tokens)."""
+    return 1 if torch.device(device).type == "cpu" else 8
+
+
+def _ends(row: list[int], eos_ids: list[int], stops: StopStrings | None) -> bool:
+    """Whether a response that reached the length limit ended there anyway (its last token an eos, or the one
+    completing a stop string): `generate` counts those as stopped."""
+    return row[-1] in eos_ids or (stops is not None and stops.ends_in_last(row))
 
 
 def _policy_scores(
-    logits: torch.Tensor, samplable: torch.Tensor, params: SamplingParams, greedy: bool, t: int
+    logits: torch.Tensor, samplable: torch.Tensor, params: SamplingParams, greedy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The active rows' tempered scores (A, V') over the samplable tokens and the policy's log-probs of them, at
-    response token t + 1; raises NonFiniteLogits when they are not finite."""
+    """The active rows' tempered scores (A, V') over the samplable tokens and the policy's log-probs of them."""
     scores = logits.index_select(1, samplable).float()  # (A, V'): suppressed tokens have probability 0
     if not greedy and params.temperature != 1.0:
         scores = scores / params.temperature
-    logp = torch.log_softmax(scores, dim=-1)  # the policy's log-probs
-    if not bool(torch.isfinite(logp).all()):  # NaN/inf logits would sample out-of-range token indices
+    return scores, torch.log_softmax(scores, dim=-1)  # the policy's log-probs
+
+
+def _check_finite(entropy: torch.Tensor, lengths: torch.Tensor, t: int) -> None:
+    """Raise NonFiniteLogits when a row's logits were not finite at one of its tokens up to response token t + 1.
+
+    One NaN or infinite logit makes that token's entropy NaN (-p log p over the softmax: NaN everywhere for NaN
+    or +inf, 0 x -inf for -inf), so (R, T) numbers are checked per synchronisation instead of (R, V) logits per
+    token. A token sampled meanwhile from NaN is clamped into range, and the rollout is refused here."""
+    mine = torch.arange(t + 1, device=entropy.device) < lengths[:, None]
+    if not bool(torch.isfinite(entropy[:, : t + 1][mine]).all()):
         raise NonFiniteLogits(
-            f"its forward pass gave non-finite logits at response token {t + 1} (its weights or activations "
-            "hold NaN or infinity: a diverged model, or an overflow in its compute dtype)"
+            f"its forward pass gave non-finite logits at or before response token {t + 1} (its weights or "
+            "activations hold NaN or infinity: a diverged model, or an overflow in its compute dtype)"
         )
-    return scores, logp
 
 
 def _cut(rows: list[list], lengths: list[int]) -> list[list]:
@@ -232,15 +271,59 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1)
 
 
-def _stop_strings(
-    tokenizer, tokens: torch.Tensor, rows: list[int], texts: list[str], stop: tuple[str, ...]
-) -> torch.Tensor:
-    """(A,) whether each of `rows` (tokens: (A, t) so far) now holds a stop string overlapping its last token.
+class StopStrings:
+    """Where stop strings end responses, as `generate`'s stop criteria decide: at the first token that completes
+    one (the token is kept). Matched incrementally: a token can complete a stop string only if its own text
+    holds the string's last character, so only those tokens (found on the device) are decoded, and then only a
+    window of the tokens before them: O(window) per candidate, not O(length) per token (review m5)."""
 
-    texts[row] keeps each row's decoded response, so only the new end is searched."""
-    hit = torch.zeros(len(rows), dtype=torch.bool, device=tokens.device)
-    for i, (row, ids) in enumerate(zip(rows, tokens.tolist())):
-        before = len(texts[row])
-        texts[row] = tokenizer.decode(ids)
-        hit[i] = any(texts[row].find(s, max(0, before - len(s) + 1)) != -1 for s in stop)
-    return hit
+    def __init__(self, tokenizer, stop: tuple[str, ...], device):
+        self.tokenizer, self.stop = tokenizer, stop
+        # a stop string of c characters spans at most c tokens (each decodes to at least one character); one
+        # token more, so the window's start can hold part of a multi-byte character
+        self.window = max(len(s) for s in stop) + 1
+        self.candidates = _completing_tokens(tokenizer, stop, device)  # None: every token is a candidate
+
+    def first_hits(
+        self, tokens: torch.Tensor, active: torch.Tensor, lengths: torch.Tensor, start: int, t: int
+    ) -> torch.Tensor:
+        """(A,) per batch row: 1 + the first step in start..t whose token completes a stop string, within the
+        row's own tokens (before `lengths`); a large number where none does."""
+        span = tokens[active, start : t + 1]  # (A, S)
+        own = torch.arange(start, t + 1, device=tokens.device) < lengths[active, None]
+        maybe = own if self.candidates is None else own & torch.isin(span, self.candidates)
+        hits = [1 << 30] * len(active)
+        found = maybe.nonzero().tolist()  # [(batch row, offset)], in order
+        if found:
+            history = tokens[active].tolist()
+            for a, offset in found:
+                step = start + offset
+                if hits[a] > step + 1 and self._completes(history[a][: step + 1]):
+                    hits[a] = step + 1
+        return torch.tensor(hits, dtype=torch.long, device=tokens.device)
+
+    def ends_in_last(self, row: list[int]) -> bool:
+        """Whether the last token of `row` completes a stop string."""
+        return self._completes(row)
+
+    def _completes(self, ids: list[int]) -> bool:
+        """Whether a stop string ends in the last of `ids` (overlaps it)."""
+        window = ids[-self.window :]
+        text, before = self.tokenizer.decode(window), self.tokenizer.decode(window[:-1])
+        return any(text.find(s, max(0, len(before) - len(s) + 1)) != -1 for s in self.stop)
+
+
+def _completing_tokens(tokenizer, stop: tuple[str, ...], device) -> torch.Tensor | None:
+    """The ids whose own text holds the last character of a stop string; None (check every token) when a stop
+    string ends in a non-ASCII character, whose bytes a byte-level token may hold without decoding to it."""
+    ids = _ids_holding(tokenizer, frozenset(s[-1] for s in stop))
+    return None if ids is None else torch.tensor(ids, dtype=torch.long, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _ids_holding(tokenizer, chars: frozenset[str]) -> tuple[int, ...] | None:
+    """`_completing_tokens`' ids, decoded once per tokenizer and characters (a 150k vocabulary: ~1 s)."""
+    if not all(c.isascii() for c in chars):
+        return None
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return tuple(i for i, text in enumerate(texts) if any(c in text for c in chars))
