@@ -35,9 +35,9 @@ test: setup lint
 test-scale: setup
 	$(PY) -m pytest -m slow tests/test_scale_out.py tests/test_lora.py
 
-## Slow end-to-end runs of whole commands (the experiment's quick mode, generic-family members through every command): CI runs it after `make test`.
+## Slow end-to-end runs of whole commands (the experiment's quick mode, generic-family members through every command, a demo base model rebuilt bit for bit): CI runs it after `make test`.
 test-e2e: setup
-	$(PY) -m pytest -m slow tests/test_experiment.py tests/test_generic_e2e.py
+	$(PY) -m pytest -m slow tests/test_experiment.py tests/test_generic_e2e.py tests/test_demo_bases.py
 
 ## Slower suites, excluded from the default run.
 test-slow: setup

@@ -16,9 +16,9 @@ EXAMPLES = re.findall(r"### (.+?)\n\n```python\n(.*?)```", (ROOT / "docs" / "pyt
 def demo_folder(tiny_zoo, tmp_path, monkeypatch):
     base = tmp_path / "out" / "demo" / "base"
     base.mkdir(parents=True)
-    (base / "qwen").symlink_to(tiny_zoo["qwen2_vl"])
-    (base / "llama").symlink_to(tiny_zoo["mllama"])
-    cfg = cohort(tmp_path, [("qwen", base / "qwen"), ("llama", base / "llama")], reward={"mode": "ring"})
+    (base / "qwen2_vl").symlink_to(tiny_zoo["qwen2_vl"])
+    (base / "qwen2_vl_b").symlink_to(tiny_zoo["mllama"])
+    cfg = cohort(tmp_path, [("qwen", base / "qwen2_vl"), ("llama", base / "qwen2_vl_b")], reward={"mode": "ring"})
     (tmp_path / "configs" / "cohorts").mkdir(parents=True)
     (tmp_path / "configs" / "cohorts" / "tiny_easyvqa.yaml").write_text(yaml.safe_dump(cfg))
     monkeypatch.chdir(tmp_path)

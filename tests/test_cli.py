@@ -75,7 +75,7 @@ MISTAKES = [
     ("eval", "--models {root}/nope --benchmarks easyvqa --out {root}/eval_out --limit 3", "does not exist"),
     ("demo", "--config {root}/none.yaml", "none.yaml: cannot read the config file"),
     ("demo", "--config {root}/bad.yaml", "bad.yaml: the top level must be a mapping of sections"),
-    ("demo", "--reuse-base --eval-limit 3 train.lrr=1", "unknown key 'train.lrr'"),
+    ("demo", "--eval-limit 3 train.lrr=1", "unknown key 'train.lrr'"),
     ("experiments.easyvqa", "--out {root}/empty_dir --plots-only", "results.json does not exist: run the experiment"),
     ("experiments.easyvqa", "--out {root}/afile --quick", "--out {root}/afile is a file"),
     (
@@ -240,11 +240,13 @@ def test_zoo_warmstart_probe_and_report_through_python_m(files, tmp_path):
 
 
 def test_demo_through_python_m_at_its_smallest(tmp_path):
-    """The README's first command end to end (zoo, warm start, evaluation, Co-RL, evaluation) at toy size."""
+    """The README's first command end to end at toy size: base models rebuilt (zoo, warm start), scored, trained on
+    two processes (torchrun, as `make demo`), scored again; demo.json holds the gain and the pinned kernels."""
     demo = python_m(
         "vlm_corl.demo",
         "--config",
         ROOT / "configs" / "cohorts" / "tiny_easyvqa.yaml",
+        "--rebuild-base",
         "--warm-steps",
         2,
         "--eval-limit",
@@ -253,12 +255,15 @@ def test_demo_through_python_m_at_its_smallest(tmp_path):
         "data.batch_size=2",
         "rollout.n=2",
         "logging.report_to=[]",
-        "train.save_every=0",
         cwd=tmp_path,
     )
     assert demo.returncode == 0, demo.stderr[-3000:]
-    assert "[demo] 4. label-free Co-RL: ring rewards, 1 steps" in demo.stdout
+    assert "[demo] 3. label-free Co-RL: peers_ema rewards, 1 steps" in demo.stdout
+    assert "4 members on 2 process(es)" in demo.stdout and "cohort gain:" in demo.stdout
     result = json.loads((tmp_path / "out" / "demo" / "demo.json").read_text())
-    assert result["eval_questions"] == 3 and set(result["members"]) == {"qwen", "llama"}
+    assert result["eval_questions"] == 3 and set(result["members"]) == {"qwen2_vl", "qwen2_vl_b", "qwen2_vl_c", "qwen2_vl_d"}
     assert all(b["steps"] == 2 for b in result["base_models"].values())
+    gains = [m["gain_points"] for m in result["members"].values()]
+    assert result["gain_points"] == pytest.approx(sum(gains) / 4, abs=0.01)
+    assert result["machine"]["pinned"]["ATEN_CPU_CAPABILITY"] == "avx2" and result["machine"]["torch_threads"] == 1
     assert (tmp_path / "runs" / "tiny_easyvqa" / "summary.json").is_file()

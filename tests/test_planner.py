@@ -180,7 +180,7 @@ def recipe_overrides(path: Path) -> list[str]:
     return [f"members.{i}.model={MODELS / Path(m['model']).name}" for i, m in enumerate(members)]
 
 
-DEMO_BASES = {"qwen": "qwen2_vl", "llama": "mllama"}  # `make demo`'s base models: out/demo/base/<name>
+DEMO_BASES = dict.fromkeys(("qwen2_vl", "qwen2_vl_b", "qwen2_vl_c", "qwen2_vl_d"), "qwen2_vl")  # `make demo`s bases
 
 
 def zoo_family(model: str) -> str:

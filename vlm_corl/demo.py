@@ -1,225 +1,354 @@
-"""The demo (the README's first command): a diverse tiny cohort learns easy-vqa from its peers, without labels.
+"""The demo (the README's first command): four tiny vision-language members learn easy-vqa from each other's
+votes, without labels, on two processes.
 
-    python -m vlm_corl.demo [--config configs/cohorts/tiny_easyvqa.yaml] [--eval-limit 600]
+    python -m vlm_corl.demo [--seed 0] [--processes 2] [--eval-limit 600] [--rebuild-base] [dotted.key=value ...]
 
-1. zoo: build the randomly initialised members (offline);
-2. base models: a short supervised warm start of each member on its own small labelled slice of easy-vqa
-   train (the stand-in for a pretrained checkpoint; the only step that reads labels);
-3. evaluate the base models on easy-vqa test (balanced over yes/no, shape and colour questions);
-4. Co-RL: train the cohort of the config (ring peer rewards, train questions disjoint from the slices);
-5. evaluate the trained members the same way, and print before/after.
-Everything goes under out/demo/ and the run directory of the config.
+1. base models: the shipped ones (vlm_corl/demo_bases/, copied to the paths the config names), or with
+   --rebuild-base built again: zoo member -> supervised warm start on its own labelled slice of easy-vqa train
+   (the stand-in for a pretrained checkpoint; the only step that reads labels);
+2. score them on easy-vqa test (balanced over yes/no, shape and colour questions), greedily;
+3. label-free Co-RL: the config's cohort (`peers_ema`, the experiment's most robust gain), its members spread
+   over --processes processes (torchrun), on train questions disjoint from the labelled slices;
+4. score the trained members the same way;
+5. before -> after per member and question type, the collapse flags, and the cohort's gain in points, printed
+   and written to out/demo/demo.json. A question type on which a member answers one constant to at least 90 % of
+   the questions has collapsed: its gain there counts as none (as in the experiment, docs/experiment.md).
+
+Reproducible numbers: before torch loads, the demo pins what makes two x86-64 machines compute differently:
+one thread per process (a reduction's order) and the CPU kernels (`PINNED_KERNELS`: torch's own vectorised
+kernels and oneDNN's at AVX2, MKL's conditional-reproducibility branch at AVX2), which otherwise follow the
+CPU's features (AVX-512 here) and change the base models' weights within 60 warm-start steps. The shipped base
+models do not depend on the machine at all. `--publish DIR` records the run as DIR/demo-seed<S>.json and
+rewrites the README's table from every seed recorded there (a test keeps the two equal).
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vlm_corl import cli
-from vlm_corl.config import ConfigError, MemberConfig, load_config, read_raw_config
+from vlm_corl.config import ConfigError, load_config, read_raw_config
 from vlm_corl.errors import UserError
-from vlm_corl.registry import BENCHMARKS, FAMILIES
-from vlm_corl.warmstart import labelled_slice, warm_start
-from vlm_corl.zoo import build_member
 
-# torch and transformers load in the functions that train and evaluate (after `main` has parsed its arguments):
-# `--help` and argument mistakes answer at once
+# torch and transformers load in the functions that train and evaluate (after `main` has parsed its arguments
+# and pinned the kernels): `--help` and argument mistakes answer at once
 
-
-@dataclass(frozen=True)
-class BaseRecipe:
-    """How the demo makes a member's base model: zoo family/size, a labelled slice of easy-vqa train
-    (balanced over question types, or over metadata[balance] in the shares of `mix`, starting at `slice_start`),
-    and the supervised warm start."""
-
-    family: str
-    size: str
-    slice_start: int
-    slice_size: int
-    steps: int
-    lr: float = 2e-3
-    batch_size: int = 32
-    init_seed: int = 0  # added to the run seed for the zoo initialisation (two members of one family differ)
-    # ((value of metadata[balance], share), ...) of the labelled slice; None = balanced over those values
-    mix: tuple[tuple[str, float], ...] | None = None
-    balance: str = "question_type"
-    loader: str = "easyvqa"  # a loader registry name or module:function (vlm_corl.data.loaders)
-
-
-# Different labelled slices per member (warm-start data diversity lowers the correlation of their errors),
-# both before question 20000, where the cohort's unlabelled training questions start. Steps and learning
-# rates were chosen on a validation split carved from the end of easy-vqa train (never on test): Mllama reads
-# the image through zero-initialised gated cross-attention and needs the larger rate to start using it.
-RECIPES = {
-    "qwen": BaseRecipe("qwen2_vl", "tiny", 0, 1000, steps=1000),
-    "llama": BaseRecipe("mllama", "tiny", 10000, 1000, steps=1000, lr=4e-3),
+SHIPPED_BASES = Path(__file__).resolve().parent / "demo_bases"  # the four base models, ~1 MB each
+TYPES = ("yes/no", "shape", "color")
+# Set before torch loads, in this process and every one it starts (children inherit the environment).
+PINNED_KERNELS = {
+    "OMP_NUM_THREADS": "1",  # one thread per process: the two processes share two cores
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's vectorised kernels (softmax, reductions, ...)
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's (the vision tower's patch convolution, ...)
+    "MKL_CBWR": "AVX2",  # MKL's matrix products: one code branch on every AVX2 CPU
 }
-
-
-def build_base(member_id: str, recipe: BaseRecipe, out: Path, seed: int, bar_position: int | None = None) -> dict:
-    """Zoo member -> warm start on its labelled slice -> saved at `out` (the path the cohort config names).
-    `bar_position`: show a warm-start progress bar (on a terminal) on that line."""
-    import torch
-    from tqdm import tqdm
-
-    from vlm_corl.members.member import load_member
-
-    torch.set_num_threads(1)  # one thread per worker: the two warm starts share the machine's cores
-    cli.quiet_library_bars()  # a spawned worker starts with transformers' defaults
-    init = seed + recipe.init_seed
-    # One directory per initialisation: parallel workers never write a zoo member another one is reading.
-    zoo_dir = out.parent.parent / "zoo" / f"{recipe.family}-{recipe.size}-init{init}"
-    build_member(FAMILIES.get(recipe.family), zoo_dir, size=recipe.size, seed=init)
-    examples = labelled_slice(
-        recipe.loader,
-        None,
-        "train",
-        recipe.slice_start,
-        recipe.slice_size,
-        recipe.balance,
-        dict(recipe.mix) if recipe.mix else None,
-    )
-    torch.manual_seed(seed)
-    member = load_member(MemberConfig(id=member_id, model=str(zoo_dir)))
-    start = time.time()
-    with tqdm(
-        total=recipe.steps,
-        desc=f"warm start {member_id}",
-        unit="step",
-        position=bar_position,
-        disable=None if bar_position is not None else True,
-    ) as bar:
-        losses = warm_start(
-            member, examples, recipe.steps, recipe.batch_size, recipe.lr, seed, on_step=lambda loss: bar.update()
-        )
-    member.save(out)
-    return {
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
-        "steps": recipe.steps,
-        "examples": len(examples),
-        "seconds": round(time.time() - start, 1),
-    }
+README_BLOCK = "demo-results"
 
 
 def main(argv=None) -> int:
     parser = cli.parser("python -m vlm_corl.demo", __doc__)
     parser.add_argument("--config", default="configs/cohorts/tiny_easyvqa.yaml")
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="the run's seed (sampling, data order)")
+    parser.add_argument(
+        "--processes", type=cli.positive_int, default=2, help="processes the members are spread over (default 2)"
+    )
     parser.add_argument(
         "--eval-limit", type=cli.positive_int, default=600, help="easy-vqa test questions (balanced by type)"
     )
     parser.add_argument(
-        "--reuse-base",
+        "--rebuild-base",
         action="store_true",
-        help="keep base models already built by an earlier demo run (skip steps 1-2)",
+        help="build the base models again (zoo + supervised warm start, a few minutes) instead of the shipped ones",
     )
     parser.add_argument(
         "--warm-steps",
         type=cli.positive_int,
         default=None,
-        help="warm-start steps of every base model instead of the recipes' (for smoke runs)",
+        help="with --rebuild-base: warm-start steps of every base model instead of the recipes' (smoke runs)",
     )
+    parser.add_argument("--out", default="out/demo", help="where demo.json goes (default out/demo)")
+    parser.add_argument(
+        "--publish", default=None, metavar="DIR", help="also record the run as DIR/demo-seed<S>.json and rewrite "
+        "the README's demo table from every seed recorded there (e.g. docs/demo)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the cohort config")
     args = cli.parse(parser, argv)
-    import torch
-
-    from vlm_corl.evaluation.scoring import benchmark_examples
-
-    recipes = {mid: replace(r, steps=args.warm_steps or r.steps) for mid, r in RECIPES.items()}
+    os.environ.update(PINNED_KERNELS)  # before torch loads
     start = time.time()
-    overrides = ["train.overwrite=true", *args.overrides]  # the demo redoes its run
+    overrides = [f"seed={args.seed}", f"data.seed={args.seed}", *args.overrides]
     members = config_members(args.config, overrides)
-    unknown = sorted(set(members) - set(RECIPES))
-    if unknown:
-        raise UserError(f"the demo has no base-model recipe for members {unknown}; known: {sorted(RECIPES)}")
-    todo = {
-        mid: path for mid, path in members.items() if not (args.reuse_base and (Path(path) / "config.json").is_file())
-    }
-    check_config(args.config, overrides, todo)  # every mistake in the config before minutes of warm start
-    bench = BENCHMARKS.get("easyvqa")
-    examples = benchmark_examples(bench, args.eval_limit)
+    recipes = base_recipes(members, args.warm_steps)
+    check_config(args.config, overrides, members)  # every mistake in the config before minutes of work
+    cfg_members = list(members)
+    out = cli.output_dir(args.out, "--out")
 
-    _header(f"1-2. base models: zoo + supervised warm start of {', '.join(todo) or 'none (reused)'}")
-    for mid in todo:
-        r = recipes[mid]
+    _header(f"1. base models of {', '.join(cfg_members)}")
+    base = make_bases(members, recipes, args.rebuild_base, args.processes)
+    cfg = load_config(args.config, overrides)
+
+    _header(f"2. base models on easy-vqa test ({args.eval_limit} questions, balanced by type)")
+    before = evaluate_all({m.id: m.model for m in cfg.members}, args.eval_limit, args.processes)
+
+    _header(
+        f"3. label-free Co-RL: {cfg.reward.mode} rewards, {cfg.train.max_steps} steps, {cfg.data.batch_size} "
+        f"questions x {cfg.rollout.n} samples per step, {len(cfg.members)} members on {args.processes} process(es)"
+    )
+    summary = train_cohort(args.config, overrides, args.processes)
+    final = Path(summary["checkpoint"])
+
+    _header("4. trained members on easy-vqa test")
+    after = evaluate_all({m.id: final / m.id for m in cfg.members}, args.eval_limit, args.processes)
+
+    report = demo_report(before, after, args.eval_limit)
+    report |= {
+        "seed": args.seed,
+        "processes": args.processes,
+        "run_dir": summary["run_dir"],
+        "checkpoint": str(final),
+        "base_models": base,
+        "seconds": round(time.time() - start, 1),
+        "machine": machine(),
+    }
+    (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
+    _header("5. before -> after label-free Co-RL")
+    print(describe(report))
+    print(f"run directory: {summary['run_dir']}   (details in {out / 'demo.json'})")
+    if args.publish:
+        print(f"published: {publish(report, Path(args.publish), Path('README.md'))}")
+    return 0
+
+
+# ---- 1. base models --------------------------------------------------------------------------------------------
+
+
+def base_recipes(members: dict[str, str], warm_steps: int | None) -> dict:
+    """{member id: its BaseRecipe}: the easy-vqa experiment's recipe of the base of that name."""
+    from dataclasses import replace
+
+    from vlm_corl.experiments.easyvqa_design import FULL
+    from vlm_corl.experiments.easyvqa_design import base_recipes as experiment_recipes
+
+    known = experiment_recipes(FULL)
+    unknown = sorted(set(members) - set(known))
+    if unknown:
+        raise UserError(f"the demo has no base-model recipe for members {unknown}; known: {sorted(known)}")
+    return {mid: replace(known[mid], steps=warm_steps or known[mid].steps) for mid in members}
+
+
+def make_bases(members: dict[str, str], recipes: dict, rebuild: bool, processes: int) -> dict:
+    """Put each member's base model where the config names it: the shipped copy, or (`rebuild`) one built again
+    on `processes` worker processes. Returns what was done per member."""
+    if not rebuild:
+        done = {}
+        for mid, path in members.items():
+            if not (SHIPPED_BASES / mid / "config.json").is_file():
+                raise UserError(f"no shipped base model for member {mid!r} in {SHIPPED_BASES}; use --rebuild-base")
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.copytree(SHIPPED_BASES / mid, path)
+            done[mid] = {"shipped": str(SHIPPED_BASES.relative_to(SHIPPED_BASES.parents[1]) / mid)}
+            print(f"  {mid}: the shipped base model -> {path}", flush=True)
+        return done
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from vlm_corl.base_models import build_base
+
+    for mid, r in recipes.items():
         print(
             f"  {mid}: {r.family} ({r.size}), {r.slice_size} labelled questions from #{r.slice_start}, "
             f"{r.steps} steps at lr {r.lr}",
             flush=True,
         )
-    with ProcessPoolExecutor(max(len(todo), 1), mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = {
-            mid: pool.submit(build_base, mid, recipes[mid], Path(path), 0, i)
-            for i, (mid, path) in enumerate(todo.items())
-        }
-        base = {mid: job.result() for mid, job in jobs.items()}
-    for mid, b in base.items():
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        jobs = {mid: pool.submit(build_base, mid, recipes[mid], Path(path), 0) for mid, path in members.items()}
+        built = {mid: job.result() for mid, job in jobs.items()}
+    for mid, b in built.items():
         print(f"  {mid}: loss {b['first_loss']:.3f} -> {b['last_loss']:.3f} in {b['seconds']} s", flush=True)
-    cfg = load_config(args.config, overrides)
-
-    _header(f"3. base models on easy-vqa test ({len(examples)} questions, balanced by type)")
-    before = evaluate_all({m.id: m.model for m in cfg.members}, bench, examples)
-
-    from vlm_corl.training.loop import run_cohort
-
-    _header(
-        f"4. label-free Co-RL: {cfg.reward.mode} rewards, {cfg.train.max_steps} steps, "
-        f"{cfg.data.batch_size} questions x {cfg.rollout.n} samples per step"
-    )
-    summary = run_cohort(cfg)
-    final = Path(summary["checkpoint"])
-    _header("5. trained members on easy-vqa test")
-    after = evaluate_all({m.id: final / m.id for m in cfg.members}, bench, examples)
-
-    report = {
-        "run_dir": summary["run_dir"],
-        "checkpoint": str(final),
-        "eval_questions": len(examples),
-        "base_models": base,
-        "seconds": round(time.time() - start, 1),
-        "torch_threads": torch.get_num_threads(),
-        "members": {mid: {"before": _brief(before[mid]), "after": _brief(after[mid])} for mid in before},
-    }
-    out = Path("out/demo")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps(report, indent=2))
-    print(f"\neasy-vqa test accuracy ({len(examples)} questions, balanced by type), before -> after label-free Co-RL:")
-    for mid, r in report["members"].items():
-        types = ", ".join(
-            f"{t} {r['before']['by_type'][t]:.3f}->{r['after']['by_type'][t]:.3f}" for t in r["before"]["by_type"]
-        )
-        print(f"  {mid:6s} {r['before']['accuracy']:.3f} -> {r['after']['accuracy']:.3f}   ({types})")
-    print(
-        f"run directory: {summary['run_dir']}   (total {report['seconds']} s, {report['torch_threads']} torch "
-        "threads; details in out/demo/demo.json)"
-    )
-    return 0
+    return built
 
 
-def evaluate_all(models: dict[str, Path], bench, examples) -> dict[str, dict]:
-    """Evaluate each model directory, one line per model as it finishes."""
-    from vlm_corl.evaluation.scoring import evaluate_dir
+# ---- 2 and 4. scoring --------------------------------------------------------------------------------------------
 
-    results = {}
-    for mid, path in models.items():
-        results[mid] = evaluate_dir(path, bench, examples, mid, progress=True)
-        types = ", ".join(f"{t} {a:.3f}" for t, a in results[mid]["by_type"].items())
-        print(f"  {mid}: {results[mid]['accuracy']:.3f}  ({types})", flush=True)
+
+def evaluate_all(models: dict[str, Path], limit: int, processes: int) -> dict[str, dict]:
+    """Score each model directory greedily on easy-vqa test, on `processes` worker processes; one line per
+    model. Returns {member id: accuracy overall and per type, and the answers given per type}."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        jobs = {mid: pool.submit(score_model, mid, str(path), limit) for mid, path in models.items()}
+        results = {mid: job.result() for mid, job in jobs.items()}
+    for mid, r in results.items():
+        types = ", ".join(f"{t} {r['by_type'][t]:.3f}" for t in TYPES)
+        print(f"  {mid}: {r['accuracy']:.3f}  ({types})", flush=True)
     return results
+
+
+def score_model(mid: str, path: str, limit: int) -> dict:
+    """One model on the first `limit` balanced easy-vqa test questions (a worker process's job)."""
+    import torch
+
+    from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
+    from vlm_corl.experiments.easyvqa import brief, eval_examples
+
+    cli.quiet_library_bars()  # a spawned worker starts with transformers' defaults
+    torch.set_num_threads(1)
+    return brief(evaluate_dir(Path(path), EASYVQA, eval_examples("test", limit), mid))
+
+
+# ---- 3. training ----------------------------------------------------------------------------------------------
+
+
+def train_cohort(config: str, overrides: list[str], processes: int) -> dict:
+    """Train the cohort on `processes` processes (torchrun; this process when 1); returns the run's summary."""
+    if processes == 1:
+        from vlm_corl.api import CohortTrainer
+
+        return CohortTrainer(config, overrides=overrides).train()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", "vlm_corl.train", "--config", config, *overrides]  # fmt: skip
+    done = subprocess.run(command, stdout=subprocess.DEVNULL)  # its summary is read from the run directory
+    if done.returncode != 0:
+        raise UserError(f"training stopped with exit status {done.returncode} (its messages are above)")
+    run_dir = Path(load_config(config, overrides).output_dir)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+# ---- 5. the result -------------------------------------------------------------------------------------------
+
+
+def demo_report(before: dict, after: dict, limit: int) -> dict:
+    """Per member before/after (overall, per type, collapse flags, gain) and the cohort's gain in points: the
+    mean over members of the change in balanced accuracy, a collapsed type's change counted as min(change, 0)
+    (vlm_corl.experiments.easyvqa_analysis.member_deltas, as in the experiment)."""
+    from vlm_corl.experiments.easyvqa import majority_class
+    from vlm_corl.experiments.easyvqa_analysis import member_deltas
+
+    majority = majority_class("test", limit)
+    members = {}
+    for mid in before:
+        d = member_deltas(after[mid], before[mid], majority)
+        members[mid] = {
+            "before": {"accuracy": before[mid]["accuracy"], "by_type": before[mid]["by_type"]},
+            "after": {"accuracy": after[mid]["accuracy"], "by_type": after[mid]["by_type"]},
+            "collapsed": [t for t in TYPES if d[f"collapsed_{t}"]],
+            "gain_points": round(100 * d["gain"], 2),
+            "delta_points": round(100 * d["d_accuracy"], 2),
+            "answers_after": after[mid]["answers"],
+        }
+    return {
+        "gain_points": round(statistics.fmean(m["gain_points"] for m in members.values()), 2),
+        "delta_points": round(statistics.fmean(m["delta_points"] for m in members.values()), 2),
+        "eval_questions": limit,
+        "members": members,
+    }
+
+
+def describe(report: dict) -> str:
+    """The printed result: per member before -> after overall and per type, collapses, and the cohort's gain."""
+    lines = [f"easy-vqa test accuracy ({report['eval_questions']} questions, balanced by type):"]
+    for mid, m in report["members"].items():
+        types = ", ".join(f"{t} {m['before']['by_type'][t]:.3f}->{m['after']['by_type'][t]:.3f}" for t in TYPES)
+        flags = f"  collapsed: {', '.join(m['collapsed'])}" if m["collapsed"] else ""
+        lines.append(
+            f"  {mid:11s} {m['before']['accuracy']:.3f} -> {m['after']['accuracy']:.3f}  gain {m['gain_points']:+.1f}"
+            f"   ({types}){flags}"
+        )
+    lines.append(
+        f"cohort gain: {report['gain_points']:+.2f} points (mean over members; a collapsed type counts as no gain; "
+        f"change in balanced accuracy {report['delta_points']:+.2f})"
+    )
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    """What the numbers were computed on: CPU model, torch's kernel level, threads, the pinned settings."""
+    import platform
+
+    import torch
+
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "kernels": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+        "pinned": {k: os.environ.get(k) for k in PINNED_KERNELS},
+    }
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def publish(report: dict, folder: Path, readme: Path) -> Path:
+    """Record `report` as folder/demo-seed<S>.json and rewrite the README's demo table from every recorded seed."""
+    from vlm_corl.experiments.easyvqa_analysis import replace_block
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"demo-seed{report['seed']}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    readme.write_text(replace_block(readme.read_text(), README_BLOCK, readme_table(load_seeds(folder))))
+    return path
+
+
+def load_seeds(folder: Path) -> list[dict]:
+    """The recorded demo runs in `folder`, by seed."""
+    runs = [json.loads(p.read_text()) for p in folder.glob("demo-seed*.json")]
+    return sorted(runs, key=lambda r: r["seed"])
+
+
+def readme_table(runs: list[dict]) -> str:
+    """The README's block: the first recorded seed's table (what `make demo` prints) and the band over seeds."""
+    first = runs[0]
+    gains = [r["gain_points"] for r in runs]
+    band = (
+        f"over seeds {', '.join(str(r['seed']) for r in runs)}: {min(gains):+.1f} to {max(gains):+.1f} points, mean "
+        f"{statistics.fmean(gains):+.1f}"
+    )
+    rows = [
+        "| member | before | after | gain (points) | yes/no | shape | colour | collapsed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mid, m in first["members"].items():
+        types = " | ".join(f"{m['before']['by_type'][t]:.3f} → {m['after']['by_type'][t]:.3f}" for t in TYPES)
+        rows.append(
+            f"| {mid} | {m['before']['accuracy']:.3f} | {m['after']['accuracy']:.3f} | {m['gain_points']:+.1f} | "
+            f"{types} | {', '.join(m['collapsed']) or '-'} |"
+        )
+    mach = first["machine"]
+    return "\n".join([
+        f"Seed {first['seed']} (`make demo`), {first['eval_questions']} easy-vqa test questions balanced by type, on "
+        f"{mach['cpu']} ({mach['cores']} cores, {first['processes']} processes, {first['seconds']:.0f} s):",
+        "",
+        *rows,
+        "",
+        f"**Cohort gain {first['gain_points']:+.1f} points**; the band {band} (from `docs/demo/`, written by "
+        "`python -m vlm_corl.demo --seed S --publish docs/demo`).",
+        "",
+    ])  # fmt: skip
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------
 
 
 def _header(text: str) -> None:
     print(f"\n[demo] {text}", flush=True)
-
-
-def _brief(result: dict) -> dict:
-    return {"accuracy": result["accuracy"], "by_type": result["by_type"]}
 
 
 def config_members(path: str, overrides: list[str]) -> dict[str, str]:
@@ -231,7 +360,7 @@ def config_members(path: str, overrides: list[str]) -> dict[str, str]:
 
 
 def check_config(path: str, overrides: list[str], to_build: dict[str, str]) -> None:
-    """Every problem of the cohort config except the model directories the demo is about to build."""
+    """Every problem of the cohort config except the model directories the demo is about to put in place."""
     try:
         load_config(path, overrides)
     except ConfigError as err:

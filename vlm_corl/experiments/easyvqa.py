@@ -184,7 +184,7 @@ def make_base(mid: str, recipe, out: Path, budget: Budget, split: str) -> dict:
     (K answers per validation question at the training temperature, in every view it is asked in)."""
     import torch
 
-    from vlm_corl.demo import build_base
+    from vlm_corl.base_models import build_base
     from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
 
     key = job_key(budget, split, "base")

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from vlm_corl.demo import BaseRecipe
+from vlm_corl.base_models import BaseRecipe
 
 DATA = "vlm_corl.experiments.easyvqa_data"
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "mllama", "gemma3", "internvl")

@@ -224,16 +224,18 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     if cfg.eval.every and run.start == 0:  # the step-0 baseline of the eval-drop flag and the first best model
         with timer("eval"):
             eval_phase(run, 0)
+    teachers = {spec.id for spec in run.specs if spec.teacher}
     for step in bar:
         step_start = time.perf_counter()
         timer.start_step(step)
         rows, warnings = step_phases(run, step, timer, renders)
-        if rows:
-            bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in rows))
+        learners = [r for r in rows if r["member"] not in teachers]  # an EMA teacher earns no reward
+        if learners:
+            bar.set_postfix(reward=" ".join(f"{r['reward_mean']:.2f}" for r in learners))
         if shown and bar.disable and ((step + 1) % every == 0 or step + 1 == cfg.train.max_steps):
             log.info(
                 progress_line(
-                    step + 1, cfg.train.max_steps, rows, (time.perf_counter() - started) / (step + 1 - run.start)
+                    step + 1, cfg.train.max_steps, learners, (time.perf_counter() - started) / (step + 1 - run.start)
                 )
             )
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:

@@ -118,6 +118,7 @@ def sample(
     # The batch (indices into the R rows) and which of its rows still decode. A row that ends stays in the batch
     # until the next synchronisation (`sync_every`), where ended rows leave the batch and the cache; between
     # two, the loop reads nothing back from the device (on a GPU each read waits for every queued kernel).
+    # Finite logits are checked once, at the end.
     active = torch.arange(rows, device=device)
     alive = torch.ones(rows, dtype=torch.bool, device=device)
     every, synced = sync_every(device), 0
@@ -137,12 +138,11 @@ def sample(
             inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
             logits = model(**inputs).logits[:, -1]
             continue
-        # a synchronisation: stop strings in the tokens since the last one, finite logits, who is left
+        # a synchronisation: stop strings in the tokens since the last one, who is left
         if stops is not None:
             stopped_at = stops.first_hits(tokens, active, lengths, synced, t)
             lengths[active] = torch.minimum(lengths[active], stopped_at)
             alive &= stopped_at > t + 1
-        _check_finite(stats["entropy"], lengths, t)
         synced = t + 1
         if t + 1 == limit or not bool(alive.any()):
             break
@@ -153,6 +153,7 @@ def sample(
         inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
         logits = model(**inputs).logits[:, -1]
     within = torch.arange(limit, device=device) < lengths[:, None]  # (R, T): each row's own tokens
+    _check_finite(stats["entropy"], within)
     sums = {name: (value * within).sum(dim=1).tolist() for name, value in stats.items()}
     n_tokens = lengths.tolist()
     stopped = [n < limit or _ends(row, eos_ids, stops) for n, row in zip(n_tokens, tokens.tolist())]
@@ -186,17 +187,16 @@ def _policy_scores(
     return scores, torch.log_softmax(scores, dim=-1)  # the policy's log-probs
 
 
-def _check_finite(entropy: torch.Tensor, lengths: torch.Tensor, t: int) -> None:
-    """Raise NonFiniteLogits when a row's logits were not finite at one of its tokens up to response token t + 1.
+def _check_finite(entropy: torch.Tensor, within: torch.Tensor) -> None:
+    """Raise NonFiniteLogits when a row's logits were not finite at one of its own tokens (`within`).
 
     One NaN or infinite logit makes that token's entropy NaN (-p log p over the softmax: NaN everywhere for NaN
-    or +inf, 0 x -inf for -inf), so (R, T) numbers are checked per synchronisation instead of (R, V) logits per
-    token. A token sampled meanwhile from NaN is clamped into range, and the rollout is refused here."""
-    mine = torch.arange(t + 1, device=entropy.device) < lengths[:, None]
-    if not bool(torch.isfinite(entropy[:, : t + 1][mine]).all()):
+    or +inf, 0 x -inf for -inf), so (R, T) numbers are checked once per rollout instead of (R, V) logits per
+    token. A token sampled meanwhile from NaN is clamped into the vocabulary, and the rollout is refused here."""
+    if not bool(torch.isfinite(entropy[within]).all()):
         raise NonFiniteLogits(
-            f"its forward pass gave non-finite logits at or before response token {t + 1} (its weights or "
-            "activations hold NaN or infinity: a diverged model, or an overflow in its compute dtype)"
+            "its forward pass gave non-finite logits (its weights or activations hold NaN or infinity: a diverged "
+            "model, or an overflow in its compute dtype)"
         )
 
 

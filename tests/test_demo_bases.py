@@ -1,0 +1,35 @@
+"""The shipped demo base models are what the demo's recipe builds (issue 37): rebuilt with the demo's pinned
+kernels (one thread, AVX2 kernels), a base model's weights equal the shipped ones bit for bit. Slow (a 1000-step
+warm start, ~2 minutes): run by `make test-e2e`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from vlm_corl.demo import PINNED_KERNELS, SHIPPED_BASES
+
+BUILD = """
+import sys
+from pathlib import Path
+from vlm_corl.base_models import build_base
+from vlm_corl.demo import base_recipes
+mid = sys.argv[1]
+build_base(mid, base_recipes({mid: ""}, None)[mid], Path(sys.argv[2]), 0)
+"""
+
+
+@pytest.mark.slow
+def test_a_rebuilt_base_model_equals_the_shipped_one_bit_for_bit(tmp_path):
+    env = {**os.environ, **PINNED_KERNELS}
+    subprocess.run([sys.executable, "-c", BUILD, "qwen2_vl_b", tmp_path / "base"], check=True, env=env)
+    rebuilt = load_file(Path(tmp_path / "base" / "model.safetensors"))
+    shipped = load_file(SHIPPED_BASES / "qwen2_vl_b" / "model.safetensors")
+    assert rebuilt.keys() == shipped.keys()
+    different = [k for k in shipped if not (rebuilt[k] == shipped[k]).all()]
+    assert different == []
