@@ -261,7 +261,8 @@ def test_demo_through_python_m_at_its_smallest(tmp_path):
     assert "[demo] 3. label-free Co-RL: peers_ema rewards, 1 steps" in demo.stdout
     assert "4 members on 2 process(es)" in demo.stdout and "cohort gain:" in demo.stdout
     result = json.loads((tmp_path / "out" / "demo" / "demo.json").read_text())
-    assert result["eval_questions"] == 3 and set(result["members"]) == {"qwen2_vl", "qwen2_vl_b", "qwen2_vl_c", "qwen2_vl_d"}
+    members = {"qwen2_vl", "qwen2_vl_b", "qwen2_vl_c", "qwen2_vl_d"}
+    assert result["eval_questions"] == 3 and set(result["members"]) == members
     assert all(b["steps"] == 2 for b in result["base_models"].values())
     gains = [m["gain_points"] for m in result["members"].values()]
     assert result["gain_points"] == pytest.approx(sum(gains) / 4, abs=0.01)

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from vlm_corl import cli

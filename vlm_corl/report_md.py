@@ -34,8 +34,6 @@ from vlm_corl.run_plots import (
     first_last,
     load_run,
     mark_flags,
-    moving_average,
-    per_step,
     plot_metric,
     plot_panel,
     read_jsonl,
