@@ -104,3 +104,17 @@ def test_plot_api_one_line_per_method(tmp_path):
     assert moving_average([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5] and moving_average([5], 1) == [5]
     assert list(by_member(seed0)) == ["qwen", "llama"]
     assert first_last(by_member(seed0)["qwen"], "reward_mean")[0] < 0.4
+
+
+def test_an_ema_teacher_draws_no_reward_line_but_keeps_its_colour_place(tmp_path):
+    from vlm_corl.run_plots import load_run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": s, "member": m, "reward_mean": 0.5} for s in (1, 2) for m in ("a", "a.teacher", "b")]
+    write_jsonl(run_dir / "metrics.jsonl", rows)
+    (run_dir / "config.yaml").write_text("members:\n  - {id: a, model: x}\n  - {id: b, model: y}\n")
+    learners = load_run(run_dir).learners()
+    assert list(learners) == ["a", "a.teacher", "b"] and learners["a.teacher"] == [] and len(learners["b"]) == 2
+    (run_dir / "config.yaml").unlink()  # members unknown: every slot is drawn
+    assert len(load_run(run_dir).learners()["a.teacher"]) == 2

@@ -118,13 +118,15 @@ def _curves(runs, names, smooth: int) -> str:
     lines = {
         _label(names, i, member): rows for i, run in enumerate(runs) for member, rows in by_member(run.rows).items()
     }
+    learners = {_label(names, i, member): rows for i, run in enumerate(runs) for member, rows in run.learners().items()}
     present = [(k, t) for k, t in CURVES if any(per_step(rows, k)[0] for rows in lines.values())]
     if not present:
         return ""
     fig = Figure(figsize=(5.2 * min(len(present), 2), 3.6 * ((len(present) + 1) // 2)), layout="constrained")
     for j, (key, title) in enumerate(present):
         ax = fig.add_subplot((len(present) + 1) // 2, min(len(present), 2), j + 1)
-        plot_metric(lines, key, smooth=smooth, ax=ax, band=False, title=title)
+        drawn = learners if key == "reward_mean" else lines  # an EMA teacher earns no reward: no line at 0
+        plot_metric(drawn, key, smooth=smooth, ax=ax, band=False, title=title)
     note = f"One line per member{' and run' if len(runs) > 1 else ''}; faint: per step, bold: {smooth}-step average."
     return f'<section id="curves"><h2>Training curves</h2><p>{note}</p>{_svg(fig)}</section>'
 
@@ -200,8 +202,10 @@ def _agreement(runs, names) -> str:
             f'<table class="grid matrix"><tr><th></th>{header}</tr>{"".join(body)}</table>'
         )
         pairs = {}
-        for x, a in enumerate(members):
-            for b in members[x + 1 :]:
+        # the members' pairs only: with EMA teachers beside them, 28 lines are unreadable
+        voters = [k for k, v in run.learners().items() if v]
+        for x, a in enumerate(voters):
+            for b in voters[x + 1 :]:
                 rows = [{"step": r["step"], "v": r.get(PAIR_PREFIX + b)} for r in run.rows if r["member"] == a]
                 pairs[f"{a} ~ {b}"] = rows
         fig = Figure(figsize=(6.4, 3.4), layout="constrained")

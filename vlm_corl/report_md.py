@@ -121,7 +121,7 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
     slots = by_member(run.rows)
     written = {}
     for stem, title, keys, cohort_level in RUN_PLOTS:
-        lines = {"cohort": list(run.rows)} if cohort_level else slots
+        lines = {"cohort": list(run.rows)} if cohort_level else run.learners() if stem == "reward" else slots
         path = plot_panel(lines, keys, Path(out) / f"{stem}.png", title, smooth=smooth)
         if path is not None:
             written[stem] = path

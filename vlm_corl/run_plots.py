@@ -85,6 +85,14 @@ class RunData:
     rows: list[dict]  # metrics.jsonl
     eval_rows: list[dict] = field(default_factory=list)  # eval.jsonl
     summary: dict = field(default_factory=dict)  # summary.json
+    members: list[str] = field(default_factory=list)  # config.yaml's member ids ([]: unknown)
+
+    def learners(self) -> dict[str, Rows]:
+        """{slot: its rows}, an EMA teacher's slot (`<id>.teacher`, a slot that is no member) with none: it earns
+        no reward. Its key stays, so every slot keeps its colour across plots. Every slot's rows when the members
+        are unknown."""
+        slots = by_member(self.rows)
+        return {k: (v if k in self.members else []) for k, v in slots.items()} if self.members else slots
 
 
 def load_run(run_dir: Path) -> RunData:
@@ -102,7 +110,18 @@ def load_run(run_dir: Path) -> RunData:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     except json.JSONDecodeError as err:
         raise UserError(f"{summary_path} is not JSON ({err.msg}); move it away to report from metrics.jsonl") from err
-    return RunData(run_dir, rows, read_jsonl(run_dir / "eval.jsonl"), summary)
+    return RunData(run_dir, rows, read_jsonl(run_dir / "eval.jsonl"), summary, _member_ids(run_dir / "config.yaml"))
+
+
+def _member_ids(config: Path) -> list[str]:
+    """The member ids a run's saved config.yaml lists ([] without one, or one that is unreadable)."""
+    import yaml
+
+    try:
+        members = yaml.safe_load(config.read_text()).get("members") or []
+    except (OSError, AttributeError, yaml.YAMLError):
+        return []
+    return [str(m["id"]) for m in members if isinstance(m, dict) and "id" in m]
 
 
 def _check_one_run(path: Path, rows: list[dict]) -> None:
