@@ -179,15 +179,17 @@ def test_the_commands_load_models_on_the_local_gpu(tiny_zoo, tmp_path, monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "1")
     model = str(tiny_zoo["qwen2_vl"])
+    from vlm_corl.members import member as members  # the commands import load_member after parsing
+
     if command == "eval":
         from vlm_corl import eval as cmd
 
-        monkeypatch.setattr(cmd, "load_member", record)
+        monkeypatch.setattr(members, "load_member", record)
         argv = ["--models", model, "--benchmarks", "easyvqa", "--limit", "3", "--out", str(tmp_path)]
     elif command == "warmstart":
         from vlm_corl import warmstart as cmd
 
-        monkeypatch.setattr(cmd, "load_member", record)
+        monkeypatch.setattr(members, "load_member", record)
         argv = ["--model", model, "--out", str(tmp_path / "w"), "--limit", "3", "--steps", "1"]
     else:
         from vlm_corl import probe as cmd
