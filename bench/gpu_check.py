@@ -279,6 +279,42 @@ def precision_check(members: dict[str, Path], settings: dict) -> dict:
     )
 
 
+def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
+    """The HF decode loop's read schedule on this device (vlm_corl.members.engines.hf.sync_every: every 8 tokens
+    on a GPU): the same greedy tokens as reading every token, and the seconds of each (median of 3 calls)."""
+    from vlm_corl.config import MemberConfig
+    from vlm_corl.data.loaders import load_examples
+    from vlm_corl.distributed.world import default_device
+    from vlm_corl.members.engines import hf
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.render import Renderer
+    from vlm_corl.members.rollout import SamplingParams
+
+    member = load_member(MemberConfig(id="qwen", model=str(members["qwen"]), trainable=False), device=default_device())
+    render = Renderer(member, "original", 1280 * 28 * 28, 1 << 30)
+    examples = load_examples("easyvqa", split="test", limit=settings["precision_prompts"]).examples
+    prompts = [render(ex) for ex in examples]
+    params = SamplingParams(n=4, max_new_tokens=settings["precision_tokens"], temperature=0.0)
+    chosen, original = hf.sync_every(member.device), hf.sync_every
+    out, seconds = {}, {}
+    try:
+        for every in (1, chosen):
+            hf.sync_every = lambda device, every=every: every  # noqa: E731 - the schedule under test
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                groups = hf.HFEngine(member).generate(prompts, params)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            out[every] = [r.token_ids for g in groups for r in g.responses]
+            seconds[every] = round(statistics.median(times), 4)
+    finally:
+        hf.sync_every = original
+    return {"sync_every": chosen, "same_tokens": out[1] == out[chosen], "seconds": seconds,
+            "ok": out[1] == out[chosen]}  # fmt: skip
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=("real", "tiny"), default="real" if torch.cuda.is_available() else "tiny")
@@ -313,7 +349,7 @@ def main(argv=None) -> int:
     cli.quiet_library_bars()
     settings = SIZES[args.size]
     checks = dict.fromkeys(
-        ("members", "rollout_precision", "rope_buffers", "train", "zero2", "zero3", "lora", "resume")
+        ("members", "rollout_precision", "decode_sync", "rope_buffers", "train", "zero2", "zero3", "lora", "resume")
     )
     result["sleep_wake"] = {
         "skipped": "vLLM's sleep mode needs vLLM on CUDA, which cannot be installed here; the order of sleep, "
@@ -331,6 +367,8 @@ def main(argv=None) -> int:
                 result[name] = {"skipped": "no members were built"}
             elif name == "rollout_precision":
                 result[name] = precision_check(members, settings)
+            elif name == "decode_sync":
+                result[name] = decode_sync_check(members, settings)
             elif name == "rope_buffers":
                 result[name] = rope_buffers_check(members)
             elif name == "zero2":
