@@ -25,12 +25,14 @@ rewrites the README's table from every seed recorded there (a test keeps the two
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 
 from vlm_corl import cli
@@ -89,22 +91,26 @@ def main(argv=None) -> int:
     cfg_members = list(members)
     out = cli.output_dir(args.out, "--out")
 
-    _header(f"1. base models of {', '.join(cfg_members)}")
-    base = make_bases(members, recipes, args.rebuild_base, args.processes)
-    cfg = load_config(args.config, overrides)
+    # One pool of worker processes (one torch thread each) builds and scores the members; started once, it
+    # waits idle while the training processes run.
+    with ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        _header(f"1. base models of {', '.join(cfg_members)}")
+        base = make_bases(members, recipes, args.rebuild_base, pool)
+        cfg = load_config(args.config, overrides)
 
-    _header(f"2. base models on easy-vqa test ({args.eval_limit} questions, balanced by type)")
-    before = evaluate_all({m.id: m.model for m in cfg.members}, args.eval_limit, args.processes)
+        _header(f"2. base models on easy-vqa test ({args.eval_limit} questions, balanced by type)")
+        before = evaluate_all({m.id: m.model for m in cfg.members}, args.eval_limit, pool)
 
-    _header(
-        f"3. label-free Co-RL: {cfg.reward.mode} rewards, {cfg.train.max_steps} steps, {cfg.data.batch_size} "
-        f"questions x {cfg.rollout.n} samples per step, {len(cfg.members)} members on {args.processes} process(es)"
-    )
-    summary = train_cohort(args.config, overrides, args.processes)
-    final = Path(summary["checkpoint"])
+        _header(
+            f"3. label-free Co-RL: {cfg.reward.mode} rewards, {cfg.train.max_steps} steps, {cfg.data.batch_size} "
+            f"questions x {cfg.rollout.n} samples per step, {len(cfg.members)} members on {args.processes} "
+            "process(es)"
+        )
+        summary = train_cohort(args.config, overrides, args.processes)
+        final = Path(summary["checkpoint"])
 
-    _header("4. trained members on easy-vqa test")
-    after = evaluate_all({m.id: final / m.id for m in cfg.members}, args.eval_limit, args.processes)
+        _header("4. trained members on easy-vqa test")
+        after = evaluate_all({m.id: final / m.id for m in cfg.members}, args.eval_limit, pool)
 
     report = demo_report(before, after, args.eval_limit)
     report |= {
@@ -142,9 +148,9 @@ def base_recipes(members: dict[str, str], warm_steps: int | None) -> dict:
     return {mid: replace(known[mid], steps=warm_steps or known[mid].steps) for mid in members}
 
 
-def make_bases(members: dict[str, str], recipes: dict, rebuild: bool, processes: int) -> dict:
+def make_bases(members: dict[str, str], recipes: dict, rebuild: bool, pool: Executor) -> dict:
     """Put each member's base model where the config names it: the shipped copy, or (`rebuild`) one built again
-    on `processes` worker processes. Returns what was done per member."""
+    by the worker processes of `pool`. Returns what was done per member."""
     if not rebuild:
         done = {}
         for mid, path in members.items():
@@ -155,9 +161,6 @@ def make_bases(members: dict[str, str], recipes: dict, rebuild: bool, processes:
             done[mid] = {"shipped": str(SHIPPED_BASES.relative_to(SHIPPED_BASES.parents[1]) / mid)}
             print(f"  {mid}: the shipped base model -> {path}", flush=True)
         return done
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     from vlm_corl.base_models import build_base
 
     for mid, r in recipes.items():
@@ -166,9 +169,8 @@ def make_bases(members: dict[str, str], recipes: dict, rebuild: bool, processes:
             f"{r.steps} steps at lr {r.lr}",
             flush=True,
         )
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = {mid: pool.submit(build_base, mid, recipes[mid], Path(path), 0) for mid, path in members.items()}
-        built = {mid: job.result() for mid, job in jobs.items()}
+    jobs = {mid: pool.submit(build_base, mid, recipes[mid], Path(path), 0) for mid, path in members.items()}
+    built = {mid: job.result() for mid, job in jobs.items()}
     for mid, b in built.items():
         print(f"  {mid}: loss {b['first_loss']:.3f} -> {b['last_loss']:.3f} in {b['seconds']} s", flush=True)
     return built
@@ -177,15 +179,11 @@ def make_bases(members: dict[str, str], recipes: dict, rebuild: bool, processes:
 # ---- 2 and 4. scoring --------------------------------------------------------------------------------------------
 
 
-def evaluate_all(models: dict[str, Path], limit: int, processes: int) -> dict[str, dict]:
-    """Score each model directory greedily on easy-vqa test, on `processes` worker processes; one line per
+def evaluate_all(models: dict[str, Path], limit: int, pool: Executor) -> dict[str, dict]:
+    """Score each model directory greedily on easy-vqa test, by the worker processes of `pool`; one line per
     model. Returns {member id: accuracy overall and per type, and the answers given per type}."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = {mid: pool.submit(score_model, mid, str(path), limit) for mid, path in models.items()}
-        results = {mid: job.result() for mid, job in jobs.items()}
+    jobs = {mid: pool.submit(score_model, mid, str(path), limit) for mid, path in models.items()}
+    results = {mid: job.result() for mid, job in jobs.items()}
     for mid, r in results.items():
         types = ", ".join(f"{t} {r['by_type'][t]:.3f}" for t in TYPES)
         print(f"  {mid}: {r['accuracy']:.3f}  ({types})", flush=True)
