@@ -88,13 +88,12 @@ def main(argv=None) -> int:
     members = config_members(args.config, overrides)
     recipes = base_recipes(members, args.warm_steps)
     check_config(args.config, overrides, members)  # every mistake in the config before minutes of work
-    cfg_members = list(members)
     out = cli.output_dir(args.out, "--out")
 
     # One pool of worker processes (one torch thread each) builds and scores the members; started once, it
     # waits idle while the training processes run.
     with ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        _header(f"1. base models of {', '.join(cfg_members)}")
+        _header(f"1. base models of {', '.join(members)}")
         base = make_bases(members, recipes, args.rebuild_base, pool)
         cfg = load_config(args.config, overrides)
 

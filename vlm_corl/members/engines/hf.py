@@ -165,7 +165,7 @@ STATS = ("logprob", "entropy", "self_certainty")  # the policy's statistics of e
 
 
 def sync_every(device: torch.device) -> int:
-    """Decode steps between reads from the device (has every row ended? a stop string? finite logits?). On a CPU
+    """Decode steps between reads from the device (has every row ended? a stop string?). On a CPU
     a read costs nothing, so every step (a batch ends as soon as its last row does); on a GPU each read waits
     for the queued kernels, so every 8 steps (a batch that has ended decodes at most 7 more tokens)."""
     return 1 if torch.device(device).type == "cpu" else 8
