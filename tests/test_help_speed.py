@@ -30,8 +30,10 @@ def _median_s(cmd: list[str], runs: int = 3) -> float:
 def test_help_answers_within_a_few_empty_python_starts(command):
     empty = _median_s([sys.executable, "-c", "pass"])
     help_s = _median_s([sys.executable, "-m", "vlm_corl.commands", *([command] if command else []), "--help"])
-    # an empty start is ~0.03 s here, `corl X --help` 0.1-0.3 s; loading torch alone would be 2 s (~70x)
-    assert help_s / empty < 15, f"corl {command} --help took {help_s:.2f} s, {help_s / empty:.1f}x an empty start"
+    # The bound is 1 s on a machine of this kind, where an empty start takes ~0.04 s: 25 empty starts.
+    # `corl X --help` takes 4-10 of them here; loading torch alone would take ~70 (the import test below is exact).
+    # A tighter ratio failed on CI, whose empty start was 0.024 s while imports did not speed up alike.
+    assert help_s / empty < 25, f"corl {command} --help took {help_s:.2f} s, {help_s / empty:.1f}x an empty start"
 
 
 @pytest.mark.parametrize("module", ["vlm_corl.commands", *sorted({module for module, _ in COMMANDS.values()})])

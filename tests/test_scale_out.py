@@ -86,6 +86,7 @@ def test_two_processes_equal_one_process_bit_for_bit(two_members, single, tmp_pa
     assert all(torch.equal(one[m][k], two[m][k]) for m in one for k in one[m])
 
 
+@pytest.mark.slow  # `make test-scale` (CI): the default suite keeps two processes equal to one, bit for bit
 def test_three_members_on_three_processes_equal_one_process(base_models, tmp_path):
     members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"]), ("qwen_b", base_models["qwen2_vl"])]
     _launch(_config(tmp_path, members, "one"), 1)
