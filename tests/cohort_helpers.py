@@ -133,3 +133,30 @@ def on_ranks(size: int, fn, timeout_s: float = 10.0) -> list:
         first = next((e for e in failed if not isinstance(e, threading.BrokenBarrierError)), failed[0])
         raise first
     return results
+
+
+def greedy_decode_logits(member, prompts: list, ready_mask: bool, steps: int = 4) -> torch.Tensor:
+    """(steps, R, V) logits of greedy decoding from the shared prefill of rendered `prompts`, each decoding step
+    given its attention mask ready-made (4-D booleans) or as the 2-D padding mask transformers builds from."""
+    from vlm_corl.members.batching import continuation, prefill
+
+    policy = member.policy()
+    with torch.no_grad():
+        prefix = prefill(member.model.eval(), [p.inputs for p in prompts], policy.pad_id, policy.mrope)
+        prefix.decode_mask = ready_mask
+        logits, out = prefix.last_logits, []
+        for t in range(steps):
+            out.append(logits)
+            step = continuation(prefix, logits.argmax(-1)[:, None], torch.ones(len(logits), t + 1, dtype=torch.long))
+            logits = member.model(**step).logits[:, -1]
+    return torch.stack(out)
+
+
+def assert_ready_decode_mask_changes_nothing(member, prompts: list) -> None:
+    """Where a model takes its decoding mask ready-made (`ready_decode_mask`), a padded batch decodes as with
+    the mask transformers builds: the same greedy tokens, logits equal to float rounding."""
+    lengths = {p.inputs["input_ids"].shape[1] for p in prompts}
+    assert len(lengths) > 1, "the prompts must differ in length, so the batch is padded"
+    ready, built = (greedy_decode_logits(member, prompts, flag) for flag in (True, False))
+    assert torch.equal(ready.argmax(-1), built.argmax(-1))
+    assert torch.allclose(ready, built, rtol=0, atol=1e-5), (ready - built).abs().max()

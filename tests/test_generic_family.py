@@ -9,11 +9,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 import transformers
-from cohort_helpers import ENV, ROOT
+from cohort_helpers import ENV, ROOT, assert_ready_decode_mask_changes_nothing
 
 from vlm_corl import coverage
 from vlm_corl.config.schema import MemberConfig
@@ -21,6 +22,7 @@ from vlm_corl.coverage import architectures
 from vlm_corl.coverage import tested_architectures as architectures_tested_here  # not test_*: pytest would collect it
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.data.records import Example
+from vlm_corl.members.batching import ready_decode_mask
 from vlm_corl.members.engines.hf import HFEngine
 from vlm_corl.members.families import MLLAMA, family_for_model_type
 from vlm_corl.members.families.generic import TESTED_GENERIC, auto_class_for, end_of_turn
@@ -92,6 +94,22 @@ def test_the_end_of_turn_is_read_from_the_chat_template():
     assert end_of_turn(tokenizer, tokenizer) == tokenizer.convert_tokens_to_ids("<|eot_id|>")
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert end_of_turn(tokenizer, tokenizer) is None
+
+
+@pytest.mark.parametrize("arch", GENERIC_VISION + GENERIC_TEXT)
+def test_a_generic_member_decodes_with_a_ready_made_mask_only_where_one_mask_serves_every_layer(generic_zoo, arch):
+    """Qwen3.5's linear-attention layers take a 2-D mask of their own (padded states are zeroed): no ready-made
+    4-D mask for them. Every other architecture here decodes a padded batch with it as with transformers' own."""
+    member = load_member(MemberConfig(id="g", model=str(generic_zoo[arch]), trainable=False))
+    assert ready_decode_mask(member.model.config) == (arch != "qwen3_5")
+    if arch == "qwen3_5":
+        return
+    examples = load_examples("easyvqa", split="train", limit=2).examples
+    if arch in GENERIC_TEXT:
+        examples = [Example(e.id, e.question) for e in examples]
+    examples[1] = replace(examples[1], question=examples[1].question + " Say why, in one word.")
+    render = Renderer(member, "original", 1 << 20, 1 << 14)
+    assert_ready_decode_mask_changes_nothing(member, [render(e) for e in examples])
 
 
 def test_a_generic_checkpoint_without_a_chat_template_is_refused(generic_zoo, tmp_path):

@@ -75,6 +75,19 @@ def test_inplace_backward_writes_the_same_gradient_over_the_logits():
     assert torch.equal(leaf.detach(), logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("suppressed", [(), SUPPRESSED])
+def test_the_forward_works_in_place_on_its_own_copies_never_on_the_logits(dtype, temperature, suppressed):
+    """Each chunk is upcast, tempered, masked and exponentiated in place (one fp32 copy per bf16 chunk), but
+    on a copy: the logits themselves (fp32 ones too, where the upcast is no copy) are left as they were."""
+    logits, targets, _, _ = _case(seed=3)
+    logits = logits.to(dtype)
+    before = logits.clone()
+    selective_logprobs(logits, targets, temperature, suppressed, chunk_rows=4)
+    assert torch.equal(logits, before)
+
+
 def test_selective_logprobs_upcasts_bf16_chunks_like_the_reference():
     logits, targets, mask, _ = _case(seed=2)
     logits = logits.bfloat16()

@@ -3,15 +3,17 @@ text and image questions, a member reading another view): every row then scores 
 does alone. Per-image inputs (Qwen-VL patches) are concatenated over the prompts that have them; batch-aligned
 ones (Mllama's pixel tensors, one row per prompt) are zero-filled and zero-padded, as its processor pads."""
 
+import copy
+import gc
 from dataclasses import replace
 
 import pytest
 import torch
-from cohort_helpers import shipped_families
+from cohort_helpers import assert_ready_decode_mask_changes_nothing, shipped_families
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
-from vlm_corl.members.batching import collate
+from vlm_corl.members.batching import _ROPE_ROWS, collate, model_positions, ready_decode_mask, unwrapped
 from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
@@ -74,3 +76,56 @@ def test_batch_aligned_inputs_are_padded_per_prompt(tiny_zoo, mixed):
     assert batch["cross_attention_mask"][1].sum() == 0
     with pytest.raises(RuntimeError):  # without the family's declaration the rows cannot be stacked
         collate(inputs, member.tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("family", VISION)
+def test_mrope_positions_are_computed_once_per_prompt_and_reassembled_exactly(tiny_zoo, mixed, family, monkeypatch):
+    """Rendering a prompt computes its M-RoPE positions (in the renderer's background thread, in training);
+    the rollout's and the update's batches of those prompts (any order, any padding) are assembled from them,
+    equal to `get_rope_index`'s, without calling it. The renderer's cache counts their bytes, and they go with
+    the prompt."""
+    member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family]), trainable=False))
+    if not member.policy().mrope:
+        pytest.skip(f"{family} has 1-D positions")
+    inner = unwrapped(member.model).model
+    real, calls = inner.get_rope_index, []
+    monkeypatch.setattr(inner, "get_rope_index", lambda **kw: calls.append(1) or real(**kw))
+    render = Renderer(member, "original", 10**6, 10**6)
+    prompts = [render(ex).inputs for ex in mixed]
+    assert len(calls) == 3  # one per prompt, as it is rendered
+    tensors = sum(t.numel() * t.element_size() for p in prompts for t in p.values())
+    positions = sum(3 * 8 * p["input_ids"].shape[1] + 8 for p in prompts)  # (3, n) and (1,) int64
+    assert render.cached_bytes == tensors + positions
+    pad = member.tokenizer.pad_token_id
+    for batch_prompts in (prompts, [prompts[2], prompts[0], prompts[2]]):  # the rollout's; a reordered subset
+        batch = collate(batch_prompts, pad)[0]
+        pos, delta = model_positions(member.model, batch, True, batch_prompts)
+        want_pos, want_delta = real(**{k: v for k, v in batch.items() if not k.startswith("pixel_values")})
+        assert torch.equal(pos, want_pos) and torch.equal(delta, want_delta)
+    assert len(calls) == 3  # none for the batches
+    remembered = len(_ROPE_ROWS)
+    del prompts, batch_prompts, batch, render  # the renderer's cache holds the prompts too
+    gc.collect()
+    assert len(_ROPE_ROWS) == remembered - 3
+
+
+# One mask serves every layer only with full attention throughout: Gemma-3's sliding-window layers need their own.
+NO_READY_DECODE_MASK = {"gemma3"}
+
+
+@pytest.mark.parametrize("family", VISION + shipped_families("text"))
+def test_a_ready_made_decoding_mask_decodes_a_padded_batch_as_transformers_mask(tiny_zoo, mixed, family):
+    member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family]), trainable=False))
+    eager = copy.deepcopy(member.model.config)
+    eager._attn_implementation = "eager"  # eager attention adds a float mask: a boolean one would be wrong
+    assert not ready_decode_mask(eager)
+    if not ready_decode_mask(member.model.config):
+        assert family in NO_READY_DECODE_MASK
+        return
+    exs = (
+        mixed
+        if member.family.modality == "vision"
+        else [replace(e, images=(), question=e.question + " Why?" * i) for i, e in enumerate(mixed)]
+    )
+    render = Renderer(member, "original", 10**6, 10**6)
+    assert_ready_decode_mask_changes_nothing(member, [render(e) for e in exs])

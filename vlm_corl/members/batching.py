@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -154,18 +155,71 @@ def cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
-def model_positions(model: torch.nn.Module, inputs: dict[str, Tensor], mrope: bool) -> tuple[Tensor, Tensor | None]:
+def model_positions(
+    model: torch.nn.Module, inputs: dict[str, Tensor], mrope: bool, prompts: list[dict[str, Tensor]] | None = None
+) -> tuple[Tensor, Tensor | None]:
     """Position ids of a collated batch, and for M-RoPE models (Qwen-VL) each row's (B, 1) text offset.
 
     M-RoPE positions come from the model's own `get_rope_index` (3-D for image tokens, padding skipped), as
     `generate` computes them; text-only rows get plain positions there too (the model left alone would count
-    the left padding).
+    the left padding). `prompts`: the processor outputs `inputs` collates, prompts only (no responses): a batch
+    of prompts whose positions are remembered (`remember_positions`, at render time) is assembled from them
+    without calling `get_rope_index`, a Python loop over rows and their images (8 % of a step on a tiny model,
+    and host syncs on a GPU); otherwise each row's positions are remembered now.
     """
     if not mrope:
         return position_ids(inputs["attention_mask"]), None
-    return unwrapped(model).model.get_rope_index(
+    if prompts is not None:
+        known = _remembered_rows(model, prompts, inputs["input_ids"].shape[1])
+        if known is not None:
+            return tuple(t.to(inputs["input_ids"].device) for t in known)
+    pos, delta = unwrapped(model).model.get_rope_index(
         **{k: v for k, v in inputs.items() if not k.startswith("pixel_values")}
     )
+    if prompts is not None:
+        _remember_rows(model, prompts, pos, delta)
+    return pos, delta
+
+
+# (id(model), id(prompt input_ids)) -> (a weak reference to those input_ids, (3, n) positions, (1,) offset).
+# An entry goes when its prompt's input_ids are freed, so a rendered prompt's positions cost nothing past it.
+_ROPE_ROWS: dict[tuple[int, int], tuple[weakref.ref, Tensor, Tensor]] = {}
+
+
+def remember_positions(model: torch.nn.Module, prompt: dict[str, Tensor], mrope: bool) -> int:
+    """Compute one rendered prompt's M-RoPE positions now (on the host, where it lives: in the renderer's
+    background thread during training) and remember them for as long as the prompt lives, so no rollout or
+    update computes them again. Returns the bytes they hold (0 without M-RoPE or without a model here)."""
+    if not mrope or model is None:
+        return 0
+    model_positions(model, collate([prompt], 0)[0], True, [prompt])
+    _, pos, delta = _ROPE_ROWS[(id(model), id(prompt["input_ids"]))]
+    return pos.numel() * pos.element_size() + delta.numel() * delta.element_size()
+
+
+def _remember_rows(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pos: Tensor, delta: Tensor) -> None:
+    """Keep row b's positions: the last n_b columns (collate left-pads; a row does not depend on the others)."""
+    for b, prompt in enumerate(prompts):
+        ids = prompt["input_ids"]
+        key = (id(model), id(ids))
+        ref = weakref.ref(ids, lambda _, key=key: _ROPE_ROWS.pop(key, None))
+        _ROPE_ROWS[key] = (ref, pos[:, b, pos.shape[2] - ids.shape[1] :].clone(), delta[b].clone())
+
+
+def _remembered_rows(model: torch.nn.Module, prompts: list[dict[str, Tensor]], length: int):
+    """(3, B, length) positions and (B, 1) offsets from remembered rows, left-padded with the zeros that
+    `get_rope_index` leaves on padding; None unless every prompt's rows are remembered."""
+    rows = []
+    for prompt in prompts:
+        entry = _ROPE_ROWS.get((id(model), id(prompt["input_ids"])))
+        if entry is None or entry[0]() is not prompt["input_ids"]:
+            return None
+        rows.append(entry)
+    first = rows[0][1]
+    pos = first.new_zeros((3, len(rows), length))
+    for b, (_, row, _) in enumerate(rows):
+        pos[:, b, length - row.shape[1] :] = row
+    return pos, torch.stack([delta for _, _, delta in rows])
 
 
 def select_cache_rows(cache, rows: Tensor) -> None:
@@ -189,6 +243,7 @@ class Prefix:
     rope_delta: Tensor | None  # (R, 1) M-RoPE offset of text after the prompt (Qwen-VL), None for 1-D positions
     cross_attention_mask: Tensor | None  # (R, 1, images, tiles) what response tokens attend to (Mllama)
     cache_arg: str  # the name of the forward argument that takes the cache (see `cache_argument`)
+    decode_mask: bool = False  # one-token steps pass their attention mask ready-made (see `ready_decode_mask`)
 
     def select(self, rows: Tensor) -> None:
         """Keep only `rows` (e.g. the continuations still decoding), cache included."""
@@ -214,7 +269,7 @@ def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: in
     rows = torch.tensor([index.setdefault(id(p), len(index)) for p in prompts], device=device)
     unique = list({id(p): p for p in prompts}.values())
     inputs = on_device(collate(unique, pad_id, aligned=aligned_keys(model))[0], device)
-    inputs["position_ids"], rope_delta = model_positions(model, inputs, mrope)
+    inputs["position_ids"], rope_delta = model_positions(model, inputs, mrope, unique)
     out = model(**inputs, use_cache=True, logits_to_keep=1)
     cache_arg = cache_argument(type(unwrapped(model)))
     cache = getattr(out, cache_arg)
@@ -227,7 +282,22 @@ def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: in
         None if rope_delta is None else rope_delta[rows],
         None if cross is None else cross[rows, -1:],
         cache_arg,
+        ready_decode_mask(unwrapped(model).config),
     )
+
+
+def ready_decode_mask(config) -> bool:
+    """Whether a one-token decoding step may pass its attention mask ready-made, as (R, 1, 1, keys) booleans.
+
+    For one new token the causal mask is just the padding mask: every key is an earlier token. transformers
+    takes a 4-D mask as it is and skips building its own, which was a fifth of a decoding step's time on a
+    tiny model (sdpa's mask: booleans, True = attend). Only where that one mask serves every layer: sdpa
+    attention, and full attention in every layer (a sliding window or a linear-attention layer needs its own).
+    """
+    text = config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    return text._attn_implementation == "sdpa" and layer_types == {"full_attention"} and not sliding
 
 
 def continuation(prefix: Prefix, token_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
@@ -245,7 +315,7 @@ def continuation(prefix: Prefix, token_ids: Tensor, attention_mask: Tensor) -> d
         pos = (pos + prefix.rope_delta).unsqueeze(0).expand(3, -1, -1)  # (3, R, T): t, h, w all advance as text
     inputs = {
         "input_ids": token_ids,
-        "attention_mask": mask,
+        "attention_mask": mask.bool()[:, None, None, :] if prefix.decode_mask and token_ids.shape[1] == 1 else mask,
         "position_ids": pos,
         prefix.cache_arg: prefix.cache,
         "use_cache": True,

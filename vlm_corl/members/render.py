@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from vlm_corl.data.images import load_image
 from vlm_corl.data.records import Example, ViewError
 from vlm_corl.errors import UserError
+from vlm_corl.members.batching import remember_positions
 from vlm_corl.members.rollout import Prompt
 
 # The instruction each prompt style appends to the question (docs/method.md: the paper's prompts).
@@ -85,6 +86,7 @@ class Renderer:
             return hit[0]
         prompt = self.render(example)
         size = sum(t.numel() * t.element_size() for t in prompt.inputs.values())
+        size += remember_positions(self.member.model, prompt.inputs, self.member.mrope)
         self._cache[example.id] = (prompt, size)
         self._cached_bytes += size
         while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:

@@ -198,14 +198,22 @@ def _spans(n: int, size: int):
     return ((s, min(s + size, n)) for s in range(0, n, size))
 
 
-def _policy_chunk(chunk: Tensor, temperature: float, suppressed: tuple) -> Tensor:
-    """fp32 logits of the sampling distribution for a (rows, V) chunk, as `update` defines it (the same ops)."""
+def _policy_chunk(chunk: Tensor, temperature: float, suppressed: tuple, writable: bool = False) -> Tensor:
+    """fp32 logits of the sampling distribution for a (rows, V) chunk, as `update` defines it (the same ops).
+
+    `writable`: the result is never `chunk`'s memory, so the caller may work on it in place. Each step works in
+    place on a copy the step before made (the upcast of bf16 logits, the tempering): a bf16 chunk costs one
+    fp32 copy, not three.
+    """
     x = chunk.float()
     if temperature != 1.0:
         x = x / temperature
+    owned = x.data_ptr() != chunk.data_ptr()
     if suppressed:
-        x = x.index_fill(-1, torch.tensor(suppressed, device=x.device), float("-inf"))
-    return x
+        ids = torch.tensor(suppressed, device=x.device)
+        x = x.index_fill_(-1, ids, float("-inf")) if owned else x.index_fill(-1, ids, float("-inf"))
+        owned = True
+    return x if owned or not writable else x.clone()
 
 
 class _SelectiveLogprobs(torch.autograd.Function):
@@ -222,11 +230,12 @@ class _SelectiveLogprobs(torch.autograd.Function):
         log_norm = torch.empty_like(logp)
         with torch.autocast(logits.device.type, enabled=False):
             for s, e in _spans(rows.shape[0], chunk_rows):
-                x = _policy_chunk(rows[s:e], temperature, suppressed)
+                x = _policy_chunk(rows[s:e], temperature, suppressed, writable=True)
                 top = x.amax(dim=-1, keepdim=True)
+                picked = x.gather(-1, index[s:e])
                 # the order of log_softmax's own kernel (shift by the max, then log-sum-exp): equal results
-                log_sum = torch.log((x - top).exp_().sum(dim=-1, keepdim=True))
-                logp[s:e] = ((x.gather(-1, index[s:e]) - top) - log_sum).squeeze(-1)
+                log_sum = torch.log(x.sub_(top).exp_().sum(dim=-1, keepdim=True))
+                logp[s:e] = ((picked - top) - log_sum).squeeze(-1)
                 log_norm[s:e] = (top + log_sum).squeeze(-1)
         ctx.save_for_backward(logits, targets, log_norm)
         ctx.args = how
@@ -243,6 +252,8 @@ class _SelectiveLogprobs(torch.autograd.Function):
         scale = grad_logp.reshape(-1, 1).float() / temperature  # (N, 1)
         with torch.autocast(logits.device.type, enabled=False):
             for s, e in _spans(rows.shape[0], chunk_rows):
-                probs = (_policy_chunk(rows[s:e], temperature, suppressed) - log_norm[s:e, None]).exp_()
+                probs = (
+                    _policy_chunk(rows[s:e], temperature, suppressed, writable=True).sub_(log_norm[s:e, None]).exp_()
+                )
                 grad[s:e] = probs.mul_(-scale[s:e]).scatter_add_(-1, index[s:e], scale[s:e])
         return grad.view(logits.shape), None, None, None
