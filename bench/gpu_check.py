@@ -281,10 +281,12 @@ def precision_check(members: dict[str, Path], settings: dict) -> dict:
 
 def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
     """The HF decode loop's read schedule on this device (vlm_corl.members.engines.hf.sync_every: every 8 tokens
-    on a GPU): the same greedy tokens as reading every token, and the seconds of each (median of 3 calls)."""
+    on a GPU) and its ready-made decoding mask (batching.ready_decode_mask): the same greedy tokens as reading
+    every token with transformers' own mask, and the seconds of each (median of 3 calls)."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.distributed.world import default_device
+    from vlm_corl.members import batching
     from vlm_corl.members.engines import hf
     from vlm_corl.members.member import load_member
     from vlm_corl.members.render import Renderer
@@ -296,10 +298,14 @@ def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
     prompts = [render(ex) for ex in examples]
     params = SamplingParams(n=4, max_new_tokens=settings["precision_tokens"], temperature=0.0)
     chosen, original = hf.sync_every(member.device), hf.sync_every
+    ready, ready_mask = batching.ready_decode_mask(member.model.config), batching.ready_decode_mask
     out, seconds = {}, {}
     try:
-        for every in (1, chosen):
+        # every token with transformers' own decoding mask, then the device's schedule with and without the
+        # ready-made one (transformers' mask checks for padding on the host every token: a sync on a GPU)
+        for name, every, own_mask in (("every_token", 1, False), ("chosen", chosen, False), ("ready", chosen, True)):
             hf.sync_every = lambda device, every=every: every  # noqa: E731 - the schedule under test
+            batching.ready_decode_mask = lambda config, own_mask=own_mask: own_mask and ready  # noqa: E731
             times = []
             for _ in range(3):
                 start = time.perf_counter()
@@ -307,12 +313,14 @@ def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-            out[every] = [r.token_ids for g in groups for r in g.responses]
-            seconds[every] = round(statistics.median(times), 4)
+            out[name] = [r.token_ids for g in groups for r in g.responses]
+            seconds[name] = round(statistics.median(times), 4)
     finally:
-        hf.sync_every = original
-    return {"sync_every": chosen, "same_tokens": out[1] == out[chosen], "seconds": seconds,
-            "ok": out[1] == out[chosen]}  # fmt: skip
+        hf.sync_every, batching.ready_decode_mask = original, ready_mask
+    same = out["every_token"] == out["chosen"]
+    same_ready = out["chosen"] == out["ready"]
+    return {"sync_every": chosen, "same_tokens": same, "ready_decode_mask": ready, "same_tokens_ready_mask": same_ready,
+            "seconds": seconds, "ok": same and same_ready}  # fmt: skip
 
 
 def main(argv=None) -> int:
