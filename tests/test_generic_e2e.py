@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 import yaml
 from cohort_helpers import ENV, ROOT, metrics
+from safetensors.torch import load_file
 from test_generic_family import GENERIC_TEXT, GENERIC_VISION
 
 pytestmark = pytest.mark.slow
@@ -88,3 +90,44 @@ def _reload_and_sample(path: Path, vision: bool) -> None:
         inputs = templater([text], return_tensors="pt", add_special_tokens=False)
     out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
     assert inputs["input_ids"].shape[1] < out.shape[1] <= inputs["input_ids"].shape[1] + 2
+
+
+@pytest.mark.parametrize("arch", ["llava_onevision", "olmo2"])
+def test_a_generic_lora_member_trains_adapters_resumes_evaluates_and_exports_merged(tiny_zoo, tmp_path, arch):
+    """LoRA on a generic member as a user runs it: the default target modules found on its language model, a
+    PEFT adapter checkpointed per step, a resume, `corl eval` on the adapter checkpoint, `corl export --merge`,
+    and the merged model reloaded with plain transformers, its weights moved from the base's."""
+    vision = arch in GENERIC_VISION
+    corl("zoo", "--arch", arch, "--out", str(tmp_path / arch))
+    peer = tiny_zoo["qwen2_vl" if vision else "qwen3"]
+    config = {
+        "output_dir": str(tmp_path / "run"),
+        "members": [
+            {"id": "g", "model": str(tmp_path / arch), "lora": {"r": 4}},
+            {"id": "peer", "model": str(peer)},
+        ],
+        "data": {
+            "train": {"loader": "easyvqa", "limit": 32} if vision else {"loader": "math500", "split": "test"},
+            "batch_size": 2,
+        },
+        "rollout": {"n": 2, "max_new_tokens": 6},
+        "reward": {"mode": "entropy"},  # every response rewarded apart: the adapters get a gradient each step
+        "train": {"max_steps": 2, "lr": 1e-2, "save_every": 1, "warmup_ratio": 0.0},
+        "logging": {"report_to": [], "progress": False},
+    }
+    path = tmp_path / "cohort.yaml"
+    path.write_text(yaml.safe_dump(config))
+    corl("train", "--config", str(path))
+    corl("train", "--config", str(path), "train.max_steps=3", "train.resume=true")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-3" / "g"
+    assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
+    targets = json.loads((checkpoint / "adapter_config.json").read_text())["target_modules"]
+    assert targets and all("vision" not in t and "visual" not in t for t in targets)
+
+    benchmark = "easyvqa" if vision else "math500"
+    corl("eval", "--models", str(checkpoint), "--benchmarks", benchmark, "--limit", "2", "--out", str(tmp_path / "ev"))
+    corl("export", str(tmp_path / "run"), "--out", str(tmp_path / "exported"), "--merge")
+    _reload_and_sample(tmp_path / "exported" / "g", vision)
+    merged, base = (load_file(p / "model.safetensors") for p in (tmp_path / "exported" / "g", tmp_path / arch))
+    moved = [k for k in base if k in merged and not torch.equal(merged[k], base[k])]
+    assert moved and all("vision" not in k and "visual" not in k for k in moved), moved

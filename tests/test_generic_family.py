@@ -201,3 +201,30 @@ def test_a_generic_member_trains_lora_adapters_on_its_language_model_only(generi
     member.model(**inputs).logits[:, -1].logsumexp(-1).sum().backward()
     grads = {n for n, p in member.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert grads and all("lora_" in n for n in grads)
+
+
+@pytest.mark.parametrize("arch", GENERIC_VISION)
+def test_the_planner_asks_a_generic_members_own_processor_how_many_tower_positions_an_image_makes(
+    generic_zoo, arch, tmp_path
+):
+    """No family knows how a generic tower tiles an image, so the planner puts images of the pixel cap (square,
+    wide, tall) through the member's own image processor. Its count is the most that images rendered for
+    training (files shrunk to the cap, then the processor) make, and for tiling processors (LLaVA-OneVision's
+    grid, Idefics3's splitting) more than the pixel count alone would plan."""
+    from PIL import Image
+
+    from vlm_corl.planning.shapes import model_shape, tower_positions
+
+    cap = 96 * 96
+    shape = model_shape(str(generic_zoo[arch]))
+    assert shape.processor_dir == str(generic_zoo[arch])
+    member = load_member(MemberConfig(id="g", model=str(generic_zoo[arch]), trainable=False))
+    render = Renderer(member, "original", cap, 1 << 20)
+    seen = []
+    for i, size in enumerate([(96, 96), (192, 48), (48, 192), (400, 300), (40, 30)]):
+        Image.new("RGB", size, (200, 30 * i, 0)).save(tmp_path / f"{i}.png")
+        prompt = render(Example(str(i), "What colour?", images=(str(tmp_path / f"{i}.png"),)))
+        seen.append(tower_positions(prompt.inputs, shape.patch_size))
+    assert max(seen) == shape.patches_per_image(cap), seen
+    if arch in ("llava_onevision", "idefics3"):
+        assert shape.patches_per_image(cap) > cap / shape.patch_size**2  # what the pixel count alone would plan

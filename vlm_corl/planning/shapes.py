@@ -42,6 +42,7 @@ class ModelShape:
     vision_intermediate: int = 0
     patch_size: int = 0
     fixed_patches: int = 0  # patches per image of a tiled/fixed-size tower (0: the image's pixels decide)
+    processor_dir: str = ""  # a generic member's directory: its own image processor decides (`processor_patches`)
 
     @property
     def is_vision(self) -> bool:
@@ -51,6 +52,8 @@ class ModelShape:
         """Vision-tower positions of one image at the trainer's pixel cap (data.max_image_pixels)."""
         if not self.is_vision:
             return 0
+        if self.processor_dir:
+            return processor_patches(self.processor_dir, self.patch_size, max_image_pixels)
         return self.fixed_patches or math.ceil(max_image_pixels / self.patch_size**2)
 
 
@@ -130,8 +133,60 @@ def model_shape(model_dir: str) -> ModelShape:
             ),
             patch_size=patch,
             fixed_patches=_tiled_patches(config.model_type, vision, patch, Path(model_dir)),
+            processor_dir=model_dir if _generic_with_processor(model_dir, config.model_type) else "",
         )
     return ModelShape(**fields)
+
+
+def _generic_with_processor(model_dir: str, model_type: str) -> bool:
+    """A downloaded generic member: no family knows how its tower tiles the image, but its processor does."""
+    from vlm_corl.members.families import family_for_model_type
+
+    try:
+        family_for_model_type(model_type)
+        return False
+    except ValueError:
+        has = (Path(model_dir) / name for name in ("preprocessor_config.json", "processor_config.json"))
+        return any(path.is_file() for path in has)
+
+
+# Image shapes of `max_image_pixels` the planner asks a processor about: square, wide and tall (tiling processors
+# pick their grid by aspect ratio).
+ASPECTS = (1.0, 4.0, 0.25)
+
+
+@lru_cache(maxsize=64)
+def processor_patches(model_dir: str, patch: int, max_image_pixels: int) -> int:
+    """Vision-tower positions of the largest image a generic member's own image processor makes from an image of
+    `max_image_pixels` (the cap every image is shrunk to at loading; the generic family resizes no further):
+    the most over square, wide and tall images. Tiling processors (LLaVA-OneVision's any-resolution grid,
+    Idefics3's splitting) make several tiles of one image, which the pixel count alone would miss."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    # The whole processor, as rendering uses it: some pass their image processor settings of their own (Pixtral's
+    # patch size times its merge size).
+    processor = AutoProcessor.from_pretrained(model_dir)
+    most = 0
+    for aspect in ASPECTS:
+        width = max(1, round(math.sqrt(max_image_pixels * aspect)))
+        height = max(1, max_image_pixels // width)
+        image = Image.new("RGB", (width, height))
+        out = processor(text=[processor.image_token], images=[image], return_tensors="pt")
+        most = max(most, tower_positions(out, patch))
+    return most
+
+
+def tower_positions(processed, patch: int) -> int:
+    """Vision-tower positions of one processed image: the patch grid's cells (Qwen-style `image_grid_thw`),
+    the rows of flattened patches, or tiles x (tile side / patch)^2 for (…, channels, height, width) pixels."""
+    if "image_grid_thw" in processed:
+        return int(processed["image_grid_thw"].prod(dim=-1).sum())
+    pixels = processed["pixel_values"]
+    if pixels.dim() == 2:
+        return pixels.shape[0]
+    tiles = math.prod(pixels.shape[:-3])
+    return tiles * (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
 
 
 def _tiled_patches(model_type: str, vision, patch: int, model_dir: Path) -> int:
