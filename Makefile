@@ -57,6 +57,7 @@ $(VLLM_VENV)/.setup-done: pyproject.toml
 
 test-vllm: setup $(VLLM_VENV)/.setup-done
 	$(PY) -m vlm_corl.zoo --out out/zoo-small --size small --families qwen2_vl,qwen2_5_vl,gemma3,internvl
+	for arch in idefics3 llava_onevision; do $(PY) -m vlm_corl.zoo --arch $$arch --out out/zoo-small/generic-$$arch --size small; done
 	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py tests/test_zero3_stream.py
 
 ## What bench/gpu_check.sh installs on a lent GPU machine that has no package index (Python 3.12, CUDA torch,

@@ -125,7 +125,7 @@ def test_a_generic_lora_member_trains_adapters_resumes_evaluates_and_exports_mer
     assert targets and all("vision" not in t and "visual" not in t for t in targets)
 
     benchmark = "easyvqa" if vision else "math500"
-    corl("eval", "--models", str(checkpoint), "--benchmarks", benchmark, "--limit", "2", "--out", str(tmp_path / "ev"))
+    corl("eval", "--models", str(checkpoint), "--benchmarks", benchmark, "--limit", "3", "--out", str(tmp_path / "ev"))
     corl("export", str(tmp_path / "run"), "--out", str(tmp_path / "exported"), "--merge")
     _reload_and_sample(tmp_path / "exported" / "g", vision)
     merged, base = (load_file(p / "model.safetensors") for p in (tmp_path / "exported" / "g", tmp_path / arch))

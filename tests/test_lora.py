@@ -265,6 +265,12 @@ def test_a_lora_checkpoint_evaluates_like_a_model(lora_run, tmp_path):
     assert cli.run(evaluate.main, argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert {Path(k).name for k in results} == {"q", "m"}
+    # one member's adapter directory alone, as a user points at it
+    adapter = sorted((lora_run / "checkpoints").iterdir())[-1] / "q"
+    argv = ["--models", str(adapter), "--benchmarks", "easyvqa", "--limit", "3", "--out", str(tmp_path / "one")]
+    assert cli.run(evaluate.main, argv) == 0
+    alone = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert alone[str(adapter)] == results[str(adapter)]
 
 
 def test_resume_of_a_lora_member_is_bit_identical(lora_run, tmp_path):

