@@ -82,7 +82,10 @@ def test_eval_cli_runs_a_text_benchmark_through_python_m(tiny_zoo, tmp_path):
         (["--models", "{tmp}/none"], "member 'none' ({tmp}/none): the model directory does not exist"),
         (["--limit", "2"], "a limit of 2 cannot be balanced over the 3 values of 'question_type'"),
         (["--models", "{text}"], "is a text-only qwen3 model but the data has images"),
-        (["--models", "{tmp}"], "not a model directory (no config.json), a complete cohort checkpoint"),
+        (
+            ["--models", "{tmp}"],
+            "not a model directory (no config.json), a LoRA adapter directory (no adapter_config.json), a complete",
+        ),
         (["--engine", "vllm"], "--engine vllm needs vLLM: pip install"),
     ],
 )
