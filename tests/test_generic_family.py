@@ -228,3 +228,12 @@ def test_the_planner_asks_a_generic_members_own_processor_how_many_tower_positio
     assert max(seen) == shape.patches_per_image(cap), seen
     if arch in ("llava_onevision", "idefics3"):
         assert shape.patches_per_image(cap) > cap / shape.patch_size**2  # what the pixel count alone would plan
+
+
+def test_a_processor_that_cannot_count_falls_back_to_the_pixel_count_and_says_so(generic_zoo, tmp_path, caplog):
+    from vlm_corl.planning.shapes import processor_patches
+
+    broken = shutil.copytree(generic_zoo["llava_onevision"], tmp_path / "llava")
+    (broken / "processor_config.json").write_text("{not json")
+    assert processor_patches(str(broken), 14, 96 * 96) == 0
+    assert "did not count an image's vision-tower positions" in caplog.text and str(broken) in caplog.text

@@ -7,6 +7,7 @@ heads, head dim, vocabulary) and the vision tower's (width, depth, patches per i
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -53,7 +54,9 @@ class ModelShape:
         if not self.is_vision:
             return 0
         if self.processor_dir:
-            return processor_patches(self.processor_dir, self.patch_size, max_image_pixels)
+            measured = processor_patches(self.processor_dir, self.patch_size, max_image_pixels)
+            if measured:
+                return measured
         return self.fixed_patches or math.ceil(max_image_pixels / self.patch_size**2)
 
 
@@ -160,20 +163,31 @@ def processor_patches(model_dir: str, patch: int, max_image_pixels: int) -> int:
     """Vision-tower positions of the largest image a generic member's own image processor makes from an image of
     `max_image_pixels` (the cap every image is shrunk to at loading; the generic family resizes no further):
     the most over square, wide and tall images. Tiling processors (LLaVA-OneVision's any-resolution grid,
-    Idefics3's splitting) make several tiles of one image, which the pixel count alone would miss."""
+    Idefics3's splitting) make several tiles of one image, which the pixel count alone would miss. 0 (and a
+    warning in the log) when the processor cannot count them: the caller falls back to the pixel count."""
     from PIL import Image
     from transformers import AutoProcessor
 
     # The whole processor, as rendering uses it: some pass their image processor settings of their own (Pixtral's
     # patch size times its merge size).
-    processor = AutoProcessor.from_pretrained(model_dir)
     most = 0
-    for aspect in ASPECTS:
-        width = max(1, round(math.sqrt(max_image_pixels * aspect)))
-        height = max(1, max_image_pixels // width)
-        image = Image.new("RGB", (width, height))
-        out = processor(text=[processor.image_token], images=[image], return_tensors="pt")
-        most = max(most, tower_positions(out, patch))
+    try:
+        processor = AutoProcessor.from_pretrained(model_dir)
+        for aspect in ASPECTS:
+            width = max(1, round(math.sqrt(max_image_pixels * aspect)))
+            height = max(1, max_image_pixels // width)
+            image = Image.new("RGB", (width, height))
+            out = processor(text=[processor.image_token], images=[image], return_tensors="pt")
+            most = max(most, tower_positions(out, patch))
+    except Exception as err:  # noqa: BLE001 - an estimate: any processor failure falls back, said in the log
+        logging.getLogger("vlm_corl").warning(
+            "planning %s: its processor did not count an image's vision-tower positions (%s: %s); planned from "
+            "the pixel cap over the patch area, which misses tiles",
+            model_dir,
+            type(err).__name__,
+            str(err)[:200],
+        )
+        return 0
     return most
 
 
