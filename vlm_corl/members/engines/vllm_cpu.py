@@ -39,8 +39,8 @@ def patch_for_vllm_cpu(config=None) -> None:
     image processors by itself (AutoImageProcessor), but vLLM's modules for these families import the
     torchvision-backed image processor modules at import time, and every video processor refuses to load. The
     patch, for this process only (the engine is in-process):
-    1. points those modules (`image_processing_qwen2_vl`, `_gemma3`, `_got_ocr2`, and those of `config`'s model
-       types and image processor) at their PIL implementations;
+    1. points those modules (`image_processing_qwen2_vl`, `_gemma3`, `_got_ocr2`, and any other that importing
+       vLLM's class for `config` turns out to import) at their PIL implementations;
     2. makes processors load with a stand-in video processor (videos are off: `limit_mm_per_prompt`) that
        keeps the checkpoint's video settings, so a processor saved here still reloads elsewhere; InternVL's,
        which vLLM loads by its class, included;
@@ -50,8 +50,7 @@ def patch_for_vllm_cpu(config=None) -> None:
     """
     if importlib.util.find_spec("torchvision") is not None:
         return
-    folders = set(_PIL_IMAGE_PROCESSORS) | (_processor_folders(config) if config else set())
-    for folder in sorted(folders):
+    for folder in _PIL_IMAGE_PROCESSORS:
         _pil_stand_in(folder)
     _without_videos()
     from vllm import ModelRegistry
@@ -109,36 +108,6 @@ def _pil_stand_in(folder: str) -> bool:
     stand_in.PIL_STAND_IN = True
     sys.modules[name] = stand_in
     return True
-
-
-def _processor_folders(config) -> set[str]:
-    """The transformers model folders whose image processors a model of `config` may import: its own model
-    type's, its towers' (vision and text) and those of the image processors transformers maps them to
-    (Mistral-3 uses Pixtral's, LLaVA-OneVision its own)."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
-
-    towers = (getattr(config, "vision_config", None), config.get_text_config())
-    types_ = {config.model_type} | {tower.model_type for tower in towers if tower is not None}
-    folders = {model_type_to_module_name(t) for t in types_}
-    for t in types_:
-        for name in _names(IMAGE_PROCESSOR_MAPPING_NAMES.get(t)):
-            # "PixtralImageProcessor" -> the folder of the model type that maps to it
-            folders |= {
-                model_type_to_module_name(other)
-                for other, names in IMAGE_PROCESSOR_MAPPING_NAMES.items()
-                if name in _names(names) and other != t
-            }
-    return folders
-
-
-def _names(entry) -> list[str]:
-    """Class names of an IMAGE_PROCESSOR_MAPPING_NAMES entry (a name, a tuple, or {backend: name})."""
-    if not entry:
-        return []
-    if isinstance(entry, str):
-        return [entry]
-    return [n for n in (entry.values() if isinstance(entry, dict) else entry) if n]
 
 
 @functools.cache
