@@ -8,7 +8,16 @@ from cohort_helpers import write_jsonl
 
 from vlm_corl.report import main
 from vlm_corl.report_md import render_report
-from vlm_corl.run_plots import by_member, first_last, moving_average, per_step, plot_metric, plot_panel
+from vlm_corl.run_plots import (
+    LEGEND_INSIDE,
+    by_member,
+    first_last,
+    moving_average,
+    per_step,
+    plot_metric,
+    plot_panel,
+    side_by_side,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -118,3 +127,16 @@ def test_an_ema_teacher_draws_no_reward_line_but_keeps_its_colour_place(tmp_path
     assert list(learners) == ["a", "a.teacher", "b"] and learners["a.teacher"] == [] and len(learners["b"]) == 2
     (run_dir / "config.yaml").unlink()  # members unknown: every slot is drawn
     assert len(load_run(run_dir).learners()["a.teacher"]) == 2
+
+
+def test_many_lines_share_one_legend_below_the_plots_few_keep_their_own():
+    """A cohort's per-category figure has a line per (member, category): 24 for four members and their EMA
+    teachers. Each plot's own legend of 24 covered it, so past LEGEND_INSIDE lines one legend goes below."""
+    rows = [{"step": s, "agreement": 0.5, "answer_acc": 0.6} for s in (1, 2, 3)]
+    for n, shared in ((LEGEND_INSIDE + 16, True), (2, False)):
+        lines = {f"m{i}: c": rows for i in range(n)}
+        fig = side_by_side(
+            lines, ["agreement", "answer_acc"], lambda k, ax, lines=lines: plot_metric(lines, k, smooth=1, ax=ax)
+        )
+        assert [ax.get_legend() is None for ax in fig.axes] == [shared, shared]
+        assert len(fig.legends) == shared and (not shared or len(fig.legends[0].get_texts()) == n)

@@ -346,13 +346,29 @@ def category_figure(lines: Mapping[str, Rows], warnings: Sequence[dict], title: 
     return fig
 
 
+# More lines than this and side-by-side plots share one legend below them: a legend of each plot's 24 lines (4
+# members, their EMA teachers, 3 categories) covered the plots and ran past them.
+LEGEND_INSIDE = 8
+
+
 def side_by_side(lines: Mapping[str, Rows], keys: Sequence[str], draw: Callable[[str, Axes], None]) -> Figure | None:
     """A figure of one subplot per key that some line has values of, each drawn by `draw(key, ax)`; None when
-    no key has any."""
+    no key has any. Over `LEGEND_INSIDE` lines, one legend below the plots replaces theirs."""
     present = [k for k in keys if any(per_step(rows, k)[0] for rows in lines.values())]
     if not present:
         return None
-    fig = Figure(figsize=(5.0 * len(present), 3.8), layout="constrained")
-    for j, key in enumerate(present):
-        draw(key, fig.add_subplot(1, len(present), j + 1))
+    shared = len(lines) > LEGEND_INSIDE  # many lines: one legend under the row, not one over each plot
+    columns = min(len(lines), 2 * len(present))
+    legend_rows = -(-len(lines) // columns) if shared else 0
+    fig = Figure(figsize=(5.0 * len(present), 3.8 + 0.2 * legend_rows), layout="constrained")
+    axes = [fig.add_subplot(1, len(present), j + 1) for j in range(len(present))]
+    for key, ax in zip(present, axes):
+        draw(key, ax)
+    if shared:
+        handles = {}
+        for ax in axes:
+            if ax.get_legend() is not None:
+                ax.get_legend().remove()
+            handles |= dict(zip(*reversed(ax.get_legend_handles_labels())))
+        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=columns, fontsize="small")
     return fig
