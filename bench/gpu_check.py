@@ -20,7 +20,7 @@ On CUDA (`--size real`, the default there): two members with released architectu
    copy in bf16): step time and peaks, and the plan;
 7. `lora`: the Qwen2-VL member as a LoRA member (base frozen in bf16, fp32 adapters r 16): step time, peaks
    against the plan, the adapter checkpoint's size;
-8. `resume`: the same member trained in a subprocess that is killed (SIGKILL) after its first checkpoint, then
+8. `resume`: the same member trained in a subprocess that is killed (SIGKILL) after its first checkpoint of six, then
    resumed to the end: every step's row is there once, the last checkpoint complete, the losses finite.
 vLLM is not run (`vllm` and `sleep_wake` say skipped): it cannot be installed on the lent machine (no package
 index, its wheel is far too large).
@@ -228,18 +228,22 @@ def lora_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
     return report
 
 
+RESUME_STEPS = 6  # a checkpoint each: enough that the kill lands before the end, even on a loaded machine
+
+
 def resume_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
     """Kill a training process after its first checkpoint, resume it; rows and checkpoints must line up."""
     from vlm_corl.training.checkpoint import latest_checkpoint
 
-    path = cohort_file(work, "resume", {"qwen": members["qwen"]}, settings, max_steps=3, save_every=1)
+    path = cohort_file(work, "resume", {"qwen": members["qwen"]}, settings, max_steps=RESUME_STEPS, save_every=1)
     run_dir = work / "resume" / "run"
     command = [sys.executable, "-m", "vlm_corl.train", "--config", str(path)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Poll often: a tiny member's step takes ~0.1 s, and a run that ends before the kill proves nothing.
     while latest_checkpoint(run_dir) is None and proc.poll() is None:
-        time.sleep(0.2)
+        time.sleep(0.02)
     killed_at = latest_checkpoint(run_dir)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -255,7 +259,11 @@ def resume_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
         "steps_logged": sorted(r["step"] for r in rows),
         "final_checkpoint": final.name if final else None,
         "loss_finite": all(r["loss"] == r["loss"] for r in rows if r["loss"] is not None),
-        "ok": resumed.returncode == 0 and sorted(r["step"] for r in rows) == [1, 2, 3] and final is not None,
+        "ok": resumed.returncode == 0
+        and sorted(r["step"] for r in rows) == list(range(1, RESUME_STEPS + 1))
+        and killed_at is not None
+        and killed_at.name != f"step-{RESUME_STEPS}"  # killed before its end
+        and final is not None,
         "wall_s": round(time.perf_counter() - start, 1),
     }
 

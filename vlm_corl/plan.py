@@ -51,7 +51,8 @@ def released_stand_ins(config: str, overrides: Sequence[str]) -> list[str]:
             f"{config}: {'; '.join(unknown)} does not exist and names no released architecture under "
             f"{MODELS} ({known}). To plan before downloading, name the member's directory like one of those "
             "(or its Hugging Face repository, as models.json lists it), or add the model's config.json as "
-            "configs/models/NAME/config.json with its repository in configs/models/models.json"
+            "configs/models/NAME/config.json with its repository in configs/models/models.json. A tiny model the "
+            "zoo builds is planned once built (python -m vlm_corl.zoo --out DIR, as the config's header says)"
         )
     return out
 
