@@ -254,7 +254,7 @@ def _completions(runs, names) -> str:
                     cells = [
                         (sample["step"], str(sample["step"])),
                         (label, html.escape(label)),
-                        (prompt, picture + f"<div class=\"text\">{html.escape(prompt)}</div>"),
+                        (prompt, picture + f"<div class=\"text prompt\">{html.escape(prompt)}</div>"),
                         (text, f'<div class="text response">{html.escape(text)}</div>'),
                         (str(m["answers"][k]), html.escape(str(m["answers"][k]))),
                         (str(m["vote"]), html.escape(str(m["vote"]))),
@@ -302,7 +302,8 @@ table.grid th { background: #f3f3f3; }
 #completions-table th { cursor: pointer; position: sticky; top: 0; }
 .matrix td { text-align: center; min-width: 3.5em; }
 .text { white-space: pre-wrap; max-width: 32em; font-family: ui-monospace, monospace; font-size: 12px; }
-.response { max-width: 40em; }
+.response { max-width: 30em; }
+.prompt { min-width: 18em; }  /* else the table squeezes a long instruction to a word per line */
 .muted { color: #777; font-size: 12px; }
 img { image-rendering: pixelated; width: 64px; height: auto; display: block; }
 .filters { margin: .5em 0; } #shown { color: #555; margin-left: 1em; }
