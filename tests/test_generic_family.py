@@ -175,6 +175,7 @@ def test_the_coverage_table_lists_every_architecture_the_installed_transformers_
         assert zoo == "builds" or served_by != "generic" or arch not in TESTED_GENERIC
     counts = coverage._counts([coverage.Row(*cells) for cells in rows.values()])
     assert f"- served generically and tested here: {counts['generic tested']}" in text
+    assert coverage.VLLM_COLUMN in text  # what the vLLM column means, as the generator writes it
 
 
 def test_the_coverage_command_writes_a_row(tmp_path):

@@ -123,6 +123,16 @@ def _lora_targets(config) -> str:
     return " ".join(p for p in LM_PROJECTIONS if p in names) or "none of the defaults: name them"
 
 
+VLLM_COLUMN = (  # what the vLLM column means
+    "*vLLM* yes means the installed vLLM has a model class for the architecture. Members of a registered "
+    "family roll out on it (the vLLM lane tests each). A generic member does only where vLLM's weight loader "
+    "takes the names transformers gives its weights: tested here, Idefics3 is served and LLaVA-OneVision is "
+    "refused when its engine is built (transformers 5 renamed its vision tower's weights); generic text "
+    "members are refused (vLLM 0.32 rewrites their transformers classes). A refused member rolls out with "
+    "`engine: hf` (docs/families.md)."
+)
+
+
 def render(rows: list[Row], transformers_version: str, vllm_known: bool) -> str:
     """docs/models.md: counts, then the table."""
     counts = _counts(rows)
@@ -143,6 +153,8 @@ def render(rows: list[Row], transformers_version: str, vllm_known: bool) -> str:
         "`zoo --arch` *builds* means: a tiny random member with an offline processor renders an image prompt through"
         " its chat template and runs it through the model's forward. *no* gives the reason (most often a processor"
         " that needs files only a real checkpoint has, or a model that is not a chat VLM).",
+        "",
+        VLLM_COLUMN,
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
