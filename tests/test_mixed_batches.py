@@ -13,7 +13,16 @@ from cohort_helpers import assert_ready_decode_mask_changes_nothing, shipped_fam
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
-from vlm_corl.members.batching import _ROPE_ROWS, collate, model_positions, ready_decode_mask, unwrapped
+from vlm_corl.members.batching import (
+    _ROPE_ROWS,
+    DecodeSteps,
+    collate,
+    continuation,
+    model_positions,
+    prefill,
+    ready_decode_mask,
+    unwrapped,
+)
 from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
@@ -129,3 +138,34 @@ def test_a_ready_made_decoding_mask_decodes_a_padded_batch_as_transformers_mask(
     )
     render = Renderer(member, "original", 10**6, 10**6)
     assert_ready_decode_mask_changes_nothing(member, [render(e) for e in exs])
+
+
+@pytest.mark.parametrize("family", VISION + shipped_families("text"))
+def test_decoding_steps_feed_what_continuation_would(tiny_zoo, mixed, family):
+    """The rollout's one-token steps (`DecodeSteps`: one mask made up front, positions counted on) give the
+    model exactly `continuation`'s inputs over a padded batch, at every step and after rows leave the batch."""
+    member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family]), trainable=False))
+    exs = (
+        mixed
+        if member.family.modality == "vision"
+        else [replace(e, images=(), question=e.question + " Why?" * i) for i, e in enumerate(mixed)]
+    )
+    render = Renderer(member, "original", 10**6, 10**6)
+    prompts = [render(e).inputs for e in exs for _ in range(2)]
+    policy = member.policy()
+    with torch.no_grad():
+        prefix = prefill(member.model.eval(), prompts, policy.pad_id, policy.mrope)
+    steps, rows = DecodeSteps(prefix, limit=5), len(prompts)
+    for t in range(5):
+        if t == 3:  # rows 1 and 4 end: they leave the batch and its cache
+            keep = torch.tensor([0, 2, 3, 5])
+            steps.select(keep)
+            rows = len(keep)
+        tokens = torch.arange(rows)[:, None] + 7
+        ours, theirs = steps.inputs(tokens, t), continuation(prefix, tokens, torch.ones(rows, t + 1, dtype=torch.long))
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if isinstance(value, torch.Tensor):
+                assert ours[key].shape == value.shape and torch.equal(ours[key], value), (key, t)
+            else:
+                assert ours[key] is value, key

@@ -286,6 +286,42 @@ def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: in
     )
 
 
+class DecodeSteps:
+    """One-token decoding steps after a `Prefix` when every new token is real (the rollout's decoding): the
+    inputs `continuation` would build, without rebuilding the attention mask (a concatenation) or counting
+    positions over it (a cumulative sum) at every token. The mask is made once for `limit` new tokens and each
+    step passes a view of it; a row's position is its prompt's real length plus the tokens before it."""
+
+    def __init__(self, prefix: Prefix, limit: int):
+        self.prefix, self.prompt_length = prefix, prefix.attention_mask.shape[1]
+        mask = prefix.attention_mask.new_ones((len(prefix.attention_mask), self.prompt_length + limit))
+        mask[:, : self.prompt_length] = prefix.attention_mask
+        self.mask = mask.bool() if prefix.decode_mask else mask
+        start = prefix.attention_mask.long().sum(dim=1, keepdim=True)  # (R, 1): the first new token's position
+        self.start = start if prefix.rope_delta is None else start + prefix.rope_delta
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only `rows` (the continuations still decoding), the prefix's cache included."""
+        self.prefix.select(rows)
+        self.mask, self.start = self.mask[rows], self.start[rows]
+
+    def inputs(self, token_ids: Tensor, t: int) -> dict[str, Tensor]:
+        """Model inputs feeding (R, 1) `token_ids`, the t-th new token of each row (0-based): the cache holds the
+        prompt and the t before it. Equal to `continuation(prefix, token_ids, ones(R, t + 1))`."""
+        prefix, keys = self.prefix, self.prompt_length + t + 1
+        pos = self.start + t  # (R, 1)
+        inputs = {
+            "input_ids": token_ids,
+            "attention_mask": self.mask[:, None, None, :keys] if prefix.decode_mask else self.mask[:, :keys],
+            "position_ids": pos if prefix.rope_delta is None else pos.unsqueeze(0).expand(3, -1, -1),
+            prefix.cache_arg: prefix.cache,
+            "use_cache": True,
+        }
+        if prefix.cross_attention_mask is not None:
+            inputs["cross_attention_mask"] = prefix.cross_attention_mask
+        return inputs
+
+
 def ready_decode_mask(config) -> bool:
     """Whether a one-token decoding step may pass its attention mask ready-made, as (R, 1, 1, keys) booleans.
 

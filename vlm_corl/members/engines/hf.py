@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from vlm_corl.members.batching import continuation, prefill
+from vlm_corl.members.batching import DecodeSteps, prefill
 from vlm_corl.members.finite import NonFiniteLogits
 from vlm_corl.members.rollout import Policy, Prompt, Response, RolloutGroup, SamplingParams
 
@@ -106,6 +106,7 @@ def sample(
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
     limit = params.max_new_tokens
+    steps = DecodeSteps(prefix, limit)
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
     choose, eos = Chooser(params), torch.tensor(eos_ids, device=device)
     samplable = _samplable(vocab, policy.suppressed, device)  # (V',) token ids the policy can emit
@@ -114,29 +115,28 @@ def sample(
     stats = {name: torch.zeros(rows, limit, device=device) for name in STATS}  # per token, summed at the end
     # Each row's length: the length limit until it ends (an eos token, or a stop string found at a sync point).
     lengths = torch.full((rows,), limit, dtype=torch.long, device=device)
-    generated = torch.ones(rows, limit, dtype=torch.long, device=device)  # sampled tokens' mask
     # The batch (indices into the R rows) and which of its rows still decode. A row that ends stays in the batch
     # until the next synchronisation (`sync_every`), where ended rows leave the batch and the cache; between
     # two, the loop reads nothing back from the device (on a GPU each read waits for every queued kernel).
-    # Finite logits are checked once, at the end.
-    active = torch.arange(rows, device=device)
+    # Finite logits are checked once, at the end. `at` indexes the batch's rows in the (R, ...) tensors: a plain
+    # slice while every row decodes (a strided copy per write, not an indexed scatter).
+    active, at = torch.arange(rows, device=device), slice(None)
     alive = torch.ones(rows, dtype=torch.bool, device=device)
     every, synced = sync_every(device), 0
     logits = prefix.last_logits
     for t in range(limit):
         scores, logp = _policy_scores(logits, samplable, params, choose.greedy)
         probs = logp.exp()
-        choice = choose(scores, probs, uniforms[active, t]).clamp_(max=len(samplable) - 1)  # NaN: in range
+        choice = choose(scores, probs, uniforms[at, t]).clamp_(max=len(samplable) - 1)  # NaN: in range
         next_tokens = samplable[choice]  # (A,)
         for name, value in _chosen_token_stats(logp, probs, choice).items():
-            stats[name][active, t] = value
-        tokens[active, t] = next_tokens
+            stats[name][at, t] = value
+        tokens[at, t] = next_tokens
         ended = alive & torch.isin(next_tokens, eos)
-        lengths[active] = torch.where(ended, t + 1, lengths[active])
+        lengths[at] = torch.where(ended, t + 1, lengths[at])
         alive &= ~ended
         if t + 1 < limit and (t + 1 - synced) % every:
-            inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
-            logits = model(**inputs).logits[:, -1]
+            logits = model(**steps.inputs(next_tokens[:, None], t)).logits[:, -1]
             continue
         # a synchronisation: stop strings in the tokens since the last one, who is left
         if stops is not None:
@@ -148,10 +148,10 @@ def sample(
             break
         if not bool(alive.all()):
             keep = alive.nonzero().squeeze(1)
-            prefix.select(keep)
+            steps.select(keep)
             active, alive, next_tokens = active[keep], alive[keep], next_tokens[keep]
-        inputs = continuation(prefix, next_tokens[:, None], generated[: len(active), : t + 1])
-        logits = model(**inputs).logits[:, -1]
+            at = active
+        logits = model(**steps.inputs(next_tokens[:, None], t)).logits[:, -1]
     within = torch.arange(limit, device=device) < lengths[:, None]  # (R, T): each row's own tokens
     _check_finite(stats["entropy"], within)
     sums = {name: (value * within).sum(dim=1).tolist() for name, value in stats.items()}
