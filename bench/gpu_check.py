@@ -7,7 +7,8 @@ On CUDA (`--size real`, the default there): two members with released architectu
 1. `members`: building them (parameters, seconds);
 2. `rollout_precision`: HF rollouts of fp32 masters in fp32, under bf16 autocast (recasting at every token, and
    with the casts cached: the engine's choice) and from a bf16 copy (bench/rollout_precision.py): tokens/s,
-   weight casts, peak memory;
+   weight casts, peak memory; `decode_sync`: the HF decode loop's read schedule, ready-made decoding mask and
+   reserved KV cache, each against the plain loop (the same greedy tokens) with its seconds;
 3. `train`: the 2-member cohort on easy-vqa with bf16 compute, gradient checkpointing and a real batch (16
    questions x K 4, 256 new tokens): step time per phase, rollout tokens/s, peak memory per phase (GB, from the
    metrics rows), the prompt cache's size after the steps, and the memory plan train made before loading
@@ -289,8 +290,9 @@ def precision_check(members: dict[str, Path], settings: dict) -> dict:
 
 def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
     """The HF decode loop's read schedule on this device (vlm_corl.members.engines.hf.sync_every: every 8 tokens
-    on a GPU) and its ready-made decoding mask (batching.ready_decode_mask): the same greedy tokens as reading
-    every token with transformers' own mask, and the seconds of each (median of 3 calls)."""
+    on a GPU), its ready-made decoding mask (batching.ready_decode_mask) and its KV cache with room reserved for
+    the response (batching.reserve_cache): the same greedy tokens as reading every token with transformers' own
+    mask and growing cache, and the seconds of each (median of 3 calls)."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.distributed.world import default_device
@@ -307,13 +309,18 @@ def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
     params = SamplingParams(n=4, max_new_tokens=settings["precision_tokens"], temperature=0.0)
     chosen, original = hf.sync_every(member.device), hf.sync_every
     ready, ready_mask = batching.ready_decode_mask(member.model.config), batching.ready_decode_mask
+    reserve = batching.reserve_cache
     out, seconds = {}, {}
     try:
-        # every token with transformers' own decoding mask, then the device's schedule with and without the
-        # ready-made one (transformers' mask checks for padding on the host every token: a sync on a GPU)
-        for name, every, own_mask in (("every_token", 1, False), ("chosen", chosen, False), ("ready", chosen, True)):
+        # every token with transformers' own decoding mask and growing cache, then the device's schedule with
+        # and without the ready-made mask (transformers' checks for padding on the host every token: a sync on a
+        # GPU), then with the cache's room reserved (transformers' concatenates the whole cache every token)
+        variants = (("every_token", 1, False, False), ("chosen", chosen, False, False), ("ready", chosen, True, False),
+                    ("reserved", chosen, True, True))  # fmt: skip
+        for name, every, own_mask, reserved in variants:
             hf.sync_every = lambda device, every=every: every  # noqa: E731 - the schedule under test
             batching.ready_decode_mask = lambda config, own_mask=own_mask: own_mask and ready  # noqa: E731
+            batching.reserve_cache = reserve if reserved else lambda cache, room: None
             times = []
             for _ in range(3):
                 start = time.perf_counter()
@@ -324,11 +331,13 @@ def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
             out[name] = [r.token_ids for g in groups for r in g.responses]
             seconds[name] = round(statistics.median(times), 4)
     finally:
-        hf.sync_every, batching.ready_decode_mask = original, ready_mask
+        hf.sync_every, batching.ready_decode_mask, batching.reserve_cache = original, ready_mask, reserve
     same = out["every_token"] == out["chosen"]
     same_ready = out["chosen"] == out["ready"]
+    same_reserved = out["ready"] == out["reserved"]
     return {"sync_every": chosen, "same_tokens": same, "ready_decode_mask": ready, "same_tokens_ready_mask": same_ready,
-            "seconds": seconds, "ok": same and same_ready}  # fmt: skip
+            "same_tokens_reserved_cache": same_reserved, "seconds": seconds,
+            "ok": same and same_ready and same_reserved}  # fmt: skip
 
 
 def main(argv=None) -> int:

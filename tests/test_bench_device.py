@@ -62,6 +62,7 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
     assert result["decode_sync"]["same_tokens"] and result["decode_sync"]["sync_every"] == 1  # CPU: every token
     assert result["decode_sync"]["ready_decode_mask"] and result["decode_sync"]["same_tokens_ready_mask"]
+    assert result["decode_sync"]["same_tokens_reserved_cache"]
     assert result["sleep_wake"]["skipped"] and result["rope_buffers"]["inv_freq_dtypes"] == ["torch.float32"]
     errors = result["rope_buffers"]["mean_abs_logit_error"]
     assert result["rope_buffers"]["ok"] and errors["fp32_buffers"] <= errors["bf16_buffers"]

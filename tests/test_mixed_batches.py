@@ -16,6 +16,7 @@ from vlm_corl.data.loaders import load_examples
 from vlm_corl.members.batching import (
     _ROPE_ROWS,
     DecodeSteps,
+    ReservedLayer,
     collate,
     continuation,
     model_positions,
@@ -120,6 +121,7 @@ def test_mrope_positions_are_computed_once_per_prompt_and_reassembled_exactly(ti
 
 # One mask serves every layer only with full attention throughout: Gemma-3's sliding-window layers need their own.
 NO_READY_DECODE_MASK = {"gemma3"}
+NO_PLAIN_CACHE_LAYER = set()  # families whose every cache layer is of another kind (sliding, linear attention)
 
 
 @pytest.mark.parametrize("family", VISION + shipped_families("text"))
@@ -169,3 +171,58 @@ def test_decoding_steps_feed_what_continuation_would(tiny_zoo, mixed, family):
                 assert ours[key].shape == value.shape and torch.equal(ours[key], value), (key, t)
             else:
                 assert ours[key] is value, key
+
+
+def _greedy_logits(member, prompts: list, reserved: bool, steps: int = 6) -> tuple[list, list]:
+    """Greedy decoding over a padded batch in which rows 1 and 4 leave after 3 tokens: each step's logits, and
+    per step the storage of each reserved layer's keys. `reserved`: the rollout's way (`DecodeSteps`, the KV
+    cache with room reserved); else `continuation` over transformers' growing cache."""
+    policy = member.policy()
+    out, storage = [], []
+    with torch.no_grad():
+        prefix = prefill(member.model.eval(), prompts, policy.pad_id, policy.mrope)
+        decode = DecodeSteps(prefix, steps) if reserved else None
+        logits = prefix.last_logits
+        for t in range(steps):
+            if t == 3:
+                keep = torch.tensor([0, 2, 3, 5])
+                (decode or prefix).select(keep)
+                logits = logits[keep]
+            tokens = logits.argmax(-1)[:, None]
+            step = decode.inputs(tokens, t) if decode else continuation(prefix, tokens, torch.ones(len(tokens), t + 1))
+            logits = member.model(**step).logits[:, -1]
+            out.append(logits)
+            layers = [layer for layer in prefix.cache.layers if isinstance(layer, ReservedLayer)]
+            storage.append([layer.keys.untyped_storage().data_ptr() for layer in layers])
+    return out, storage
+
+
+@pytest.mark.parametrize("family", VISION + shipped_families("text"))
+def test_the_rollout_cache_reserves_room_and_decodes_as_transformers_growing_cache(tiny_zoo, mixed, family):
+    """The rollout's KV cache (`reserve_cache`): every plain growing layer (transformers' DynamicLayer) gets room
+    for the response and writes each token in place (its keys stay in one buffer between row selections), the
+    other layer kinds keep their classes, and greedy decoding gives transformers' logits exactly."""
+    from transformers.cache_utils import DynamicLayer
+
+    member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family]), trainable=False))
+    exs = (
+        mixed
+        if member.family.modality == "vision"
+        else [replace(e, images=(), question=e.question + " Why?" * i) for i, e in enumerate(mixed)]
+    )
+    render = Renderer(member, "original", 10**6, 10**6)
+    prompts = [render(e).inputs for e in exs for _ in range(2)]
+    policy = member.policy()
+    with torch.no_grad():
+        prefix = prefill(member.model.eval(), prompts, policy.pad_id, policy.mrope)
+    before = [type(layer) for layer in prefix.cache.layers]
+    DecodeSteps(prefix, 6)
+    after = [type(layer) for layer in prefix.cache.layers]
+    assert after == [ReservedLayer if kind is DynamicLayer else kind for kind in before]
+    assert ReservedLayer in after or family in NO_PLAIN_CACHE_LAYER, after
+
+    ours, storage = _greedy_logits(member, prompts, reserved=True)
+    theirs, _ = _greedy_logits(member, prompts, reserved=False)
+    for t, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a, b), (t, (a - b).abs().max())
+    assert storage[0] == storage[1] == storage[2] and storage[3] == storage[4] == storage[5]  # written in place

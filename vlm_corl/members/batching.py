@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import DynamicLayer
 
 # Processor outputs laid out along the token axis (dim 1); everything else is per image and is concatenated
 # along dim 0 (flattened patches for Qwen-VL, …), except a family's batch-aligned keys (Mllama's
@@ -290,9 +291,11 @@ class DecodeSteps:
     """One-token decoding steps after a `Prefix` when every new token is real (the rollout's decoding): the
     inputs `continuation` would build, without rebuilding the attention mask (a concatenation) or counting
     positions over it (a cumulative sum) at every token. The mask is made once for `limit` new tokens and each
-    step passes a view of it; a row's position is its prompt's real length plus the tokens before it."""
+    step passes a view of it; a row's position is its prompt's real length plus the tokens before it. The
+    cache's growing layers get room for the `limit` tokens (`reserve_cache`)."""
 
     def __init__(self, prefix: Prefix, limit: int):
+        reserve_cache(prefix.cache, limit)
         self.prefix, self.prompt_length = prefix, prefix.attention_mask.shape[1]
         mask = prefix.attention_mask.new_ones((len(prefix.attention_mask), self.prompt_length + limit))
         mask[:, : self.prompt_length] = prefix.attention_mask
@@ -320,6 +323,55 @@ class DecodeSteps:
         if prefix.cross_attention_mask is not None:
             inputs["cross_attention_mask"] = prefix.cross_attention_mask
         return inputs
+
+
+def reserve_cache(cache, room: int) -> None:
+    """Give each plain growing layer of a KV cache (transformers' DynamicLayer: full attention) room for `room`
+    more positions, as a `ReservedLayer`. Sliding-window and linear-attention layers keep their own classes."""
+    layers = getattr(cache, "layers", None) or []
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            layers[i] = ReservedLayer(layer, room)
+
+
+class ReservedLayer(DynamicLayer):
+    """A DynamicLayer that, at its first update, moves its keys and values into buffers with room for `room`
+    more positions, then writes each update in place: its keys and values are views of the filled part.
+    transformers' own layer concatenates, copying the whole cache of every layer at every decoded token (on a
+    GPU, with a long image prompt, as many bytes as the model's weights every few tokens). A layer never updated
+    (Mllama's cross-attention states) allocates nothing; one that runs out of room gets `room` more."""
+
+    def __init__(self, layer: DynamicLayer, room: int):
+        super().__init__()
+        vars(self).update(vars(layer))  # its keys, values and state, as they are
+        self.room, self.buffers, self.filled = room, None, 0
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized or self.get_seq_length() == 0:
+            return super().update(key_states, value_states, *args, **kwargs)
+        new = key_states.shape[-2]
+        if self.buffers is None or self.filled + new > self.buffers[0].shape[-2]:  # none yet, or out of room
+            self.buffers = tuple(_with_room(t, max(self.room, new)) for t in (self.keys, self.values))
+            self.filled = self.keys.shape[-2]
+        keys, values = self.buffers
+        keys[..., self.filled : self.filled + new, :] = key_states
+        values[..., self.filled : self.filled + new, :] = value_states
+        self.filled += new
+        self.keys, self.values = keys[..., : self.filled, :], values[..., : self.filled, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.buffers is None:
+            return super().batch_select_indices(indices)
+        self.buffers = tuple(b[indices, ...] for b in self.buffers)
+        self.keys, self.values = (b[..., : self.filled, :] for b in self.buffers)
+
+
+def _with_room(t: Tensor, room: int) -> Tensor:
+    """`t` (batch, heads, positions, dim) copied into a buffer with `room` more positions."""
+    out = t.new_empty((*t.shape[:-2], t.shape[-2] + room, t.shape[-1]))
+    out[..., : t.shape[-2], :] = t
+    return out
 
 
 def ready_decode_mask(config) -> bool:
