@@ -337,8 +337,8 @@ def reserve_cache(cache, room: int) -> None:
 class ReservedLayer(DynamicLayer):
     """A DynamicLayer that, at its first update, moves its keys and values into buffers with room for `room`
     more positions, then writes each update in place: its keys and values are views of the filled part.
-    transformers' own layer concatenates, copying the whole cache of every layer at every decoded token (on a
-    GPU, with a long image prompt, as many bytes as the model's weights every few tokens). A layer never updated
+    transformers' own layer concatenates, copying the whole cache of every layer at every decoded token (a 7B
+    Qwen2.5-VL decoding 64 rows after 1,500 prompt tokens: ~11 GB per token, two thirds of its weights' bytes). A layer never updated
     (Mllama's cross-attention states) allocates nothing; one that runs out of room gets `room` more."""
 
     def __init__(self, layer: DynamicLayer, room: int):
