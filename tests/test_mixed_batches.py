@@ -119,6 +119,18 @@ def test_mrope_positions_are_computed_once_per_prompt_and_reassembled_exactly(ti
     assert len(_ROPE_ROWS) == remembered - 3
 
 
+def _padded_batch(member, mixed: list) -> list:
+    """Rendered prompts of different lengths for `member`: the mixed image questions for a vision member, text
+    questions of growing length for a text one."""
+    exs = (
+        mixed
+        if member.family.modality == "vision"
+        else [replace(e, images=(), question=e.question + " Why?" * i) for i, e in enumerate(mixed)]
+    )
+    render = Renderer(member, "original", 10**6, 10**6)
+    return [render(e) for e in exs]
+
+
 # One mask serves every layer only with full attention throughout: Gemma-3's sliding-window layers need their own.
 NO_READY_DECODE_MASK = {"gemma3"}
 NO_PLAIN_CACHE_LAYER = set()  # families whose every cache layer is of another kind (sliding, linear attention)
@@ -133,13 +145,7 @@ def test_a_ready_made_decoding_mask_decodes_a_padded_batch_as_transformers_mask(
     if not ready_decode_mask(member.model.config):
         assert family in NO_READY_DECODE_MASK
         return
-    exs = (
-        mixed
-        if member.family.modality == "vision"
-        else [replace(e, images=(), question=e.question + " Why?" * i) for i, e in enumerate(mixed)]
-    )
-    render = Renderer(member, "original", 10**6, 10**6)
-    assert_ready_decode_mask_changes_nothing(member, [render(e) for e in exs])
+    assert_ready_decode_mask_changes_nothing(member, _padded_batch(member, mixed))
 
 
 @pytest.mark.parametrize("family", VISION + shipped_families("text"))
@@ -147,13 +153,7 @@ def test_decoding_steps_feed_what_continuation_would(tiny_zoo, mixed, family):
     """The rollout's one-token steps (`DecodeSteps`: one mask made up front, positions counted on) give the
     model exactly `continuation`'s inputs over a padded batch, at every step and after rows leave the batch."""
     member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family]), trainable=False))
-    exs = (
-        mixed
-        if member.family.modality == "vision"
-        else [replace(e, images=(), question=e.question + " Why?" * i) for i, e in enumerate(mixed)]
-    )
-    render = Renderer(member, "original", 10**6, 10**6)
-    prompts = [render(e).inputs for e in exs for _ in range(2)]
+    prompts = [p.inputs for p in _padded_batch(member, mixed) for _ in range(2)]
     policy = member.policy()
     with torch.no_grad():
         prefix = prefill(member.model.eval(), prompts, policy.pad_id, policy.mrope)
@@ -205,13 +205,7 @@ def test_the_rollout_cache_reserves_room_and_decodes_as_transformers_growing_cac
     from transformers.cache_utils import DynamicLayer
 
     member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family]), trainable=False))
-    exs = (
-        mixed
-        if member.family.modality == "vision"
-        else [replace(e, images=(), question=e.question + " Why?" * i) for i, e in enumerate(mixed)]
-    )
-    render = Renderer(member, "original", 10**6, 10**6)
-    prompts = [render(e).inputs for e in exs for _ in range(2)]
+    prompts = [p.inputs for p in _padded_batch(member, mixed) for _ in range(2)]
     policy = member.policy()
     with torch.no_grad():
         prefix = prefill(member.model.eval(), prompts, policy.pad_id, policy.mrope)
