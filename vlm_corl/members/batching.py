@@ -338,8 +338,10 @@ class ReservedLayer(DynamicLayer):
     """A DynamicLayer that, at its first update, moves its keys and values into buffers with room for `room`
     more positions, then writes each update in place: its keys and values are views of the filled part.
     transformers' own layer concatenates, copying the whole cache of every layer at every decoded token (a 7B
-    Qwen2.5-VL decoding 64 rows after 1,500 prompt tokens: ~11 GB per token, two thirds of its weights' bytes). A layer never updated
-    (Mllama's cross-attention states) allocates nothing; one that runs out of room gets `room` more."""
+    Qwen2.5-VL decoding 64 rows after 1,500 prompt tokens: ~11 GB per token, two thirds of its weights' bytes).
+    A layer never updated (Mllama's cross-attention states) allocates nothing; one that runs out of room gets
+    `room` more. The buffers are the cache's full length from the first decoded token on, as the memory plan
+    counts it (`rollout_kv_cache`)."""
 
     def __init__(self, layer: DynamicLayer, room: int):
         super().__init__()
