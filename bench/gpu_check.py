@@ -291,7 +291,7 @@ def precision_check(members: dict[str, Path], settings: dict) -> dict:
 def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
     """The HF decode loop's read schedule on this device (vlm_corl.members.engines.hf.sync_every: every 8 tokens
     on a GPU), its ready-made decoding mask (batching.ready_decode_mask) and its KV cache with room reserved for
-    the response (batching.reserve_cache): the same greedy tokens as reading every token with transformers' own
+    the response (kv_cache.reserve_cache): the same greedy tokens as reading every token with transformers' own
     mask and growing cache, and the seconds of each (median of 3 calls)."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.data.loaders import load_examples

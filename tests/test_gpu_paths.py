@@ -90,7 +90,7 @@ def test_the_prompt_cache_evicts_the_least_recently_used_prompt_not_the_oldest(t
 def test_prefill_reads_the_cache_argument_of_the_wrapped_model(tiny_zoo, easyvqa):
     """A DeepSpeed engine's forward takes **kwargs: the KV cache's argument name must come from the model it
     wraps (the deprecated `past_key_values` goes in transformers 5.40)."""
-    from vlm_corl.members.batching import cache_argument
+    from vlm_corl.members.kv_cache import cache_argument
 
     member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
 

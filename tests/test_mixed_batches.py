@@ -16,7 +16,6 @@ from vlm_corl.data.loaders import load_examples
 from vlm_corl.members.batching import (
     _ROPE_ROWS,
     DecodeSteps,
-    ReservedLayer,
     collate,
     continuation,
     model_positions,
@@ -25,6 +24,7 @@ from vlm_corl.members.batching import (
     unwrapped,
 )
 from vlm_corl.members.engines import make_engine
+from vlm_corl.members.kv_cache import ReservedLayer
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams

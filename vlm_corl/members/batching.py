@@ -14,13 +14,13 @@ cross-attention states included) is then repeated to one row per response, and t
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicLayer
+
+from vlm_corl.members.kv_cache import cache_argument, reserve_cache, select_cache_rows
 
 # Processor outputs laid out along the token axis (dim 1); everything else is per image and is concatenated
 # along dim 0 (flattened patches for Qwen-VL, …), except a family's batch-aligned keys (Mllama's
@@ -149,13 +149,6 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-@functools.cache
-def cache_argument(model_class: type) -> str:
-    """The KV cache's name, as forward argument and output field: transformers renamed `past_key_values` to
-    `cache` after 5.19 (the old name warns, and goes in 5.40); the project admits both sides of the rename."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
 def model_positions(
     model: torch.nn.Module, inputs: dict[str, Tensor], mrope: bool, prompts: list[dict[str, Tensor]] | None = None
 ) -> tuple[Tensor, Tensor | None]:
@@ -221,17 +214,6 @@ def _remembered_rows(model: torch.nn.Module, prompts: list[dict[str, Tensor]], l
     for b, (_, row, _) in enumerate(rows):
         pos[:, b, length - row.shape[1] :] = row
     return pos, torch.stack([delta for _, _, delta in rows])
-
-
-def select_cache_rows(cache, rows: Tensor) -> None:
-    """Keep `rows` (repeats allowed) of every layer of a KV cache. A linear-attention layer (Qwen3.5's gated
-    delta rule: conv and recurrent states, no batch_select_indices of its own, or one that keeps only the keys
-    and values of its attention half) index-selects all its states through its beam-search `reorder_cache`."""
-    for layer in getattr(cache, "layers", None) or [cache]:
-        if hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states"):
-            layer.reorder_cache(rows)
-        else:
-            layer.batch_select_indices(rows)
 
 
 @dataclass
@@ -323,57 +305,6 @@ class DecodeSteps:
         if prefix.cross_attention_mask is not None:
             inputs["cross_attention_mask"] = prefix.cross_attention_mask
         return inputs
-
-
-def reserve_cache(cache, room: int) -> None:
-    """Give each plain growing layer of a KV cache (transformers' DynamicLayer: full attention) room for `room`
-    more positions, as a `ReservedLayer`. Sliding-window and linear-attention layers keep their own classes."""
-    layers = getattr(cache, "layers", None) or []
-    for i, layer in enumerate(layers):
-        if type(layer) is DynamicLayer:
-            layers[i] = ReservedLayer(layer, room)
-
-
-class ReservedLayer(DynamicLayer):
-    """A DynamicLayer that, at its first update, moves its keys and values into buffers with room for `room`
-    more positions, then writes each update in place: its keys and values are views of the filled part.
-    transformers' own layer concatenates, copying the whole cache of every layer at every decoded token (a 7B
-    Qwen2.5-VL decoding 64 rows after 1,500 prompt tokens: ~11 GB per token, two thirds of its weights' bytes).
-    A layer never updated (Mllama's cross-attention states) allocates nothing; one that runs out of room gets
-    `room` more. The buffers are the cache's full length from the first decoded token on, as the memory plan
-    counts it (`rollout_kv_cache`)."""
-
-    def __init__(self, layer: DynamicLayer, room: int):
-        super().__init__()
-        vars(self).update(vars(layer))  # its keys, values and state, as they are
-        self.room, self.buffers, self.filled = room, None, 0
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized or self.get_seq_length() == 0:
-            return super().update(key_states, value_states, *args, **kwargs)
-        new = key_states.shape[-2]
-        if self.buffers is None or self.filled + new > self.buffers[0].shape[-2]:  # none yet, or out of room
-            self.buffers = tuple(_with_room(t, max(self.room, new)) for t in (self.keys, self.values))
-            self.filled = self.keys.shape[-2]
-        keys, values = self.buffers
-        keys[..., self.filled : self.filled + new, :] = key_states
-        values[..., self.filled : self.filled + new, :] = value_states
-        self.filled += new
-        self.keys, self.values = keys[..., : self.filled, :], values[..., : self.filled, :]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        if self.buffers is None:
-            return super().batch_select_indices(indices)
-        self.buffers = tuple(b[indices, ...] for b in self.buffers)
-        self.keys, self.values = (b[..., : self.filled, :] for b in self.buffers)
-
-
-def _with_room(t: Tensor, room: int) -> Tensor:
-    """`t` (batch, heads, positions, dim) copied into a buffer with `room` more positions."""
-    out = t.new_empty((*t.shape[:-2], t.shape[-2] + room, t.shape[-1]))
-    out[..., : t.shape[-2], :] = t
-    return out
 
 
 def ready_decode_mask(config) -> bool:
