@@ -207,6 +207,8 @@ def test_checkpoint_disk_by_member_worked_by_hand():
     assert disk.one == one_ckpt and disk.copies == 3 and disk.total == 3 * one_ckpt  # keep_last 2 + the new one
     assert plan_cohort(with_train(cfg, save_every=50), Hardware(2, 80 * GB)).disk.copies == 2  # 2 are written
     assert plan_cohort(with_train(cfg, save_every=0), Hardware(2, 80 * GB)).disk.copies == 1  # the last only
+    assert plan_cohort(with_train(cfg, save_every=0, save_last=False), Hardware(2, 80 * GB)).disk.total == 0
+    assert plan_cohort(with_train(cfg, save_every=30, save_last=False), Hardware(2, 80 * GB)).disk.copies == 3
     # DeepSpeed: bf16 weights and 12 bytes per parameter of fp32 master and moments over the ranks; fp32 weights
     # without DeepSpeed: no masters
     zero = plan_cohort(with_train(cfg, deepspeed=ZERO2), Hardware(2, 80 * GB)).disk.members["qwen"]

@@ -185,3 +185,13 @@ def test_resume_after_sigkill_is_bit_identical(base_models, tmp_path):
         for pa, pb in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values()):
             assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert trained_fields(metrics(full / "run")) == trained_fields(metrics(killed / "run"))
+
+
+def test_a_run_without_save_last_writes_no_checkpoint(tiny_zoo, tmp_path):
+    """train.save_last false with save_every 0: the run keeps its metrics and writes no checkpoint (a sweep's or a
+    benchmark's run, where a real member's checkpoint would be tens of GB)."""
+    cfg = cohort(tmp_path, [("qwen", tiny_zoo["qwen2_vl"])], reward={"mode": "self_certainty"})
+    cfg["train"].update(save_last=False)
+    summary = run_cohort(config_from_dict(cfg))
+    assert summary["checkpoint"] is None and not list(tmp_path.rglob("step-*"))
+    assert [r["step"] for r in metrics(Path(cfg["output_dir"]))] == [1, 2]

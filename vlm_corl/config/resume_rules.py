@@ -118,6 +118,7 @@ RULES: dict[str, Rule] = {
     "train.micro_batch_size": _free("memory (the same gradient)"),
     "train.gradient_checkpointing": _free("memory (the same gradient)"),
     "train.save_every": _free("checkpoints"),
+    "train.save_last": _free("checkpoints"),
     "train.keep_last": _free("checkpoints"),
     "train.resume": _free("resuming"),
     "train.overwrite": _free("resuming"),

@@ -284,6 +284,11 @@ class TrainConfig:
     micro_batch_size: int = _f("responses per forward/backward (gradients are accumulated)", 8, ge=1)
     gradient_checkpointing: bool = _f("recompute activations to save memory", False)
     save_every: int = _f("checkpoint every N steps; 0 = only at the end", 50, ge=0)
+    save_last: bool = _f(
+        "checkpoint at the last step too (false with save_every 0: a run that keeps only its metrics, such as a "
+        "sweep's or a benchmark's)",
+        True,
+    )
     keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
     resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
     overwrite: bool = _f(

@@ -73,10 +73,10 @@ class DiskPlan:
 
 
 def checkpoints_written(cfg: CohortConfig) -> int:
-    """How many checkpoints a run writes: every train.save_every steps and at the last step."""
+    """How many checkpoints a run writes: every train.save_every steps and at the last step (train.save_last)."""
     t = cfg.train
     every = t.max_steps // t.save_every if t.save_every else 0
-    return every + (0 if t.save_every and t.max_steps % t.save_every == 0 else 1)
+    return every + (1 if t.save_last and not (t.save_every and t.max_steps % t.save_every == 0) else 0)
 
 
 def member_checkpoint(cfg: CohortConfig, m: MemberConfig) -> dict[str, float]:

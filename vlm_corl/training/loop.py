@@ -26,7 +26,7 @@ from tqdm import tqdm
 from vlm_corl.config import CohortConfig
 from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.config.loading import config_to_dict
-from vlm_corl.config.schema import EvalConfig
+from vlm_corl.config.schema import EvalConfig, TrainConfig
 from vlm_corl.data.answers import extract_answer
 from vlm_corl.data.records import Example
 from vlm_corl.distributed.exchange import exchange
@@ -238,7 +238,7 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
                     step + 1, cfg.train.max_steps, learners, (time.perf_counter() - started) / (step + 1 - run.start)
                 )
             )
-        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0 or step + 1 == cfg.train.max_steps:
+        if save_due(cfg.train, step + 1):
             with timer("checkpoint"):
                 checkpoint_phase(run, step + 1, rows)
             run.callbacks.fire("on_save", step + 1, step + 1, latest_checkpoint(run.run_dir))
@@ -262,6 +262,12 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
     if stopped is not None:
         raise CollapseStopped(stopped["message"])
     return summary
+
+
+def save_due(train: TrainConfig, step: int) -> bool:
+    """Does the loop write a checkpoint after `step` (1-based)? Every train.save_every steps, and at the last
+    step unless train.save_last is off."""
+    return bool(train.save_every and step % train.save_every == 0) or (train.save_last and step == train.max_steps)
 
 
 def progress_line(step: int, total: int, rows: list[dict], seconds_per_step: float) -> str:
