@@ -15,11 +15,11 @@ _calls = {"n": 0}
 
 
 def _faulty(member, mb, old_logp, algo, policy, norm):
-    loss, clipped, mask, sums = _original(member, mb, old_logp, algo, policy, norm)
+    loss, *rest = _original(member, mb, old_logp, algo, policy, norm)
     rank = os.environ.get("FAULT_RANK")
     if member.id == os.environ["FAULT_MEMBER"] and (rank is None or rank == os.environ.get("RANK", "0")):
         loss = loss * float("nan")
-    return loss, clipped, mask, sums
+    return loss, *rest
 
 
 update._micro_batch_loss = _faulty

@@ -354,7 +354,7 @@ def _loss(monkeypatch, logp, old=None, *, ref=None, rollout=None, adv=(1.0,), no
 
     def logprobs(m, mb, policy, model=None):
         values = logp if model is None else torch.tensor(ref).log().view(-1, 1)
-        return values, torch.ones_like(values)
+        return values, torch.ones_like(values), values.dtype
 
     monkeypatch.setattr(update, "_logprobs", logprobs)
     mb = [
@@ -362,7 +362,7 @@ def _loss(monkeypatch, logp, old=None, *, ref=None, rollout=None, adv=(1.0,), no
         for i, a in enumerate(adv)
     ]
     old_logp = None if old is None else torch.tensor(old).log().view(-1, 1)
-    loss, clipped, _, sums = _micro_batch_loss(member, mb, old_logp, AlgoConfig(**algo), None, norm)
+    loss, clipped, _, sums, _ = _micro_batch_loss(member, mb, old_logp, AlgoConfig(**algo), None, norm)
     return loss.item(), clipped.view(-1).tolist(), sums
 
 

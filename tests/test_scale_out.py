@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -235,6 +236,35 @@ def test_deepspeed_members_on_rank_groups_match_one_process_and_resume_exactly(t
         a = weights(tmp_path / "full" / "checkpoints" / "step-4" / m)
         b = weights(tmp_path / "cut" / "checkpoints" / "step-4" / m)
         assert all(torch.equal(a[k], b[k]) for k in a), f"{m}: weights differ after resume"
+
+
+@pytest.mark.slow  # about 1 min on 2 cores: `make test-scale`
+def test_the_zero3_offload_recipe_trains_two_families_in_one_process_and_resumes(tiny_zoo, tmp_path):
+    """Review R3-4: configs/deepspeed/zero3_offload.json, what configs/cohorts/gpu_1gpu_2vlm.yaml trains with. Two
+    members of two families hosted in one process, each a ZeRO-3 engine with its weights and optimizer state
+    offloaded to the host and a full copy for its HF rollouts, computing in bf16 as on a GPU (DeepSpeed's
+    autocast), on a dense reward: 2 steps and a checkpoint, then a resume that continues at step 3."""
+    members = {"qwen": tiny_zoo["qwen2_vl"], "intern": tiny_zoo["internvl"]}
+    cfg = cohort(tmp_path, list(members.items()), reward={"mode": "self_certainty"})
+    offload = ROOT / "configs" / "deepspeed" / "zero3_offload.json"
+    cfg["train"].update(save_every=2, deepspeed=str(offload), mixed_precision="bf16")
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+
+    def steps_and_losses() -> tuple[list, bool]:
+        rows = metrics(run)
+        return sorted((r["step"], r["member"]) for r in rows), all(math.isfinite(r["loss"]) for r in rows)
+
+    _launch(path, 1)
+    assert steps_and_losses() == ([(s, m) for s in (1, 2) for m in sorted(members)], True)
+    for m, model in members.items():
+        first, saved = weights(model), weights(run / "checkpoints" / "step-2" / m)
+        assert first.keys() == saved.keys() and any(not torch.equal(first[k], saved[k]) for k in first), m
+        assert (run / "checkpoints" / "step-2" / m / "deepspeed_state.0.pt").is_file()
+    _launch(path, 1, "train.max_steps=3", "train.resume=true")
+    assert steps_and_losses() == ([(s, m) for s in (1, 2, 3) for m in sorted(members)], True)
+    assert is_complete(run / "checkpoints" / "step-3")
 
 
 def test_a_launch_the_members_cannot_be_placed_on_exits_2_with_the_fix(two_members, tmp_path):

@@ -285,7 +285,7 @@ def deepspeed_problems(path: str) -> list[str]:
             " or set it to null"
         ]
     try:
-        load_deepspeed_config(path, grad_clip=1.0, group_size=1)
+        load_deepspeed_config(path, grad_clip=1.0, group_size=1, autocast=None)
     except DeepSpeedConfigError as err:
         return [str(err)]
     except ValueError as err:

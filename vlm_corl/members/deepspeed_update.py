@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from vlm_corl.errors import UserError
-from vlm_corl.members.precision import rollout_copy
+from vlm_corl.members.precision import rollout_copy, update_autocast_dtype
 from vlm_corl.members.state_files import persistent_buffers, read_state
 
 STATE_FILE = "deepspeed_state.{}.pt"
@@ -47,7 +47,10 @@ _REFUSED = {
     "scheduler": "the cosine schedule comes from train.warmup_ratio / min_lr_ratio",
     "fp16": "fp16 training is not supported (it needs loss scaling); use train.mixed_precision=bf16",
     "bf16": "weights stay fp32 masters; bf16 compute is train.mixed_precision=bf16 (autocast)",
+    "bfloat16": "weights stay fp32 masters; bf16 compute is train.mixed_precision=bf16 (autocast)",
+    "torch_autocast": "the trainer writes it from train.mixed_precision (bf16 autocast, as for every member)",
 }
+_HALF_WEIGHTS = ("fp16", "bf16", "bfloat16")  # refused only when enabled: `"enabled": false` changes nothing
 
 
 class DeepSpeedConfigError(UserError, ValueError):
@@ -82,11 +85,20 @@ class GroupMPU:
         return 0
 
 
-def load_deepspeed_config(path: str | Path, grad_clip: float, group_size: int) -> dict:
-    """The user's ZeRO settings plus what this trainer drives itself (batch sizes, accumulation, clipping)."""
+def load_deepspeed_config(path: str | Path, grad_clip: float, group_size: int, autocast: torch.dtype | None) -> dict:
+    """The user's ZeRO settings plus what this trainer drives itself (batch sizes, accumulation, clipping) and the
+    precision: `autocast`, the update's autocast dtype (`precision.update_autocast_dtype`, None for fp32).
+
+    DeepSpeed members compute as plain ones do: fp32 master weights and Adam state, forward passes under bf16
+    autocast. DeepSpeed 0.19 opens that autocast itself in the engine's forward (`torch_autocast`; on CUDA it
+    switches off an autocast opened outside when the section is off). Its `lower_precision_safe_modules` is
+    empty so that gradients are reduced, and ZeRO-3 weights gathered, in fp32 as in plain data parallel: by
+    default DeepSpeed sends those of Linear and Conv layers in bf16, which adds a bf16 gradient bucket beside the
+    fp32 one and, over several ranks, rounds the fp32 weights a gather hands to checkpoints, EMA teachers and
+    the vLLM sync."""
     cfg = json.loads(Path(path).read_text())
     for key, why in _REFUSED.items():
-        if key in cfg and (key not in ("fp16", "bf16") or cfg[key].get("enabled", False)):
+        if key in cfg and (key not in _HALF_WEIGHTS or cfg[key].get("enabled", False)):
             raise DeepSpeedConfigError(f"{path}: remove the {key!r} section: {why}")
     zero = cfg.setdefault("zero_optimization", {"stage": 2})
     if zero.get("stage", 0) not in (2, 3):
@@ -103,6 +115,11 @@ def load_deepspeed_config(path: str | Path, grad_clip: float, group_size: int) -
             "gradient_clipping": grad_clip,
             "zero_allow_untested_optimizer": True,  # a client torch AdamW
             "steps_per_print": 10**9,
+            "torch_autocast": (
+                {"enabled": True, "dtype": str(autocast).removeprefix("torch."), "lower_precision_safe_modules": []}
+                if autocast is not None
+                else {"enabled": False}
+            ),
         }
     )
     if "offload_optimizer" in zero:
@@ -159,7 +176,8 @@ def attach_deepspeed(
     rollout engine) their copy is made there, then the weights are partitioned onto the device before the
     optimizer and DeepSpeed see them. Nothing allocates gradients or Adam state before DeepSpeed does; DeepSpeed's
     gradient partitions and the Adam moments exist when this returns (`allocate_zero_adam_state`)."""
-    ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, dist.get_world_size(mpu.dp_group))
+    autocast = update_autocast_dtype(train.mixed_precision, member.device)
+    ds_config = load_deepspeed_config(train.deepspeed, train.grad_clip, dist.get_world_size(mpu.dp_group), autocast)
     full_copy = None
     if ds_config["zero_optimization"]["stage"] == 3:
         if keep_full_copy:

@@ -283,10 +283,16 @@ class Member:
             min_lr_rate=train.min_lr_ratio,
         )
 
-    def autocast(self) -> torch.autocast:
-        """bf16 autocast for the update's forward pass when train.mixed_precision=bf16 (weights stay fp32)."""
+    def autocast(self, module: torch.nn.Module | None = None) -> torch.autocast:
+        """bf16 autocast for the update's forward pass when train.mixed_precision=bf16 (weights stay fp32), around
+        a forward of `module`. Off around the DeepSpeed engine, whose forward opens the same autocast itself (its
+        config's `torch_autocast`, `deepspeed_update.load_deepspeed_config`): one opened outside makes DeepSpeed
+        log that it overrides it."""
+        engine = self.deepspeed is not None and module is self.deepspeed.engine
         return torch.autocast(
-            self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None
+            self.device.type,
+            dtype=self.autocast_dtype or torch.bfloat16,
+            enabled=self.autocast_dtype is not None and not engine,
         )
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -61,14 +61,22 @@ def response_logprobs(
     Memory: besides the model's logits, only row chunks are upcast (`grpo.selective_logprobs`), and the
     backward writes the logits' gradient over them.
     """
+    logp, mask, _ = _logprobs_and_dtype(model, prompt_inputs, responses, policy)
+    return logp, mask
+
+
+def _logprobs_and_dtype(model, prompt_inputs, responses, policy: Policy):
+    """`response_logprobs`, and the dtype of the logits they come from (the forward's compute dtype)."""
+    dtypes = []
 
     # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
     def policy_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        dtypes.append(logits.dtype)
         return selective_logprobs(logits, targets, policy.temperature, policy.suppressed, inplace_backward=True)
 
     logp, mask = _per_position(model, prompt_inputs, responses, policy, policy_logp)
     # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
-    return torch.where(mask.bool(), logp, 0.0), mask
+    return torch.where(mask.bool(), logp, 0.0), mask, dtypes[0]
 
 
 @torch.no_grad()
@@ -168,8 +176,8 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     sums gradients over its ranks). With one update per rollout batch and no KL, the rollout policy is the
     current one: old log-probs are the current ones detached (no extra forward pass), and sequences with
     zero advantage contribute exactly zero loss, so they are skipped but still counted in the normaliser.
-    Returns loss, grad_norm, lr, clip_frac (over all the member's ranks) and nonfinite_skipped (the optimizer
-    steps skipped because the loss or the gradient norm was not finite).
+    Returns loss, grad_norm, lr, clip_frac (over all the member's ranks), nonfinite_skipped (the optimizer
+    steps skipped because the loss or the gradient norm was not finite) and compute_dtype (this rank's logits').
     """
     trained = [s for s in seqs if s.trained]
     total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in trained), len(trained))
@@ -183,12 +191,12 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not two per
     # micro-batch.
     loss_sum = clipped_tokens = torch.zeros((), dtype=torch.float64, device=member.device)
-    grad_norm, skipped = 0.0, 0
+    grad_norm, skipped, compute = 0.0, 0, None  # compute: the dtype of the logits the loss saw
     mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
         for i, (mb, old_logp) in enumerate(zip(micro, old)):
-            loss, clipped, mask, sums = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
+            loss, clipped, mask, sums, compute = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
             if n_pass == 0 and i < real:
                 mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
@@ -213,6 +221,8 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
         "clip_frac": summed["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
         "trained_seqs": int(summed["trained"]),
         "nonfinite_skipped": skipped,  # optimizer steps the numerical guard skipped (Member.step)
+        # what the forward computed in (bf16 under autocast, DeepSpeed's or ours); None: no micro-batch ran
+        "compute_dtype": None if compute is None else str(compute).removeprefix("torch."),
     }
     if algo.rollout_is != "none":
         stats.update(rollout_mismatch({k[3:]: v for k, v in summed.items() if k.startswith("is_")}))
@@ -239,9 +249,10 @@ def _old_logprobs(member, micro: list[list[Sequence]], algo, rollout) -> list[to
 
 def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy, norm: tuple[int, int, int]):
     """One micro-batch's share of the loss (normalised by the whole batch's `norm` = (tokens, responses,
-    Dr.GRPO constant)), its clipped-token mask, response mask and the off-policy mismatch sums ({} without the
-    correction). `old_logp` None: the rollout policy is the current one (its log-probs, detached)."""
-    logp, mask = _logprobs(member, mb, policy)
+    Dr.GRPO constant)), its clipped-token mask, response mask, the off-policy mismatch sums ({} without the
+    correction) and the dtype of its logits. `old_logp` None: the rollout policy is the current one (its
+    log-probs, detached)."""
+    logp, mask, compute = _logprobs(member, mb, policy)
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = torch.tensor([s.advantage for s in mb], device=logp.device)
     token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
@@ -253,10 +264,10 @@ def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy
         token_loss = token_loss * weights
     if algo.kl_beta > 0:
         with torch.no_grad():
-            ref_logp, _ = _logprobs(member, mb, policy, model=member.reference)
+            ref_logp = _logprobs(member, mb, policy, model=member.reference)[0]
         token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
     loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1], const_norm=norm[2])
-    return loss, clipped, mask, sums
+    return loss, clipped, mask, sums, compute
 
 
 def _rollout_logp(mb: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
@@ -280,7 +291,8 @@ def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
 
 
 def _logprobs(member, mb: list[Sequence], policy: Policy, model=None):
-    """(log-probs, mask) of a micro-batch under the member's training module (or `model`, the KL anchor)."""
-    with member.autocast():
-        model = model if model is not None else member.train_module
-        return response_logprobs(model, [s.prompt_inputs for s in mb], [s.token_ids for s in mb], policy)
+    """(log-probs, mask, the logits' dtype) of a micro-batch under the member's training module (or `model`, the
+    KL anchor)."""
+    model = model if model is not None else member.train_module
+    with member.autocast(model):
+        return _logprobs_and_dtype(model, [s.prompt_inputs for s in mb], [s.token_ids for s in mb], policy)
