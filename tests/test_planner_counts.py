@@ -186,6 +186,18 @@ def test_host_memory_per_node_and_level1_sleep_backups():
     assert plan.to_dict()["host_memory_gb"] == [round(node / GB, 3), round((node + 4 * backup) / GB, 3)]
 
 
+def test_a_trained_member_at_sleep_level_1_adds_its_engines_weights_to_the_host_plan():
+    """rollout.vllm.sleep_level 1: vLLM keeps the trained member's bf16 engine weights in pinned host memory while
+    it sleeps for the update; at level 2 they are discarded (and pushed anew)."""
+    rollout = {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3, "enable_sleep_mode": True}}
+    level2 = plan_cohort(one(QWEN3B, rollout=rollout), Hardware(1, 80 * GB)).host.ranks[0]
+    rollout["vllm"]["sleep_level"] = 1
+    level1 = plan_cohort(one(QWEN3B, rollout=rollout), Hardware(1, 80 * GB)).host.ranks[0]
+    assert "vllm_sleep_backups" not in level2.training
+    assert level1.training == {**level2.training, "vllm_sleep_backups": 2 * P_QWEN3B}
+    assert level1.peak == level2.peak + 2 * P_QWEN3B
+
+
 def test_renderers_per_rank_follow_the_reward_layout():
     two_views = one(QWEN3B, reward={"mode": "co_rewarding_1"})
     assert plan_cohort(two_views, Hardware(1, 80 * GB)).host.ranks[0].training["prompt_caches"] == 2 * CACHE

@@ -84,6 +84,7 @@ RULES: dict[str, Rule] = {
     "rollout.vllm.tensor_parallel_size": _free("engine layout"),
     "rollout.vllm.enforce_eager": _free("engine kernels"),
     "rollout.vllm.enable_sleep_mode": _free("engine memory"),
+    "rollout.vllm.sleep_level": _free("engine memory"),
     "rollout.vllm.kv_cache_memory_bytes": _free("engine memory"),
     "rollout.vllm.lora_sync": _free("how the engine gets the weights"),
     "reward.mode": _fixed(LAYOUT + ": EMA teachers (co_rewarding_2, peers_ema) and the slots a mode rolls out"),

@@ -165,8 +165,17 @@ class VllmConfig:
     enforce_eager: bool = _f("disable CUDA graphs (faster start, slower decode)", False)
     enable_sleep_mode: bool = _f(
         "free vLLM's GPU memory during updates (CUDA only; one engine per process: vLLM allows one sleeping "
-        "instance per process); trained members sleep at level 2 (their weights are re-synced), frozen peers at 1",
+        "instance per process); trained members sleep at sleep_level, frozen peers and EMA teachers at 1",
         False,
+    )
+    sleep_level: int = _f(
+        "sleep level of a fully trained member's engine: 2 (vLLM discards its weights; the sync pushes them anyway) "
+        "| 1 (its weights kept in pinned host memory: for a family whose level-2 wake-up is incomplete); LoRA "
+        "members serving adapters, frozen peers and EMA teachers always sleep at 1",
+        2,
+        ge=1,
+        le=2,
+        why="vLLM's sleep levels are 1 and 2",
     )
     kv_cache_memory_bytes: int | None = _f(
         "KV cache size in bytes (needed on CPU, where the share above is of RAM); null = use the share", None, ge=1

