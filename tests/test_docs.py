@@ -76,3 +76,27 @@ def test_corl_is_installed_and_answers_help_like_python_m(tmp_path, capsys):
         for cmd in ([corl, "config", bad], [sys.executable, "-m", "vlm_corl.config", bad])
     ]
     assert [r.returncode for r in same] == [2, 2] and same[0].stderr == same[1].stderr
+
+
+def test_the_gpu_install_lines_name_the_versions_vllm_runs_with():
+    """vLLM's CUDA wheel pins torch and torchvision exactly: a torch installed first in another version is replaced
+    by PyPI's build. docs/gpu.md's vLLM install names the torch the vLLM lane pins (Makefile), the torchvision
+    paired with it (torch 2.N with torchvision 0.N+15, as the Makefile's own pins are) and the transformers of the
+    GPU bundle (Makefile), which pyproject.toml admits; without vLLM, the oldest torch pyproject.toml admits."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    make = (ROOT / "Makefile").read_text()
+    torchvision = lambda torch: "0.{}.{}".format(int(torch.split(".")[1]) + 15, torch.split(".")[2])  # noqa: E731
+    ours = re.search(r"\(VENV\)/bin/pip install torch==(\S+) torchvision==(\S+)", make)
+    assert torchvision(ours[1]) == ours[2]
+    torch = re.search(r"\(VLLM_VENV\)/bin/pip install torch==(\S+)", make)[1]
+    transformers = re.search(r"\btransformers==(\S+)", make)[1]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needs = {r.name: r.specifier for r in map(Requirement, project["dependencies"])}
+    assert transformers in needs["transformers"]
+    gpu = (ROOT / "docs" / "gpu.md").read_text()
+    assert f"pip install torch=={torch} torchvision=={torchvision(torch)} --index-url https://download." in gpu
+    assert f'pip install transformers=={transformers} -e ".[deepspeed,vllm]"' in gpu
+    oldest = next(s.version for s in needs["torch"] if s.operator == ">=")
+    assert f"any CUDA build of torch {oldest} or later" in gpu
