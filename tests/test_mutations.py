@@ -294,7 +294,8 @@ def _update_run(
         rollout=None,
     )
     frozen = SimpleNamespace(cfg=SimpleNamespace(trainable=False), model=teacher)
-    slots = [SimpleNamespace(member=frozen, follows=SimpleNamespace(full_weights=lambda: iter(student)), engine=None)]
+    engine = SimpleNamespace(sleep=lambda: None)  # the update puts every engine to sleep (vLLM sleep mode)
+    slots = [SimpleNamespace(member=frozen, follows=SimpleNamespace(full_weights=lambda: iter(student)), engine=engine)]
     specs = [SlotSpec("a.teacher", "a", "original", teacher=True)]
     members = []
     if trainable is not None:

@@ -211,6 +211,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
             "loss": float(loss_sum),
             "clipped": float(clipped_tokens),
             "trained": len(work),
+            "tokens": sum(s.prompt_inputs["input_ids"].shape[-1] + len(s.token_ids) for s in work),
             **{f"is_{k}": v for k, v in mismatch.items()},
         }
     )
@@ -220,6 +221,9 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
         "lr": lr,
         "clip_frac": summed["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
         "trained_seqs": int(summed["trained"]),
+        # prompt and response tokens through the forward and backward passes, all ranks: the update's work
+        # (~6 x parameters FLOPs per token), so its speed can be read against the device's
+        "update_tokens": int(summed["tokens"]) * algo.updates_per_batch,
         "nonfinite_skipped": skipped,  # optimizer steps the numerical guard skipped (Member.step)
         # what the forward computed in (bf16 under autocast, DeepSpeed's or ours); None: no micro-batch ran
         "compute_dtype": None if compute is None else str(compute).removeprefix("torch."),

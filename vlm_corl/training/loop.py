@@ -86,6 +86,8 @@ from vlm_corl.training.summary import finish_run
 log = logging.getLogger("vlm_corl")
 
 FORMAT_PATTERNS = {"boxed": "\\boxed{", "answer_tags": "<answer>"}
+# the update stats each member's metrics row carries (members/update.py: policy_update)
+UPDATE_KEYS = ("loss", "grad_norm", "lr", "nonfinite_skipped", "update_tokens", "compute_dtype")
 
 
 class PhaseTimer:
@@ -555,8 +557,10 @@ def update_phase(
     (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
     Returns {member id: update stats}."""
     cfg, updates = run.cfg, {}
-    for engine in {id(s.engine): s.engine for s in run.slots if s.member.cfg.trainable}.values():
-        engine.sleep()  # the update needs the memory (vLLM sleep mode; sync_phase wakes them)
+    # Every engine sleeps for the update (vLLM sleep mode; sync_phase wakes them), a frozen peer's too, at level 1
+    # (its weights backed up on the host, never pushed again): the memory plan frees them all for the update.
+    for engine in {id(s.engine): s.engine for s in run.slots}.values():
+        engine.sleep()
     for m in run.members:
         if not m.cfg.trainable:
             continue

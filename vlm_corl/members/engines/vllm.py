@@ -62,8 +62,8 @@ class VLLMEngine:
     meets all ranks once per engine built (vlm_corl.config.engine_layout). Several engines may share a
     process, but keep each alive as long as the process: closing one tears down vLLM's process-wide parallel
     state, and the others then fail on their next step.
-    Sleep mode (CUDA, one engine per process): the loop puts a trained member's engine to sleep just before
-    its update (`sleep`) and wakes it after the sync (`sync_weights` wakes the weights and pushes the new
+    Sleep mode (CUDA, one engine per process): the loop puts every engine to sleep just before the update
+    (`sleep`: a frozen peer's too) and wakes it after the sync (`sync_weights` wakes the weights and pushes the new
     ones, `wake` the KV cache), so rollouts and in-loop evaluations always run awake. A full member sleeps at
     `rollout.vllm.sleep_level` (2: vLLM discards the weights, the sync writes them anyway; 1: vLLM keeps them in
     pinned host RAM, and the sync still overwrites them), any other engine at level 1 (a LoRA member serving its
