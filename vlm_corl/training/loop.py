@@ -826,7 +826,7 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
             row.update(window_metrics(mine + [row["category_stats"]]))
         stats = o.updates.get(s.member_id, {}) if s.member_id not in reported else {}
         reported.add(s.member_id)
-        row.update({k: stats.get(k) for k in ("loss", "grad_norm", "lr", "nonfinite_skipped")})
+        row.update({k: stats.get(k) for k in UPDATE_KEYS})
         row.update({k: v for k, v in stats.items() if k.startswith("is_")})  # algo.rollout_is mismatch
         row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
         row.update(o.memory.get(s.id, {}))
