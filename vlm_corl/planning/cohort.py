@@ -6,11 +6,17 @@ A rank's memory is counted in four phases. Resident: what stays allocated throug
 member's states, Adam's moments included: they exist before any vLLM engine is built; a vLLM engine's whole
 share unless sleep mode frees it during updates, and what sleep mode cannot free). Rollout, update and step:
 what one member allocates on top while it rolls out, runs its forward/backward passes, or takes its optimizer
-step (ZeRO's gradient partitions and the step's flat copy of them, `estimates.zero_step_bytes`); members hosted
-on the same ranks take their turns, so a phase costs its largest member. The peak is resident + the largest
-phase. A card is usable up to its memory less a reserve for the CUDA context, communication buffers and
-allocator fragmentation (`RESERVE_*`). Beside the GPU plan: the host memory of every node (`host`) and the
-checkpoints' disk (`disk`).
+step (ZeRO's gradient partitions, the step's flat copy of them and on CUDA Adam's temporary,
+`estimates.zero_step_bytes`); members hosted on the same ranks take their turns, so a phase costs its largest
+member, plus what stays through every member's turn (a sleep-mode vLLM engine is awake, weights and KV cache,
+through all the rollouts of a step: `Item.held`). The peak is resident + the largest phase. A card is usable up
+to its memory less a reserve for the CUDA context, communication buffers and allocator fragmentation
+(`RESERVE_*`). Beside the GPU plan: the host memory of every node (`host`) and the checkpoints' disk (`disk`).
+
+Sequences count at their longest (rollout.max_prompt_tokens + max_new_tokens) and images at
+data.max_image_pixels: the plan is an upper bound over any data the config admits, and as close to a run's
+measured peak as those bounds are to what its data renders (the HF engine's KV cache and an update's
+activations follow the batch's longest prompt, not the bound).
 """
 
 from __future__ import annotations
@@ -73,7 +79,10 @@ class Item:
     member: str
     part: str
     bytes: float
-    phase: str  # resident | rollout | update
+    phase: str  # resident | rollout | update | step
+    # Held through every hosted member's turn of its phase, not only its own member's: a sleep-mode vLLM engine's
+    # weights and KV cache, mapped from the sync after an update until the next update puts it to sleep.
+    held: bool = False
 
 
 @dataclass
@@ -90,15 +99,19 @@ class RankPlan:
     engine_shares: float = 0.0  # the vLLM engines' shares, all of which vLLM's start-up check wants free
 
     def phase_bytes(self, phase: str) -> float:
-        """Resident: the sum; rollout, update and step: the largest member's (members on a rank take turns). The
-        step also holds the member's update-phase gradient partitions (`STEP_KEEPS`)."""
+        """Resident: the sum; rollout, update and step: the largest member's (members on a rank take turns), plus
+        the items held through every member's turn (`Item.held`). The step also holds the member's update-phase
+        gradient partitions (`STEP_KEEPS`)."""
         per_member: dict[str, float] = {}
+        held = 0.0
         for it in self.items:
-            if it.phase == phase or (phase == "step" and it.phase == "update" and it.part in STEP_KEEPS):
+            if it.phase == phase and it.held:
+                held += it.bytes
+            elif it.phase == phase or (phase == "step" and it.phase == "update" and it.part in STEP_KEEPS):
                 per_member[it.member] = per_member.get(it.member, 0.0) + it.bytes
         if phase == "resident":
-            return sum(per_member.values())
-        return max(per_member.values(), default=0.0)
+            return held + sum(per_member.values())
+        return held + max(per_member.values(), default=0.0)
 
     def states_bytes(self) -> float:
         """Weights and training state (`STATES`) at an optimizer step: every member's resident ones, and the
@@ -262,9 +275,9 @@ def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -
     r = cfg.rollout
     prompts = len(shard(cfg.data.batch_size, ranks, rank))
 
-    def add(part: str, nbytes: float, phase: str) -> None:
+    def add(part: str, nbytes: float, phase: str, held: bool = False) -> None:
         if nbytes > 0:
-            plan.items.append(Item(m.id, part, float(nbytes), phase))
+            plan.items.append(Item(m.id, part, float(nbytes), phase, held))
 
     for part, nbytes in member_bytes(shape.params, layout).items():
         if part not in ("engine_weights", "ema_teacher"):
@@ -283,18 +296,20 @@ def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -
         return
     patches = shape.patches_per_image(cfg.data.max_image_pixels)
     batch = est.RolloutBatch(prompts, r.n, r.max_prompt_tokens, r.max_new_tokens)
-    hf = est.hf_rollout_bytes(shape, batch, patches, layout.rollout_bytes)
+    fp32_weights = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base in bf16 samples as it is
+    # fp32 masters sampled under autocast (a ZeRO-3 member samples from its copy in the rollout dtype)
+    autocast = m.trainable and layout.zero != 3 and layout.rollout_bytes < 4 and fp32_weights
+    hf = est.hf_rollout_bytes(shape, batch, patches, layout.rollout_bytes, 4 if autocast else layout.rollout_bytes)
     for part, nbytes in hf.items():
         add(f"rollout_{part}", nbytes, "rollout")
-    fp32_weights = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base in bf16 samples as it is
-    if m.trainable and layout.zero != 3 and layout.rollout_bytes < 4 and fp32_weights:
-        # the rollout's autocast caches one bf16 cast of each fp32 master
+    if autocast:  # the rollout's autocast caches one bf16 cast of each fp32 master
         add("autocast_weights", layout.rollout_bytes * shape.params, "rollout")
 
 
 def _update_items(launch: _Launch, shape: ModelShape, layout: Layout, rows: int, add) -> None:
-    """A trainable member's update: DeepSpeed's buffers, one micro-batch's activations and logits, autocast's
-    weight casts, and the optimizer step's transient (`estimates.zero_step_bytes`, phase "step")."""
+    """A trainable member's update of its `rows` responses: DeepSpeed's buffers (and ZeRO-2's second gradient
+    partition while micro-batches accumulate), one micro-batch's activations and logits, autocast's weight casts,
+    and the optimizer step's transient (`estimates.zero_step_bytes`, phase "step")."""
     r, t, zero = launch.cfg.rollout, launch.cfg.train, launch.zero
     compute = 2 if update_autocast_dtype(t.mixed_precision, _device(launch.hw.cuda)) is not None else 4
     for part, nbytes in est.deepspeed_buffers(zero, shape).items():
@@ -311,21 +326,30 @@ def _update_items(launch: _Launch, shape: ModelShape, layout: Layout, rows: int,
         add("autocast_weights", 2 * ((shape.params if fp32_base else 0) + layout.adapters), "update")
     if layout.zero is not None:
         trained = float(layout.adapters or shape.params)
-        add("step_flat_gradients", est.zero_step_bytes(zero, trained, layout.ranks), "step")
+        add("ds_gradient_copy", est.zero2_accumulation_bytes(zero, trained, layout.ranks, -(-rows // micro)), "update")
+        flat = est.zero_step_bytes(zero, trained, layout.ranks)
+        add("step_flat_gradients", flat, "step")
+        if launch.hw.cuda:  # the foreach AdamW's sqrt(v) of the same partition, beside it (`zero_step_bytes`)
+            add("step_adam_temporary", flat, "step")
 
 
 def _vllm_items(launch: _Launch, share: EngineShare, plan: RankPlan, add) -> None:
     """One vLLM engine of the member (or its EMA teacher): its weights, profiled activations and KV cache within
     its share, resident unless sleep mode frees them during updates (CUDA only), and what sleep mode keeps. The KV
-    cache is the smallest of the engine's slot over the ranks (vLLM's launcher takes the minimum)."""
+    cache is the smallest of the engine's slot over the ranks (vLLM's launcher takes the minimum).
+
+    With sleep mode the engine sleeps only for the update: it wakes at the sync after it and stays awake through
+    the next step's rollouts and in-loop evaluation (`training.loop.update_phase` / `sync_phase`), so its weights
+    and KV cache (CuMem allocations outside PyTorch's) are held while every other member on the rank rolls out
+    (`Item.held`); only its profiled activations come and go with its own generate."""
     v, hw = launch.cfg.rollout.vllm, launch.hw
     slot = launch.slots[share.slot]
     phase = "rollout" if v.enable_sleep_mode and hw.cuda else "resident"
     prefix = "teacher_vllm" if share.engine.endswith(TEACHER) else "vllm"
-    add(f"{prefix}_weights", share.weights, phase)
+    add(f"{prefix}_weights", share.weights, phase, held=True)
     add(f"{prefix}_activations", share.activations, phase)
     add(f"{prefix}_graphs", share.sleep_keeps, "resident")
-    add(f"{prefix}_kv_cache", max(slot.kv, 0.0), phase)
+    add(f"{prefix}_kv_cache", max(slot.kv, 0.0), phase, held=True)
     engines = sum(1 for (r, _) in launch.engines if r == share.rank)
     where = "" if slot.rank == share.rank else (
         f", the smallest of engine slot {share.slot} (rank {slot.rank}'s {slot.engine}: vLLM's launcher gives every "

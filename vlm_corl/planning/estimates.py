@@ -71,9 +71,21 @@ def logits_bytes(rows: int, positions: int, vocab: int, compute_bytes: int) -> f
     return LOGITS_FACTOR * rows * positions * vocab * compute_bytes + CHUNK_BYTES
 
 
-def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
-    """Key and value cache of one token over every layer."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+def kv_bytes_per_token(shape: ModelShape, key_bytes: int, value_bytes: int | None = None) -> int:
+    """Key and value cache of one token over every layer: keys of `key_bytes` per element, values of
+    `value_bytes` (the same unless given: `hf_kv_dtypes`)."""
+    values = key_bytes if value_bytes is None else value_bytes
+    return shape.layers * shape.kv_heads * shape.head_dim * (key_bytes + values)
+
+
+def hf_kv_dtypes(rollout_bytes: int, weights_bytes: int) -> tuple[int, int]:
+    """(key, value) bytes per element of the HF rollout's KV cache, computed in the `rollout_bytes` dtype from
+    weights of `weights_bytes`. Under autocast over fp32 weights (weights_bytes 4, rollout_bytes 2) the residual
+    stream stays fp32, so the rotary embedding's cos and sin (cast to the hidden states' dtype) are fp32 and
+    `k * cos` promotes the keys to fp32, while the values come out of v_proj in bf16 and are cached as they are
+    (tests/test_planner_counts.py checks a tiny Qwen2 under CPU autocast). Weights in the rollout dtype (a ZeRO-3
+    member's bf16 copy, a LoRA member's bf16 base, a frozen peer cast at load) give both in it."""
+    return max(rollout_bytes, weights_bytes), rollout_bytes
 
 
 @dataclass(frozen=True)
@@ -87,13 +99,17 @@ class RolloutBatch:
     new_tokens: int
 
 
-def hf_rollout_bytes(shape: ModelShape, batch: RolloutBatch, patches: int, dtype_bytes: int) -> dict[str, float]:
-    """The HF engine's rollout of `batch`: the KV cache of every row at its longest, and the prefill's transient
-    (one layer's activations over the prompts, without gradients; the vision tower's over their images, `patches`
-    each), in the rollout dtype."""
+def hf_rollout_bytes(
+    shape: ModelShape, batch: RolloutBatch, patches: int, dtype_bytes: int, weights_bytes: int
+) -> dict[str, float]:
+    """The HF engine's rollout of `batch` in the `dtype_bytes` dtype from weights of `weights_bytes`: the KV
+    cache of every row at its longest (its keys and values as `hf_kv_dtypes` says), and the prefill's transient
+    (one layer's activations over the prompts, without gradients; the vision tower's over their images,
+    `patches` each), in the rollout dtype."""
     prompts, prompt_tokens = batch.prompts, batch.prompt_tokens
     rows = prompts * batch.n
-    kv = rows * (prompt_tokens + batch.new_tokens) * kv_bytes_per_token(shape, dtype_bytes)
+    per_token = kv_bytes_per_token(shape, *hf_kv_dtypes(dtype_bytes, weights_bytes))
+    kv = rows * (prompt_tokens + batch.new_tokens) * per_token
     transient = prompts * prompt_tokens * dtype_bytes * (4 * shape.hidden + 2 * shape.intermediate)
     if shape.is_vision:
         transient += prompts * patches * dtype_bytes * (4 * shape.vision_hidden + 2 * shape.vision_intermediate)
@@ -146,13 +162,30 @@ def vllm_sleep_keeps(enforce_eager: bool) -> float:
     return VLLM_SLEEP_KEEPS_EAGER_BYTES if enforce_eager else VLLM_SLEEP_KEEPS_BYTES
 
 
+def zero2_accumulation_bytes(zero: dict, trained: float, ranks: int, micro_batches: int, grad_bytes: int = 4) -> float:
+    """ZeRO-2's second gradient partition during a backward after the first of a step: with contiguous_gradients
+    each backward copies the gradients into a new partition-sized buffer (stage_1_and_2.py
+    `copy_grads_in_partition`, after `_release_ipg_buffers` dropped the last one) while the partition accumulated
+    over the earlier micro-batches is still held, 4 bytes per trained parameter over G (measured on an H200,
+    DeepSpeed 0.19.8: every backward after a step's first peaks one partition above the accumulated one, plus
+    the reduce bucket). 0 for one micro-batch per step, other stages, or offloaded gradients."""
+    if zero.get("stage", 0) != 2 or not zero.get("contiguous_gradients", True) or "offload_optimizer" in zero:
+        return 0.0
+    return grad_bytes * trained / ranks if micro_batches > 1 else 0.0
+
+
 def zero_step_bytes(zero: dict, trained: float, ranks: int, grad_bytes: int = 4) -> float:
     """The optimizer step's transient under ZeRO with fp32 modules: the step flattens the rank's gradient
     partition into a new fp32 tensor (stage_1_and_2.py `step`: `flatten(averaged_gradients)`, while those still
     exist; stage3.py `_prepare_fp32_grad_for_sub_group`, one sub-group at a time), 4 bytes per trained parameter
-    over G beside the gradient partitions. CUDA's foreach AdamW then builds one more partition-sized temporary
-    (sqrt of the second moment) after those are freed: the same height. 0 without ZeRO or with CPU offload (the
-    step runs on the host)."""
+    over G beside the gradient partitions. On CUDA the client AdamW (not fused under DeepSpeed: torch's foreach
+    implementation, its default for CUDA tensors) then computes sqrt(v) of that partition into one more tensor of
+    the same size (`_multi_tensor_adam`: `torch._foreach_sqrt`), with the gradient partition and its flat copy
+    still allocated: measured on an H200 (DeepSpeed 0.19.8), the step peaks at 3 partition-sized fp32 tensors
+    over the resident states, for a 268M-parameter MLP as for Qwen2-VL-2B alone on one rank (61.9 GB = 35.3
+    resident + 3 x 8.84, at two batch sizes); the planner counts it as a second item of this size
+    (`cohort._update_items`). On the CPU bench/plan_check.py measures the flat copy alone. 0 without ZeRO or with
+    CPU offload (the step runs on the host)."""
     stage = zero.get("stage", 0)
     if stage not in (2, 3) or "offload_optimizer" in zero:
         return 0.0

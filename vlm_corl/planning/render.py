@@ -53,7 +53,8 @@ def render_plan(plan: CohortPlan, name: str = "cohort") -> str:
     lines = [
         f"memory plan of {name} on {hw.label or f'{hw.processes} ranks'}: {hw.device_bytes / GB:.1f} GB per rank, "
         f"{hw.usable_bytes / GB:.1f} GB usable (less the reserve for the CUDA context, communication buffers and "
-        "fragmentation); rollout, update and optimizer-step parts are counted for the member whose turn it is"
+        "fragmentation); rollout, update and optimizer-step parts are counted for the member whose turn it is, "
+        "a sleep-mode vLLM engine's weights and KV cache (held) through every member's rollout"
     ]
     groups: dict[tuple, list[RankPlan]] = {}
     for r in plan.ranks:
@@ -68,7 +69,11 @@ def render_plan(plan: CohortPlan, name: str = "cohort") -> str:
             f"{(r.usable - r.peak) / GB:.1f} GB: {state}"
         )
         for member in r.members:
-            parts = [f"{it.part}{SHORT[it.phase]} {it.bytes / GB:.2f}" for it in r.items if it.member == member]
+            parts = [
+                f"{it.part}{SHORT[it.phase]}{' (held)' * it.held} {it.bytes / GB:.2f}"
+                for it in r.items
+                if it.member == member
+            ]
             lines.append(f"    {member}: " + ", ".join(parts))
         lines += [f"    problem: {p}" for p in r.problems] + [f"    note: {n}" for n in r.notes]
     lines += _vllm_slot_lines(plan)
