@@ -265,12 +265,15 @@ SCHEDULES = {  # name: (decode steps between device reads, ready-made decoding m
 
 def decode_sync_check(ctx: Context) -> dict:
     """The HF decode loop's schedules (SCHEDULES) fed the same tokens: one greedy rollout of the plain loop gives
-    each response, and every schedule then decodes exactly those tokens (teacher-forced: the chooser returns
-    them), so their per-token log-probs can be compared where greedy tokens of a random-weight model would part
-    at the first near-tie. A schedule differs by numerics alone when its mean |delta log p| stays within
-    DECODE_TOLERANCE for the compute dtype (bf16 on CUDA: other batch shapes round otherwise, ~1e-2; fp32 on the
-    CPU: the schedules are bit-equal there); a bug (a wrong cache row, a stale mask) moves whole responses by far
-    more. Seconds: median of 2 timed calls."""
+    each response, cut to end in an end-of-sequence token at staggered lengths (`staggered`: rows leave the batch
+    at different steps, and so at different sync points per schedule), and every schedule then decodes exactly
+    those tokens (teacher-forced: the chooser returns them), so their per-token log-probs can be compared where
+    greedy tokens of a random-weight model would part at the first near-tie.
+
+    A schedule differs by numerics alone when its mean |delta log p| stays within DECODE_TOLERANCE for the compute
+    dtype (bf16 on CUDA: other batch shapes may round otherwise; fp32 on the CPU: the schedules are bit-equal
+    there); a bug (a wrong cache row, a stale mask) moves whole responses by far more. Seconds: median of 2 timed
+    calls. On the H200 (32 rows of 32 tokens, none ending early) all schedules were bit-equal."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.distributed.world import default_device
@@ -287,7 +290,8 @@ def decode_sync_check(ctx: Context) -> dict:
     greedy = SamplingParams(n=4, max_new_tokens=s["precision_tokens"], temperature=0.0)
     chosen = hf.sync_every(member.device)
     with schedule(hf, batching, SCHEDULES["every_token"], chosen):
-        reference = [r.token_ids for g in hf.HFEngine(member).generate(prompts, greedy) for r in g.responses]
+        greedy_ids = [r.token_ids for g in hf.HFEngine(member).generate(prompts, greedy) for r in g.responses]
+    reference = staggered(greedy_ids, greedy.max_new_tokens, member.eos_token_ids[0])
     logps, seconds = {}, {}
     for name, setting in SCHEDULES.items():
         with schedule(hf, batching, setting, chosen), teacher_forced(hf, reference):
@@ -304,9 +308,21 @@ def decode_sync_check(ctx: Context) -> dict:
     compared = {name: logprob_gap(logps["every_token"], logps[name], tolerance) for name in SCHEDULES}
     compared.pop("every_token")
     return {"sync_every": chosen, "ready_decode_mask": batching.ready_decode_mask(member.model.config),
-            "tokens": sum(map(len, reference)), "tolerance": tolerance, "seconds": seconds, "logprob_gap": compared,
+            "tokens": sum(map(len, reference)), "rows": len(reference),
+            "rows_ended_early": sum(len(r) < greedy.max_new_tokens for r in reference), "tolerance": tolerance,
+            "seconds": seconds, "logprob_gap": compared,
             "differ_beyond_numerics": sorted(n for n, c in compared.items() if not c["numerics_only"]),
             "ok": all(c["numerics_only"] for c in compared.values())}  # fmt: skip
+
+
+def staggered(responses: list[list[int]], limit: int, eos: int) -> list[list[int]]:
+    """Each response cut to end in `eos` after a length staggered over the rows (row r: (r mod 8 + 1) eighths of
+    `limit`; every eighth row runs to the limit without one), so decoding exercises rows leaving the batch."""
+    out = []
+    for r, ids in enumerate(responses):
+        share = r % 8 + 1
+        out.append(list(ids) if share == 8 else list(ids[: max(1, limit * share // 8) - 1]) + [eos])
+    return out
 
 
 def logprob_gap(want: list[list[float]], got: list[list[float]], tolerance: float) -> dict:
@@ -399,8 +415,15 @@ def cohort_file(ctx: Context, name: str, keys: tuple[str, ...], settings: dict, 
     cfg = {
         "output_dir": str(out / "run"),
         "members": [{"id": k, "model": str(ctx.path(k)), **({"lora": lora} if lora else {})} for k in keys],
-        "data": {"train": {"loader": "easyvqa", "limit": 512}, "batch_size": settings["batch"]},
-        "rollout": {"n": settings["n"], "max_new_tokens": settings["max_new_tokens"]},
+        # the bounds the plan counts every prompt and picture at, set to what easy-vqa renders (64 x 64 pictures;
+        # at most 79 tokens for Qwen2-VL, 316 for InternVL: tests/test_planner_counts.py), so that the plan and the
+        # measured peak are of the same run
+        "data": {
+            "train": {"loader": "easyvqa", "limit": 512},
+            "batch_size": settings["batch"],
+            "max_image_pixels": 64 * 64,
+        },
+        "rollout": {"n": settings["n"], "max_new_tokens": settings["max_new_tokens"], "max_prompt_tokens": 320},
         "reward": {"mode": "self_certainty"},
         "train": {
             "max_steps": ctx.steps,
@@ -537,9 +560,10 @@ class BusySampler:
         return round(statistics.mean(self.samples), 3) if self.samples else None
 
 
-def run_in_process(name: str, args, work: Path, limit: float) -> dict:
-    """Check `name` in a child process (its own session, killed whole past `limit` seconds); its report with the
-    seconds it took, the GPU's busy share meanwhile and what it wrote to disk (its directory, deleted after)."""
+def run_in_process(name: str, args, work: Path, limit: float, whose: str = "its own") -> dict:
+    """Check `name` in a child process (its own session, killed whole past `limit` seconds: `whose` limit, its
+    own or the budget's remainder); its report with the seconds it took, the GPU's busy share meanwhile and what it
+    wrote to disk (its directory, deleted after)."""
     log_path = work / f"{name}.log"
     result_path = work / f"{name}.json"
     result_path.unlink(missing_ok=True)
@@ -555,7 +579,7 @@ def run_in_process(name: str, args, work: Path, limit: float) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            ended = f"timed out after {limit:.0f} s (its own limit)"
+            ended = f"timed out after {limit:.0f} s ({whose} limit)"
     seconds = round(time.perf_counter() - start, 1)
     if result_path.exists():
         report = json.loads(result_path.read_text())
@@ -620,10 +644,12 @@ def main(argv=None) -> int:
         elif left < 15:
             result[name] = {"skipped": f"past the {args.budget:g} s budget (rerun with --only {name})"}
         else:
-            limit = min(LIMIT_S[name] if args.size == "real" else LIMIT_TINY_S, left)
-            result[name] = run_in_process(name, args, work, limit)
+            own = LIMIT_S[name] if args.size == "real" else LIMIT_TINY_S
+            whose = "its own" if own <= left else "the budget's"
+            result[name] = run_in_process(name, args, work, min(own, left), whose)
             result["check_seconds"][name] = result[name]["seconds"]
-        print(f"gpu_check: {name}: {'ok' if check_ok(result[name]) else 'NOT ok'}", file=sys.stderr, flush=True)
+        verdict = "skipped" if "skipped" in result[name] else "ok" if check_ok(result[name]) else "NOT ok"
+        print(f"gpu_check: {name}: {verdict}", file=sys.stderr, flush=True)
     if not args.out:
         shutil.rmtree(work, ignore_errors=True)
     result["seconds"] = round(time.perf_counter() - began, 1)

@@ -70,6 +70,7 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
     sync = result["decode_sync"]
     assert sync["sync_every"] == 1 and sync["ready_decode_mask"] and sync["tokens"] > 0  # CPU: a read every token
+    assert 0 < sync["rows_ended_early"] < sync["rows"]  # rows leave the batch mid-way, at staggered steps
     assert set(sync["logprob_gap"]) == {"chosen", "ready", "reserved"} and sync["differ_beyond_numerics"] == []
     assert all(gap["max_abs"] <= 1e-5 for gap in sync["logprob_gap"].values())  # fp32 on the CPU: bit-equal
     assert result["sleep_wake"]["skipped"] and result["rope_buffers"]["inv_freq_dtypes"] == ["torch.float32"]
