@@ -113,7 +113,7 @@ def members_check(ctx: Context) -> dict:
         params = {k: parameter_count(Path(p)) for k, p in paths.items()}
     seconds = round(time.perf_counter() - start, 1)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    report = {"device": device, "paths": paths, "parameters": params, "seconds": seconds, **matmul_speed()}
+    report = {"device": device, "paths": paths, "parameters": params, "build_seconds": seconds, **matmul_speed()}
     (models / "members.json").write_text(json.dumps(report))
     return report
 
@@ -272,8 +272,8 @@ def decode_sync_check(ctx: Context) -> dict:
 
     A schedule differs by numerics alone when its mean |delta log p| stays within DECODE_TOLERANCE for the compute
     dtype (bf16 on CUDA: other batch shapes may round otherwise; fp32 on the CPU: the schedules are bit-equal
-    there); a bug (a wrong cache row, a stale mask) moves whole responses by far more. Seconds: median of 2 timed
-    calls. On the H200 (32 rows of 32 tokens, none ending early) all schedules were bit-equal."""
+    there); a bug (a wrong cache row, a stale mask) moves whole responses by far more. `schedule_seconds`: median
+    of 2 timed calls. On the H200 (32 rows of 32 tokens, none ending early) all schedules were bit-equal."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.distributed.world import default_device
@@ -310,7 +310,7 @@ def decode_sync_check(ctx: Context) -> dict:
     return {"sync_every": chosen, "ready_decode_mask": batching.ready_decode_mask(member.model.config),
             "tokens": sum(map(len, reference)), "rows": len(reference),
             "rows_ended_early": sum(len(r) < greedy.max_new_tokens for r in reference), "tolerance": tolerance,
-            "seconds": seconds, "logprob_gap": compared,
+            "schedule_seconds": seconds, "logprob_gap": compared,
             "differ_beyond_numerics": sorted(n for n, c in compared.items() if not c["numerics_only"]),
             "ok": all(c["numerics_only"] for c in compared.values())}  # fmt: skip
 
