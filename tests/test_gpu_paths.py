@@ -164,6 +164,25 @@ def test_default_device_is_the_local_gpu_with_tf32_on(monkeypatch):
     assert world.default_device() == torch.device("cpu")
 
 
+def test_nccl_is_told_the_ranks_gpu_rather_than_guessing_it(monkeypatch):
+    """NCCL warns "Guessing device ID based on global rank. This can cause a hang" when the group does not name
+    the rank's device: every rank passes its own (`cuda:LOCAL_RANK`), gloo none."""
+    calls = []
+    monkeypatch.setattr(world.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(world.dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for key, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(world, "default_device", lambda: torch.device("cuda", 1))
+    world.launch_world()
+    monkeypatch.setattr(world, "default_device", lambda: CPU)
+    world.launch_world()
+    assert [(backend, kwargs["device_id"], kwargs["rank"]) for backend, kwargs in calls] == [
+        ("nccl", torch.device("cuda", 1), 5),
+        ("gloo", None, 5),
+    ]
+
+
 class _Chosen(Exception):
     pass
 

@@ -162,7 +162,12 @@ def launch_world(timeout_s: float = 1800.0, need_group: bool = False) -> World:
         )
     if (size > 1 or need_group) and not dist.is_initialized():
         dist.init_process_group(
-            "nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s), rank=rank, world_size=size
+            "nccl" if cuda else "gloo",
+            timeout=timedelta(seconds=timeout_s),
+            rank=rank,
+            world_size=size,
+            # NCCL otherwise guesses each rank's GPU from its global rank ("This can cause a hang")
+            device_id=device if cuda else None,
         )
     return World(rank, size, local_rank, device, timeout_s)
 
