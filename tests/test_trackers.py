@@ -164,6 +164,32 @@ def test_a_tracker_that_cannot_start_is_a_user_error_one_failing_later_only_stop
         trackers.HINTS.pop("tensorboard_test")
 
 
+def test_a_run_that_raised_ends_its_mlflow_and_wandb_runs_as_failed(tmp_path, monkeypatch):
+    """A run that raises finishes its trackers without a summary (vlm_corl.training.release): their runs end
+    failed, not finished, as a process that died would have left them."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    statuses = []
+    for summary in (None, {"steps": 2}):
+        tracker = trackers.start_within("mlflow", tmp_path, {}, "x", 30.0)  # as a run starts it: its own thread
+        tracker.finish(summary)
+        statuses.append(MlflowClient((tmp_path / "mlruns").resolve().as_uri()).get_run(tracker.run_id).info.status)
+    assert statuses == ["FAILED", "FINISHED"]
+
+    class WandbRun:
+        summary, exit_codes = {}, []
+
+        def finish(self, exit_code=None):
+            self.exit_codes.append(exit_code)
+
+    wandb = trackers.WandB.__new__(trackers.WandB)
+    wandb.run = WandbRun()
+    wandb.finish(None)
+    wandb.finish({"steps": 2})
+    assert WandbRun.exit_codes == [1, 0]
+
+
 def _start_unchecked(names, run_dir, **kwargs):
     check = trackers.check_trackers
     trackers.check_trackers = lambda names: None  # the stand-in has no package to find

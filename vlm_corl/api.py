@@ -77,18 +77,12 @@ class CohortTrainer:
         Callbacks(self.callbacks, is_main=True)  # a callback with no known method is a TypeError now, not later
 
     def train(self) -> dict:
-        """Run the training to train.max_steps (resuming where train.resume says) and return the summary."""
-        import torch.distributed as dist
-
-        from vlm_corl.members.engines import release_engines
+        """Run the training to train.max_steps (resuming where train.resume says) and return the summary. Returned
+        or raised, the run gives back its memory and the process groups it created (a group made before it, by
+        the script or accelerate, stays)."""
         from vlm_corl.training.loop import run_cohort
 
-        try:
-            return run_cohort(self.config, self.callbacks, self.reward_funcs)
-        finally:
-            release_engines()  # vLLM's groups first: its exit hooks would destroy groups that are gone
-            if dist.is_initialized():
-                dist.destroy_process_group()  # every group, DeepSpeed's member groups included
+        return run_cohort(self.config, self.callbacks, self.reward_funcs)
 
 
 def _validated(config, overrides: Sequence[str]) -> CohortConfig:

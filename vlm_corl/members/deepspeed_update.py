@@ -128,6 +128,9 @@ def load_deepspeed_config(path: str | Path, grad_clip: float, group_size: int, a
 
 
 _ACTIVE_GROUP: list = [None]  # the member group whose ZeRO-3 engine is running forward passes in this process
+# The engines not closed yet: a run closes those it opened (vlm_corl.training.release), a failed start's too. Held
+# strongly: an engine nobody closes outlives every reference to it anyway (its hooks), and only `close` frees it.
+_OPEN: set[DeepSpeedUpdate] = set()
 
 
 def _check_trace_within_group(ints: list[int]) -> None:
@@ -153,6 +156,37 @@ def _patch_zero3_trace_check() -> None:
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
 
     coordinator.assert_ints_same_as_other_ranks = _check_trace_within_group
+
+
+def open_engines() -> list[DeepSpeedUpdate]:
+    """The DeepSpeed engines of this process not closed yet."""
+    return list(_OPEN)
+
+
+def _forget_zero3_module(module: torch.nn.Module) -> None:
+    """What DeepSpeed 0.19.8's ZeRO-3 keeps of a module process-wide and `engine.destroy` leaves: the module on its
+    module stack (`parameter_offload.FWD_MODULE_STACK`; a forward pass that raised leaves submodules there too),
+    and every submodule in the coordinator's release cache (an lru_cache on a method, keyed by coordinator and
+    submodule, that serves every engine; it is only a cache). Either keeps the member's whole model alive."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    mine = {id(m) for m in module.modules()}
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in mine]
+    instrumented = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+    # the lru_cache inside DeepSpeed's NVTX wrapper (instrument_w_nvtx keeps it in a closure)
+    cached = next(cell.cell_contents for cell in instrumented.__closure__ if hasattr(cell.cell_contents, "cache_clear"))
+    cached.cache_clear()
+
+
+def _restore_functional_linear() -> None:
+    """ZeRO-3's partitioning (`partition_zero3`) replaces torch.nn.functional.linear for the whole process with its
+    own (DeepSpeed 0.19.8: "This will persist unless manually reset"): torch's, which DeepSpeed kept, goes back."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+    original = getattr(patcher, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 def zero_stage(path: str | Path) -> int:
@@ -238,6 +272,7 @@ class DeepSpeedUpdate:
             mpu=mpu,
         )
         self.module = self.engine.module
+        _OPEN.add(self)
         if self.stage == 3:
             _patch_zero3_trace_check()
         allocate_zero_adam_state(self.optimizer, self.stage)
@@ -316,6 +351,21 @@ class DeepSpeedUpdate:
         for name, weight in self.full_weights():
             if name in copies:
                 copies[name].copy_(weight)
+
+    def close(self) -> None:
+        """At the end of a run: the engine's hooks removed (`engine.destroy`; its gradient hooks live in autograd's
+        C++ nodes, where the cyclic collector never sees the cycle they close, so without it the engine, the
+        module and the optimizer state outlive the run), DeepSpeed's process-wide hold on its groups dropped, and
+        under ZeRO-3 what DeepSpeed keeps of its module process-wide forgotten and torch's `F.linear` put back."""
+        from deepspeed.utils import groups
+
+        _OPEN.discard(self)
+        self.engine.destroy()
+        if groups.mpu is self.engine.mpu:  # deepspeed.initialize made it process-wide (with its process groups)
+            groups.mpu = None
+        if self.stage == 3:
+            _forget_zero3_module(self.module)
+            _restore_functional_linear()
 
     def lockstep_count(self, n: int) -> int:
         """The number of micro-batches every rank of the group runs this step: the largest `n` among them,

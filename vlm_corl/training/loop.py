@@ -66,6 +66,7 @@ from vlm_corl.training.guard import (
 )
 from vlm_corl.training.metrics import cohort_unanimity, member_metrics, pairwise_agreement, unanimity
 from vlm_corl.training.numerics import NonFiniteStopped, check_rollout_mismatch
+from vlm_corl.training.release import giving_back, release_run
 from vlm_corl.training.reward_funcs import (
     RewardFunction,
     add_function_rewards,
@@ -157,20 +158,29 @@ def run_cohort(
 ) -> dict:
     """Train the cohort described by `cfg`; returns the summary also written to summary.json (by rank 0).
     `callbacks`: objects with any of `callbacks.EVENTS`, called on world rank 0; `reward_funcs`: the reward
-    functions added to the mode's reward (`CohortTrainer`'s, `run_reward_functions`; None: reward.custom's)."""
+    functions added to the mode's reward (`CohortTrainer`'s, `run_reward_functions`; None: reward.custom's).
+    Returned or raised, nothing the run built stays reachable (`vlm_corl.training.release`)."""
     if reward_funcs is None:
         reward_funcs = run_reward_functions(cfg)
     if not sys.stderr.isatty():  # a log file: no carriage-return frames of the libraries' loading/saving bars
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    with giving_back():  # returned or raised, the run's memory and the process group it made go back
+        return _train_and_release(cfg, callbacks, reward_funcs)
+
+
+def _train_and_release(
+    cfg: CohortConfig, callbacks: collections.abc.Sequence[object], reward_funcs: list[RewardFunction]
+) -> dict:
+    """`run_cohort`'s run from its start to its release (`release_run`), whether it returns or raises."""
     run = start_run(cfg)
-    run.callbacks = Callbacks(callbacks, run.world.is_main)
-    run.reward_funcs = list(reward_funcs)
-    timer = PhaseTimer(run.world, run.start)
+    timer, renders = PhaseTimer(run.world, run.start), RenderAhead(run)
     try:
+        run.callbacks = Callbacks(callbacks, run.world.is_main)
+        run.reward_funcs = list(reward_funcs)
         with stopped_by_launcher(run.world):
-            return train_steps(run, timer)
+            return train_steps(run, timer, renders)
     except KeyboardInterrupt:
         last = latest_checkpoint(run.run_dir)
         resume = f"resume from {last} with train.resume=true" if last else "no checkpoint was written yet"
@@ -185,6 +195,9 @@ def run_cohort(
         raise RankFailure(
             failure_report(run.world, run.placement, err, timer.step + 1, timer.phase, latest_checkpoint(run.run_dir))
         ) from err
+    finally:
+        renders.close()  # a raise mid-step leaves the next batch rendering in the background
+        release_run(run)
 
 
 @contextmanager
@@ -205,8 +218,9 @@ def stopped_by_launcher(world: World) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
-    """The step loop from `run.start` to train.max_steps; `timer` is renewed each step (phases and times)."""
+def train_steps(run: CohortRun, timer: PhaseTimer, renders: RenderAhead) -> dict:
+    """The step loop from `run.start` to train.max_steps; `timer` is renewed each step (phases and times),
+    `renders` renders each step's batch (and the next one in the background)."""
     cfg = run.cfg
     # A terminal gets tqdm's bar; a log file (stderr not a terminal) plain lines every ~5% (`progress_line`), not
     # the bar's carriage-return frames.
@@ -220,7 +234,7 @@ def train_steps(run: CohortRun, timer: PhaseTimer) -> dict:
         dynamic_ncols=True,
     )
     every, started = max(1, cfg.train.max_steps // 20), time.perf_counter()
-    renders, stopped = RenderAhead(run), None
+    stopped = None
     run.callbacks.fire("on_train_begin", run.start)
     run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
     if cfg.eval.every and run.start == 0:  # the step-0 baseline of the eval-drop flag and the first best model
@@ -376,6 +390,7 @@ class RenderAhead:
         return batch, prompts
 
     def close(self) -> None:
+        """Wait for the background render and end its thread (again: nothing to do)."""
         self.pool.shutdown()
 
 

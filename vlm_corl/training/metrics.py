@@ -222,6 +222,8 @@ class MetricsSink:
         return tuple([json.loads(line) for line in kept[path]] for path in (self.path, self.eval_path))
 
     def close(self, summary: dict | None = None) -> None:
-        """End the trackers' runs, giving them the run's summary."""
-        for tracker in self.trackers:
+        """End the trackers' runs, giving them the run's summary (None: the run raised); once: a later call
+        (the run's release after its summary) finds none left."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
             tracker.finish(summary)

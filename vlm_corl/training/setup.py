@@ -5,6 +5,7 @@ slots, and restore the newest checkpoint when resuming. `start_run` returns the 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import shutil
@@ -117,6 +118,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     members = load_hosted_members(cfg, world, placement, resume_from)
     max_images = max(len(ex.images) for ex in examples)
     slots = build_slots(cfg, members, specs, max_images, resume_from)
+    gc.unfreeze()  # vLLM's engine froze the heap when built (gc.freeze): the run's objects would never be collected
     shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
     sink = None
     if world.is_main:

@@ -53,7 +53,8 @@ class Tracker:
 
     def samples(self, rows: list[dict], step: int) -> None: ...
 
-    def finish(self, summary: dict | None) -> None: ...
+    def finish(self, summary: dict | None) -> None:
+        """End the tracker's run: with the run's summary, or None when the run raised (or started without it)."""
 
 
 class TensorBoard(Tracker):
@@ -122,7 +123,7 @@ class WandB(Tracker):
     def finish(self, summary):
         if summary is not None:
             self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str, dict))})
-        self.run.finish()
+        self.run.finish(exit_code=0 if summary is not None else 1)  # no summary: the run raised
 
 
 class Trackio(Tracker):
@@ -165,7 +166,7 @@ class MLflow(Tracker):
     def finish(self, summary):
         if summary is not None:
             self.mlflow.log_dict(summary, "summary.json", run_id=self.run_id)
-        self.mlflow.MlflowClient().set_terminated(self.run_id)
+        self.mlflow.MlflowClient().set_terminated(self.run_id, "FINISHED" if summary is not None else "FAILED")
 
 
 TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio, "mlflow": MLflow}

@@ -1,0 +1,80 @@
+"""What a run gives back when it ends, whether it returned or raised: nothing it built stays reachable (members,
+optimizers, DeepSpeed and rollout engines, EMA teachers, renderers and their prompt caches, trackers, the
+process groups it created), so a second run in the same process starts from the memory the first one found.
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from vlm_corl.members.deepspeed_update import open_engines
+from vlm_corl.members.engines import release_engines
+
+if TYPE_CHECKING:
+    from vlm_corl.training.setup import CohortRun
+
+
+def release_run(run: CohortRun) -> None:
+    """Give back what `start_run` built: the trackers finished (a run that raised has no summary to give them),
+    the members' process groups destroyed, and the members, slots (engines, renderers, EMA teachers) and groups
+    let go, so that whoever still holds `run` holds an empty shell."""
+    if run.sink is not None:
+        run.sink.close()
+    groups = [*run.world.groups.values(), *run.world.singles.values()]
+    run.members, run.slots, run.world.groups, run.world.singles = [], [], {}, {}
+    for group in groups:
+        dist.destroy_process_group(group)
+
+
+@contextmanager
+def giving_back() -> Iterator[None]:
+    """Around a whole run (`run_cohort`, inside which `release_run` has let go of the run): on the way out the
+    DeepSpeed engines opened meanwhile are closed (a start that failed halfway never made a run to release), the
+    default process group destroyed if the run created it (vLLM's groups first; one that existed before, the
+    user's or accelerate's, is left alone), the cyclic garbage collected, and on CUDA the allocator's cache
+    handed back. An exception leaves with the locals of its finished frames cleared (`forget_locals`)."""
+    created, opened = not dist.is_initialized(), set(open_engines())
+    try:
+        yield
+    except BaseException as err:
+        forget_locals(err)
+        raise
+    finally:
+        _close_deepspeed(set(open_engines()) - opened)  # in its own frame: no engine left in a local here
+        if created and dist.is_initialized():
+            release_engines()  # vLLM's groups first (its teardown destroys the default group too)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        # vLLM's engine freezes the heap when it is built (gc.freeze): a start that failed after one engine
+        # froze it, before `start_run` unfroze it, would leave that run's objects out of the collector's reach.
+        gc.unfreeze()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _close_deepspeed(engines: set) -> None:
+    for engine in engines:
+        engine.close()
+
+
+def forget_locals(err: BaseException) -> None:
+    """Clear the local variables of every finished frame in the tracebacks of `err` and of the exceptions it
+    chains (cause and context): a caller that keeps the exception (a notebook, `pytest.raises`, a retry loop)
+    would otherwise keep every model, optimizer and activation those frames held. The traceback still prints
+    (files, lines, code); only a post-mortem debugger loses the locals."""
+    pending, seen = [err], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        pending += [e.__cause__, e.__context__]
