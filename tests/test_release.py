@@ -24,6 +24,7 @@ from cohort_helpers import ROOT, cohort
 
 from vlm_corl.api import CohortTrainer, RewardFunctionFailed
 from vlm_corl.config import config_from_dict
+from vlm_corl.distributed.world import CollectiveError
 from vlm_corl.training import loop, release
 from vlm_corl.training import setup as run_setup
 from vlm_corl.training import slots as slots_module
@@ -286,3 +287,20 @@ def test_on_cuda_the_release_empties_the_allocators_cache_after_collecting(monke
             if raises:
                 raise ValueError("stopped")
     assert events == ["collect", "empty_cache"]
+
+
+@pytest.mark.parametrize("failure", ["collective", "other"])
+def test_a_group_whose_collectives_failed_is_left_to_the_process_exit(monkeypatch, failure):
+    """When another rank died or hung (a CollectiveError, or the RankFailure raised from one), the run does not
+    tear down the default group it made: NCCL may wait there for the collective that never completed. Any other
+    failure destroys it as a return does."""
+    state = {"initialized": False, "destroyed": 0}
+    monkeypatch.setattr(release.dist, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(release.dist, "destroy_process_group", lambda: state.update(destroyed=state["destroyed"] + 1))
+    monkeypatch.setattr(release, "release_engines", lambda: None)
+    cause = CollectiveError("rank 1 stopped answering") if failure == "collective" else ValueError("a bug")
+    with pytest.raises(RuntimeError):
+        with release.giving_back():
+            state["initialized"] = True  # the run made the default group
+            raise RuntimeError("rank failure report") from cause
+    assert state["destroyed"] == (0 if failure == "collective" else 1)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from vlm_corl.distributed.world import CollectiveError
 from vlm_corl.members.deepspeed_update import open_engines
 from vlm_corl.members.engines import release_engines
 
@@ -38,17 +39,21 @@ def giving_back() -> Iterator[None]:
     """Around a whole run (`run_cohort`, inside which `release_run` has let go of the run): on the way out the
     DeepSpeed engines opened meanwhile are closed (a start that failed halfway never made a run to release), the
     default process group destroyed if the run created it (vLLM's groups first; one that existed before, the
-    user's or accelerate's, is left alone), the cyclic garbage collected, and on CUDA the allocator's cache
-    handed back. An exception leaves with the locals of its finished frames cleared (`forget_locals`)."""
-    created, opened = not dist.is_initialized(), set(open_engines())
+    user's or accelerate's, is left alone; one whose collectives failed is left to the process's exit), the
+    cyclic garbage collected, and on CUDA the allocator's cache handed back. An exception leaves with the locals of
+    its finished frames cleared (`forget_locals`)."""
+    created, opened, broken = not dist.is_initialized(), set(open_engines()), False
     try:
         yield
     except BaseException as err:
         forget_locals(err)
+        # Another rank died or hung: NCCL's teardown of a group with a collective that never completed may wait
+        # for it, so the group is left to the process's exit, which follows.
+        broken = any(isinstance(e, CollectiveError) for e in (err, err.__cause__))
         raise
     finally:
         _close_deepspeed(set(open_engines()) - opened)  # in its own frame: no engine left in a local here
-        if created and dist.is_initialized():
+        if created and dist.is_initialized() and not broken:
             release_engines()  # vLLM's groups first (its teardown destroys the default group too)
             if dist.is_initialized():
                 dist.destroy_process_group()
