@@ -41,21 +41,22 @@ def test_rollout_benchmark_hf_side(tiny_zoo):
     assert result["hf"]["tokens"] > 0 and result["hf"]["tokens_per_s"] > 0 and "vllm" not in result
 
 
+def gpu_check(*args: str, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
+    """bench/gpu_check.sh with `args`: the finished process and its JSON (stdout holds only the JSON, whatever
+    the libraries print)."""
+    proc = subprocess.run(
+        ["bash", "bench/gpu_check.sh", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
+    return proc, json.loads(proc.stdout)
+
+
 def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     """bench/gpu_check.sh at the tiny size on the CPU: every check it runs on a lent GPU (real-size members,
     training with its memory plan, ZeRO-2, ZeRO-3 and ZeRO-3 offload, a LoRA member, a kill and resume, the
     decode loop's schedules teacher-forced, rollout precision, the ZeRO-3 copy's fp32 RoPE buffers) runs here
     too, each in a process of its own whose directory is deleted once read, and reports its JSON; then
     `--only` reruns one over the members already built."""
-    proc = subprocess.run(
-        ["bash", "bench/gpu_check.sh", "--size", "tiny", "--steps", "2", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    result = json.loads(proc.stdout)  # stdout holds only the JSON, whatever the libraries print
+    proc, result = gpu_check("--size", "tiny", "--steps", "2", "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0 and result["ok"], json.dumps(result)[-3000:]
     assert result["mode"] == "cpu fallback" and result["vllm"].startswith("skipped")
     assert result["peft"] and result["transformers"]  # the versions the check ran with
@@ -88,15 +89,7 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert 0 < result["lora"]["adapter_mb"] < result["lora"]["model_mb"]
     assert all(result[c]["disk_gb"] < 0.1 for c in checks[1:])  # tiny members; real ones stay under ~15 GB
 
-    rerun = subprocess.run(
-        ["bash", "bench/gpu_check.sh", "--size", "tiny", "--only", "rope_buffers", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    again = json.loads(rerun.stdout)
+    rerun, again = gpu_check("--size", "tiny", "--only", "rope_buffers", "--out", str(tmp_path), timeout=300)
     assert rerun.returncode == 0 and again["ran"] == ["rope_buffers"] and again["rope_buffers"]["ok"]
 
 

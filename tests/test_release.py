@@ -304,3 +304,16 @@ def test_a_group_whose_collectives_failed_is_left_to_the_process_exit(monkeypatc
             state["initialized"] = True  # the run made the default group
             raise RuntimeError("rank failure report") from cause
     assert state["destroyed"] == (0 if failure == "collective" else 1)
+
+
+def test_a_launched_ranks_release_is_not_cut_short_by_the_launchers_stop(monkeypatch):
+    """Once one rank of a launched run ends (a numerical stop ends every rank, one a little sooner), torchrun sends
+    the others SIGTERM: a rank still giving back its memory then finishes and reports its own exit code and
+    message (seen: rank 0 of a two-rank numerical stop killed mid-release, its message lost)."""
+    import signal
+
+    monkeypatch.setattr(release.dist, "is_initialized", lambda: True)
+    before = signal.getsignal(signal.SIGTERM)
+    with release.launcher_stop_ignored():
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -66,7 +66,7 @@ from vlm_corl.training.guard import (
 )
 from vlm_corl.training.metrics import cohort_unanimity, member_metrics, pairwise_agreement, unanimity
 from vlm_corl.training.numerics import NonFiniteStopped, check_rollout_mismatch
-from vlm_corl.training.release import giving_back, release_run
+from vlm_corl.training.release import giving_back, launcher_stop_ignored, release_run
 from vlm_corl.training.reward_funcs import (
     RewardFunction,
     add_function_rewards,
@@ -196,8 +196,9 @@ def _train_and_release(
             failure_report(run.world, run.placement, err, timer.step + 1, timer.phase, latest_checkpoint(run.run_dir))
         ) from err
     finally:
-        renders.close()  # a raise mid-step leaves the next batch rendering in the background
-        release_run(run)
+        with launcher_stop_ignored():
+            renders.close()  # a raise mid-step leaves the next batch rendering in the background
+            release_run(run)
 
 
 @contextmanager

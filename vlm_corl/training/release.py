@@ -6,6 +6,8 @@ process groups it created), so a second run in the same process starts from the 
 from __future__ import annotations
 
 import gc
+import signal
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,17 +54,34 @@ def giving_back() -> Iterator[None]:
         broken = any(isinstance(e, CollectiveError) for e in (err, err.__cause__))
         raise
     finally:
-        _close_deepspeed(set(open_engines()) - opened)  # in its own frame: no engine left in a local here
-        if created and dist.is_initialized() and not broken:
-            release_engines()  # vLLM's groups first (its teardown destroys the default group too)
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        # vLLM's engine freezes the heap when it is built (gc.freeze): a start that failed after one engine
-        # froze it, before `start_run` unfroze it, would leave that run's objects out of the collector's reach.
-        gc.unfreeze()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        with launcher_stop_ignored():
+            _close_deepspeed(set(open_engines()) - opened)  # in its own frame: no engine left in a local here
+            if created and dist.is_initialized() and not broken:
+                release_engines()  # vLLM's groups first (its teardown destroys the default group too)
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            # vLLM's engine freezes the heap when it is built (gc.freeze): a start that failed after one engine
+            # froze it, before `start_run` unfroze it, would leave that run's objects out of the collector's reach.
+            gc.unfreeze()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+@contextmanager
+def launcher_stop_ignored() -> Iterator[None]:
+    """While a rank of a launched run gives back what it took: the launcher's SIGTERM, sent to every rank once one
+    has ended (all ranks of a numerical stop end alike, one a little sooner), is ignored, so that this rank
+    finishes its release and reports its own outcome (exit code and message) instead of dying half-way; the
+    launcher kills a rank that outstays its grace period anyway."""
+    if not dist.is_initialized() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _close_deepspeed(engines: set) -> None:
