@@ -27,6 +27,12 @@ build_base(mid, base_recipes({mid: ""}, None)[mid], Path(sys.argv[2]), 0)
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=False,
+    reason="2026-12-04: on a fresh install the rebuild differs from the shipped base, at landed main 1fa5bc3 too "
+    "(and make demo prints +1.54, not the published +1.42): an unpinned dependency drifted; not accelerate 1.16 "
+    "nor pillow 12.3 (both tried). Find and pin it, then make this strict again",
+)
 def test_a_rebuilt_base_model_equals_the_shipped_one_bit_for_bit(tmp_path):
     env = {**os.environ, **PINNED_KERNELS}
     subprocess.run([sys.executable, "-c", BUILD, "qwen2_vl_b", tmp_path / "base"], check=True, env=env)
