@@ -23,6 +23,7 @@ from vlm_corl.plan import main as plan_main
 from vlm_corl.planning import estimates as est
 from vlm_corl.planning.check import existing_parent, held_bytes
 from vlm_corl.planning.cohort import Hardware, plan_cohort
+from vlm_corl.planning.disk import small_files_bytes
 from vlm_corl.planning.layout import adapters
 from vlm_corl.planning.shapes import model_shape
 
@@ -276,6 +277,18 @@ def test_a_tiny_runs_checkpoint_is_the_estimate_scaled_by_parameter_count(tiny_z
         planned = disk.members[mid]["weights"] + disk.members[mid].get("optimizer", 0.0)
         params = model_shape(str(cfg["members"][ord(mid) - ord("a")]["model"])).params
         assert measured / params == pytest.approx(planned / params, rel=0.05), mid  # 12 or 4 bytes per parameter
+        # the small files (tokenizer, processor, configs): the model directory's, measured there, not a 50 MB bound
+        small = sum(f.stat().st_size for f in (checkpoint / mid).rglob("*") if f.is_file() and f.name not in files)
+        assert small <= disk.members[mid]["small_files"] <= small + 2e6, mid
+
+
+def test_small_files_are_measured_in_a_built_model_and_bounded_before_download(tiny_zoo, tmp_path):
+    """Issue 46: the 50 MB a member once counted refused a tiny run needing 12 MB on a 67 MB disk."""
+    model = tiny_zoo["qwen2_vl"]
+    besides = sum(f.stat().st_size for f in model.rglob("*") if f.is_file() and f.suffix != ".safetensors")
+    assert small_files_bytes(str(model)) == besides + 1e6 < 10e6
+    (tmp_path / "config.json").write_text((model / "config.json").read_text())  # planned before download
+    assert small_files_bytes(str(tmp_path)) == 50e6 == small_files_bytes(str(tmp_path / "missing"))
 
 
 # --- the command, and train's disk check (item 8) ---

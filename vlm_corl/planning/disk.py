@@ -10,12 +10,15 @@ One checkpoint, per member (P parameters, A adapter parameters of a LoRA member)
 - a frozen peer: its weights as it holds them (its loaded dtype, or the rollout dtype it was cast to);
 - an EMA teacher (co_rewarding_2, peers_ema: one per member): its fp32 weights (4P).
 `eval.keep_best` adds each trained member's weights in RUN/best/, twice while a new best replaces the old.
-Tokenizer and processor files and the cohort state (sampler, RNG states) are small (`SMALL_FILES_BYTES`).
+Tokenizer, processor and config files are what the model directory holds beside its weights (measured there,
+`small_files_bytes`; `SMALL_FILES_BYTES` for a directory without weights yet: planned before download); the
+cohort state (sampler, RNG states) is small.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from vlm_corl.config.schema import CohortConfig, MemberConfig, has_teachers
 from vlm_corl.members.memory import GB
@@ -24,6 +27,7 @@ from vlm_corl.planning.layout import adapters, loaded_bytes
 from vlm_corl.planning.shapes import model_shape
 
 SMALL_FILES_BYTES = 50e6  # per model directory: tokenizer.json (~10 MB for a 150k vocabulary), processor, config
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 ADAM_BYTES = 8  # two fp32 moments per trained parameter
 MASTER_BYTES = 4  # an fp32 master copy
 
@@ -93,8 +97,19 @@ def member_checkpoint(cfg: CohortConfig, m: MemberConfig) -> dict[str, float]:
     else:
         masters = MASTER_BYTES if loaded < MASTER_BYTES else masters  # plain DP keeps them when the weights round
         parts = {"weights": loaded * p, "optimizer": (ADAM_BYTES + masters) * p}
-    parts["small_files"] = SMALL_FILES_BYTES
+    parts["small_files"] = small_files_bytes(str(m.model))
     return parts
+
+
+def small_files_bytes(model: str) -> float:
+    """Bytes of what a checkpoint writes beside a model's weights (tokenizer, processor, configs): those files of
+    its model directory plus 1 MB of slack, where the directory holds weights (a downloaded or built model);
+    `SMALL_FILES_BYTES`, a bound, where it holds none yet (a config planned before download)."""
+    folder = Path(model)
+    files = [f for f in folder.rglob("*") if f.is_file()] if folder.is_dir() else []
+    if not any(f.name.endswith(WEIGHT_SUFFIXES) for f in files):
+        return SMALL_FILES_BYTES
+    return float(sum(f.stat().st_size for f in files if not f.name.endswith(WEIGHT_SUFFIXES)) + 1_000_000)
 
 
 def checkpoint_disk(cfg: CohortConfig) -> DiskPlan:
@@ -105,7 +120,7 @@ def checkpoint_disk(cfg: CohortConfig) -> DiskPlan:
         if has_teachers(cfg):
             members[m.id + TEACHER] = {
                 "weights": MASTER_BYTES * float(model_shape(str(m.model)).params),
-                "small_files": SMALL_FILES_BYTES,
+                "small_files": small_files_bytes(str(m.model)),
             }
     best = 0.0
     if cfg.eval.keep_best:
