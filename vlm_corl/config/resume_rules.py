@@ -4,7 +4,8 @@ without one), the table in docs/reliability.md printed from here (`python -m vlm
 A field may not change when its new value would make the saved state mean something else (other weights,
 another optimizer, a data order that no longer matches the sampler's position) or would be ignored because the
 checkpoint restores the old one (the learning rate and Adam's hyperparameters live in the optimizer and schedule
-states). Every checkpoint keeps the config it was written under; `changed_at_resume` compares the two.
+states). Every checkpoint keeps the config it was written under; `changed_at_resume` compares the two. The
+training data itself is compared by content, not by these fields (`vlm_corl.training.checkpoint.data_fingerprint`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ RULES: dict[str, Rule] = {
     "members[].lora": _fixed("the checkpoint holds an adapter of this rank, alpha and targets (or whole weights)"),
     "members[].ranks": _free("plain members save whole states; under train.deepspeed the group size is fixed"),
     "data.train.loader": _fixed(DATA),
-    "data.train.path": _fixed(DATA),
+    "data.train.path": _free(
+        "the data is checked by its content, not its path (RUN/data_fingerprint.json): another path to the same "
+        "bytes resumes, other bytes are refused"
+    ),
     "data.train.split": _fixed(DATA),
     "data.train.limit": _fixed(DATA),
     "data.train.skip": _fixed(DATA),

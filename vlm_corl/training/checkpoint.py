@@ -9,11 +9,16 @@ moment leaves either the previous checkpoints or the new one, never half of one 
 checkpoint counts only when its manifest is there and every member's files in it are. (A rename is atomic on
 POSIX filesystems; a SIGKILL does not drop written-but-unflushed pages, so no fsync is needed for that
 failure mode.)
+
+The data a run trains on is identified by its content, not its path (`data_fingerprint`): recorded at start in
+`RUN/data_fingerprint.json` and in every checkpoint's cohort state, and checked when the run resumes
+(`check_resumed_data`), so a file rewritten in place or a relative path read from another directory is refused.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import random
@@ -21,20 +26,24 @@ import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from vlm_corl.config import ConfigError
 from vlm_corl.errors import UserError
 from vlm_corl.members.state_files import STEP_DIR, TRAINER_STATE, read_state
 
 if TYPE_CHECKING:
+    from vlm_corl.config.schema import DatasetConfig
+    from vlm_corl.data.records import Example
     from vlm_corl.distributed.world import World
     from vlm_corl.members.member import Member
 
 STATE_FILE = "cohort_state.pt"
 MANIFEST = "manifest.json"
+DATA_RECORD = "data_fingerprint.json"  # in the run directory: the data the run trains on, by content
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 log = logging.getLogger("vlm_corl")
@@ -189,3 +198,93 @@ def restore_rng(states: list[dict], world: World) -> None:
         )
         return
     set_rng_states(states[world.rank])
+
+
+# ---- the data a run trains on, by content ----------------------------------------------------------------------
+
+_CHUNK = 1 << 20
+
+
+def data_fingerprint(examples: Iterable[Example], spec: DatasetConfig | None = None) -> dict[str, Any]:
+    """The training examples by content: {sha256, ids (sha256 of the ids in order), examples, loader, path}.
+
+    Hashed: each example's id, question, answer, choices and metadata, and its images' bytes (a path's file read
+    in chunks: the same bytes anywhere, at any mtime, hash the same; a file rewritten in place does not). Not
+    hashed: the source (a loader may name it after the file's folder, so moved data would differ) and the
+    paraphrases (the wordings may change at resume: `data.paraphrases` is free). `path` is
+    `spec.path` resolved from this working directory (the API's datasets: the argument), for messages only."""
+    content, ids, count = hashlib.sha256(), hashlib.sha256(), 0
+    for ex in examples:
+        fields = [ex.id, ex.question, ex.answer, ex.choices, ex.metadata]
+        content.update(json.dumps(fields, sort_keys=True, default=_digest_value).encode() + b"\0")
+        for image in ex.images:
+            content.update(_image_digest(image) + b"\0")
+        ids.update(ex.id.encode() + b"\0")
+        count += 1
+    record: dict[str, Any] = {"sha256": content.hexdigest(), "ids": ids.hexdigest(), "examples": count}
+    if spec is not None:
+        path = spec.path or spec.options.get("source")  # the API's datasets: "train_dataset"
+        if spec.path is not None and Path(path).exists():
+            path = str(Path(path).resolve())
+        record.update(loader=spec.loader, path=path)
+    return record
+
+
+def _image_digest(image: object) -> bytes:
+    if isinstance(image, bytes):
+        return hashlib.sha256(image).digest()
+    if isinstance(image, (str, Path)) and Path(image).is_file():
+        digest = hashlib.sha256()
+        with open(image, "rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+        return digest.digest()
+    return hashlib.sha256(repr(image).encode()).digest()  # neither bytes nor a file: what the record holds
+
+
+def _digest_value(value: object) -> str:
+    """A metadata value json cannot write (bytes, a PIL image, an array) by its content."""
+    if isinstance(value, bytes):
+        return hashlib.sha256(value).hexdigest()
+    if hasattr(value, "tobytes"):
+        return hashlib.sha256(value.tobytes()).hexdigest() + str(getattr(value, "size", ""))
+    return repr(value)
+
+
+def record_data(run_dir: Path, record: dict) -> None:
+    """Write the run's data record (`data_fingerprint`) into the run directory (world rank 0, at start)."""
+    (Path(run_dir) / DATA_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def check_resumed_data(state: dict, run_dir: Path, checkpoint: Path, record: dict) -> None:
+    """Refuse to resume `checkpoint` on other data than it trained on (ConfigError on data.train, one line): the
+    sampler's saved position indexes that data. The checkpoint's own record is compared, else the run
+    directory's; a run from before data was recorded is resumed with a warning."""
+    saved = state.get("data")
+    if saved is None and (Path(run_dir) / DATA_RECORD).is_file():
+        saved = json.loads((Path(run_dir) / DATA_RECORD).read_text())
+    if saved is None:
+        log.warning("%s holds no record of its data (an earlier version wrote it): the data is not checked", checkpoint)
+        return
+    if saved["sha256"] == record["sha256"]:
+        return
+    if saved["examples"] != record["examples"]:
+        how = f"{saved['examples']} examples there, {record['examples']} now"
+    elif saved["ids"] != record["ids"]:
+        how = f"other example ids ({record['examples']} examples)"
+    else:
+        how = f"the same {record['examples']} example ids with other content (questions, answers, images or metadata)"
+    raise ConfigError(
+        [
+            f"data.train changed since {checkpoint} was written: {how}; it trained on {_where(saved)}, this run "
+            f"reads {_where(record)}. The sampler's saved position indexes the data the checkpoint trained on: put "
+            "that data back to resume, or start a new run (another output_dir, or train.overwrite=true)"
+        ],
+        ["data.train"],
+    )
+
+
+def _where(record: dict) -> str:
+    path = record.get("path")
+    loader = f"loader {record.get('loader')!r}"
+    return f"{path} ({loader})" if path else loader

@@ -691,6 +691,7 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
             required[model_id] = required[model_id][:-1] + state_files(len(run.placement[spec.member_id]))
     state = {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}
     state["config"] = config_to_dict(run.cfg)  # what the checkpoint means: a resume compares its own with it
+    state["data"] = run.data  # what it trained on, by content: a resume compares it (checkpoint.check_resumed_data)
     save_checkpoint(run.world, run.run_dir, step, [(m, writers[m.id]) for m in models], state, run.cfg.train.keep_last)
 
 

@@ -30,7 +30,14 @@ from vlm_corl.members.deepspeed_update import GroupMPU, attach_deepspeed, zero_s
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.members.state_files import corrupt_file
 from vlm_corl.planning.check import check_disk, check_launch, write_plan
-from vlm_corl.training.checkpoint import latest_checkpoint, load_cohort_state, restore_rng
+from vlm_corl.training.checkpoint import (
+    check_resumed_data,
+    data_fingerprint,
+    latest_checkpoint,
+    load_cohort_state,
+    record_data,
+    restore_rng,
+)
 from vlm_corl.training.collapse import CollapseTracker
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink
@@ -71,6 +78,7 @@ class CohortRun:
     callbacks: object = None  # the user's callbacks (vlm_corl.training.callbacks.Callbacks), set by run_cohort
     reward_funcs: list = field(default_factory=list)  # reward functions (vlm_corl.training.reward_funcs), likewise
     prompt_styles: dict = field(default_factory=dict)  # member id -> its answer instruction (render.PROMPT_STYLES)
+    data: dict = field(default_factory=dict)  # the training data by content (checkpoint.data_fingerprint)
 
 
 def start_run(cfg: CohortConfig) -> CohortRun:
@@ -98,17 +106,21 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     if resume_from is None:
         _claim_run_dir(cfg, run_dir, clear=world.is_main)
     check_disk(cfg, world, plan)  # output_dir (writable, cleared if overwritten) holds the checkpoints to come
+    examples, data_report = _load_data(cfg, resume_from)
+    data = data_fingerprint(examples, cfg.data.train)  # the data by content: a resume on other data is refused
+    if state is not None:
+        check_resumed_data(state, run_dir, resume_from, data)  # before anything of the run is rewritten
     world.barrier()  # every rank has looked at the run directory before anything new is written
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        record_data(run_dir, data)
         if plan is not None:
             write_plan(plan, run_dir)
         log.info("placement over %d process(es): %s", world.size, describe(placement))
         if peers_of_two(cfg):
             log.warning(peers_of_two(cfg))
     torch.manual_seed(cfg.seed)
-    examples, data_report = _load_data(cfg, resume_from)
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
     specs = slot_specs(cfg.members, reward_spec.layout)
     lacking = check_views(examples, specs, cfg.data.view_fallback)
@@ -141,7 +153,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, collapse, data_report, eval_history, read_best(run_dir),
                      category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
-                     nonfinite=nonfinite, prompt_styles=styles)
+                     nonfinite=nonfinite, prompt_styles=styles, data=data)
     # fmt: on
 
 
