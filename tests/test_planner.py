@@ -232,8 +232,9 @@ def test_suggest_places_members_a_launch_cannot_split_evenly(tmp_path, capsys):
     with pytest.raises(UserError, match="cannot be split evenly over 8 processes.*--suggest"):
         plan_main(["--config", str(path)])
     assert plan_main(["--config", str(path), "--suggest", "--json"]) == 0
-    out = capsys.readouterr().out
-    suggestion = json.loads(out[out.index("{") :])["suggestion"]
+    out = json.loads(capsys.readouterr().out)  # one JSON object, the problems in it (issue 46: a text line came first)
+    assert any("cannot be split evenly" in p for p in out["problems"])
+    suggestion = out["suggestion"]
     assert any(o.startswith("members.2.ranks=") for o in suggestion["overrides"])
     cfg = load_config(path, suggestion["overrides"], processes=8)
     assert plan_cohort(cfg, Hardware(8, 80 * GB)).fits
@@ -263,6 +264,10 @@ def test_plan_command_answers_mistakes_with_exit_2(capsys):
     with pytest.raises(SystemExit) as stop:
         plan_main(["--config", str(COHORTS / "gpu_1gpu_2vlm.yaml"), "--gpu-memory", "lots"])
     assert stop.value.code == 2
+    for negative in ("-80GB", "-1"):  # issue 46: argparse answered "expected one argument" for -80GB
+        with pytest.raises(SystemExit):
+            plan_main(["--config", str(COHORTS / "gpu_1gpu_2vlm.yaml"), "--gpu-memory", negative])
+        assert f"expected a positive size such as 80GB or 141GiB, got '{negative}'" in capsys.readouterr().err
     # models/... not downloaded here: the released architectures of the same names stand in (said on stderr)
     assert plan_main(["--config", str(COHORTS / "gpu_1gpu_2vlm.yaml"), "--gpus-per-node", "1"]) == 0
     assert "members[0].model models/qwen2-vl-2b-instruct does not exist: planned with" in capsys.readouterr().err

@@ -309,6 +309,33 @@ def test_the_plan_command_reports_host_memory_and_checkpoint_disk(capsys, monkey
     assert "host memory: 58.4 GB per node" in text and "checkpoint disk: 426.5 GB" in text
 
 
+def test_a_recipe_plans_from_another_working_directory(capsys, monkeypatch, tmp_path):
+    """Issue 46: train.deepspeed (../deepspeed/zero2.json) is found beside the cohort file, not from the working
+    directory, where `configs/deepspeed/zero2.json` was looked up and not found."""
+    monkeypatch.chdir(tmp_path)
+    recipe = ROOT / "configs" / "cohorts" / "gpu_1node_3vlm.yaml"
+    assert plan_main(["--config", str(recipe), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["checkpoint_disk_gb"] == 426.484  # as planned from the project's root (below)
+
+
+def test_input_paths_resolve_beside_the_cohort_file_first_then_from_the_working_directory(tmp_path, monkeypatch):
+    from vlm_corl.config import read_raw_config
+
+    (tmp_path / "recipes" / "ds.json").parent.mkdir()
+    (tmp_path / "recipes" / "ds.json").write_text("{}")
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    recipe = tmp_path / "recipes" / "c.yaml"
+    members = [{"id": "a", "model": "models/m"}, {"id": "b", "model": "hub/id"}]
+    paths = {"data": {"train": {"path": "ds.json"}}, "train": {"deepspeed": "ds.json"}}
+    recipe.write_text(yaml.safe_dump({"members": members, **paths}))
+    monkeypatch.chdir(tmp_path)
+    raw = read_raw_config(Path("recipes/c.yaml"), ["data.paraphrases=ds.json"])
+    assert raw["train"]["deepspeed"] == raw["data"]["train"]["path"] == str(Path("recipes/ds.json"))  # beside it
+    assert [m["model"] for m in raw["members"]] == ["models/m", "hub/id"]  # not beside it: the working directory's
+    assert raw["data"]["paraphrases"] == "ds.json"  # an override is the working directory's
+
+
 def test_held_bytes_and_the_nearest_existing_parent(tmp_path):
     (tmp_path / "checkpoints" / "step-1").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-1" / "w").write_bytes(b"x" * 1000)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -48,9 +49,23 @@ def run(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = No
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """`parser.parse_args(argv)`, then quiet the libraries' bars. A command imports torch and transformers only
     after this, so `--help` and argument mistakes answer at once (~0.15 s, against 2-7 s with torch loaded)."""
-    args = parser.parse_args(argv)
+    args = parser.parse_args(None if argv is None else negative_values_joined(parser, argv))
     quiet_library_bars()
     return args
+
+
+def negative_values_joined(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """`--opt -80GB` as `--opt=-80GB` for an option that takes one value: argparse reads a value that starts
+    with '-' and is not a plain number as the next option and answers "expected one argument", while the
+    option's own type check names what is wrong with the value (a size must be positive, ...)."""
+    out, rest = [], list(argv)
+    while rest:
+        arg = rest.pop(0)
+        action = parser._option_string_actions.get(arg)  # argparse has no public table of its options
+        if action is not None and action.nargs is None and rest and re.match(r"-\.?[0-9]", rest[0]):
+            arg = f"{arg}={rest.pop(0)}"
+        out.append(arg)
+    return out
 
 
 def quiet_library_bars() -> None:

@@ -107,9 +107,12 @@ def main(argv: Sequence[str]) -> int:
             "searches a placement that can)"
         )
     found = suggest(cfg, hardware) if args.suggest else None
-    if problems:  # nothing to plan as the file stands: the search's answer alone
+    if problems and args.json:  # nothing to plan as the file stands: the search's answer alone, one JSON object
+        print(json.dumps({"problems": problems, "suggestion": _suggestion_dict(found, cfg)}, indent=1))
+        return 0
+    if problems:
         print(f"{args.config} cannot launch on {processes} process(es) as it stands: " + "; ".join(problems))
-        _print_suggestion(found, cfg, hardware, args.json)
+        _print_suggestion(found, cfg, hardware)
         return 0
     plan = plan_cohort(cfg, hardware)
     plan.fixes = [] if plan.fits else fixes(cfg, plan)
@@ -122,7 +125,7 @@ def main(argv: Sequence[str]) -> int:
     print(render_plan(plan, cfg.name))
     if args.suggest:
         print()
-        _print_suggestion(found, cfg, hardware, False)
+        _print_suggestion(found, cfg, hardware)
     return 0
 
 
@@ -138,10 +141,8 @@ def _suggestion_dict(found, cfg) -> dict | None:
     }
 
 
-def _print_suggestion(found, cfg, hardware, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({"suggestion": _suggestion_dict(found, cfg)}, indent=1))
-    elif found is None:
+def _print_suggestion(found, cfg, hardware) -> None:
+    if found is None:
         print(f"no layout tried fits {hardware.label}: add GPUs (--gpus-per-node/--nodes) or shrink the cohort")
     else:
         print(f"cheapest layout that fits {hardware.label} (tightest rank {found.plan.worst.peak / GB:.1f} GB):")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -384,7 +385,31 @@ def read_raw_config(path: str | Path, overrides: Sequence[str] = (), problems: P
         raise ConfigError(
             [f"{path}: the top level must be a mapping of sections (members, data, ...), got a {yaml_kind(raw)}"]
         )
+    resolve_beside(raw, Path(path).parent)
     return with_overrides(raw, overrides, problems)
+
+
+# The fields that name an input file or directory (a model, data, a cache, a DeepSpeed config): the YAML keys
+# down to the mapping that holds it (`members` is a list of mappings), and its key there.
+INPUT_PATHS = ((("members",), "model"), (("data", "train"), "path"), (("data",), "paraphrases"),
+               (("train",), "deepspeed"))  # fmt: skip
+
+
+def resolve_beside(raw: dict, folder: Path) -> None:
+    """Relative input paths written in a cohort file (`INPUT_PATHS`) are looked up beside the file first: where
+    the path exists there, it is rewritten to that place, so a recipe plans and trains from any working
+    directory (`../deepspeed/zero2.json` in configs/cohorts/); otherwise it is left to the working directory, as
+    before (`models/...`, `out/demo/base/...` written from the project's root). Overrides given on the command
+    line are not rewritten: they are read from the working directory."""
+    for keys, key in INPUT_PATHS:
+        holders = [raw]
+        for k in keys:
+            holders = [h.get(k) for h in holders if isinstance(h, dict)]
+            holders = [x for h in holders for x in (h if isinstance(h, list) else [h])]
+        for holder in holders:
+            value = holder.get(key) if isinstance(holder, dict) else None
+            if isinstance(value, str) and value and not Path(value).is_absolute() and (folder / value).exists():
+                holder[key] = os.path.normpath(folder / value)
 
 
 def with_overrides(raw: dict, overrides: Sequence[str], problems: Problems | None = None) -> dict:

@@ -69,7 +69,10 @@ class MemberConfig:
         "unique member name, used in logs and as its checkpoint directory name",
         pattern=(r"(?!\.\.?$)[A-Za-z0-9_.-]+", "letters, digits, '_', '.', '-' (but not '.' or '..')"),
     )
-    model: str = _f("local Hugging Face model directory with a config.json (relative paths: from the working dir)")
+    model: str = _f(
+        "local Hugging Face model directory with a config.json (a relative path: beside the cohort file where it "
+        "exists there, else from the working directory)"
+    )
     family: str | None = _f(
         "model family registry name, or generic (any architecture the Auto classes load, served from its own "
         "processor and chat template); null = detect from config.json model_type",

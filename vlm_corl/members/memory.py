@@ -31,7 +31,7 @@ def memory_size(text: str) -> float:
     """argparse type: '80GB', '80GiB', '141 GB', '80' (GB) -> bytes."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not found or found.group(2).lower() not in UNITS or float(found.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a size such as 80GB or 141GiB, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 80GB or 141GiB, got {text!r}")
     return float(found.group(1)) * UNITS[found.group(2).lower()]
 
 
