@@ -179,6 +179,27 @@ def test_a_quoted_boolean_for_a_template_switch_is_refused(models):
     assert config_from_dict(raw).members[0].chat_template_kwargs == {"enable_thinking": False}
 
 
+def test_a_template_kwarg_the_chat_template_never_reads_is_refused(models):
+    """Issue 46: a misspelt key (`enable_thinkin`) was accepted and changed nothing."""
+    template = "{% if enable_thinking is defined and not enable_thinking %}NO-THINK {% endif %}{{ messages[-1] }}"
+    (models / "out/zoo/a/chat_template.jinja").write_text(template)
+    raw = cohort()
+    raw["members"][0]["chat_template_kwargs"] = {"enable_thinkin": False}
+    assert one_problem(raw) == (
+        "members[0].chat_template_kwargs.enable_thinkin: the chat template of out/zoo/a never reads "
+        "'enable_thinkin', so it changes nothing (the template reads: enable_thinking, messages); fix the spelling "
+        "or remove it"
+    )
+    raw["members"][0]["chat_template_kwargs"] = {"enable_thinking": False}
+    assert config_from_dict(raw).members[0].chat_template_kwargs == {"enable_thinking": False}
+    raw["members"][1]["chat_template_kwargs"] = {"anything": 1}  # b has no template to read: nothing to say
+    assert config_from_dict(raw).members[1].chat_template_kwargs == {"anything": 1}
+    (models / "out/zoo/a/tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "tool_use",
+                                                                         "template": "{{ tools }}"}]}))  # fmt: skip
+    raw["members"][0]["chat_template_kwargs"] = {"tools": []}  # a named template's variable counts
+    assert config_from_dict(raw).members[0].chat_template_kwargs == {"tools": []}
+
+
 def test_unknown_keys_suggest_the_closest_valid_one(models):
     assert one_problem(cohort(rollout={"temprature": 0.5})) == (
         "unknown key 'rollout.temprature': did you mean 'temperature'?"
@@ -255,7 +276,7 @@ def test_missing_required_fields(models):
     del raw["members"][0]["model"], raw["members"][1]["id"]
     assert sorted(problems(raw)) == [
         "members[0].model: missing (required): local Hugging Face model directory with a config.json"
-        " (relative paths: from the working dir)",
+        " (a relative path: beside the cohort file where it exists there, else from the working directory)",
         "members[1].id: missing (required): unique member name, used in logs and as its checkpoint directory name",
     ]
 
@@ -340,12 +361,17 @@ def test_peer_rewards_need_two_members(models, mode):
     assert message.startswith(f"reward.mode: {mode!r} rewards each member with its peers' answers and needs at least 2")
 
 
-def test_peers_with_two_members_runs_with_a_warning(models):
-    from vlm_corl.config.loading import peers_of_two
+def test_peers_with_two_members_runs_with_a_warning(models, tmp_path, capsys):
+    from vlm_corl.config.__main__ import main as config_main
+    from vlm_corl.config.loading import config_warnings
 
     two = config_from_dict(cohort(2, reward={"mode": "peers"}))
-    assert peers_of_two(two) and "equals ring" in peers_of_two(two)
-    assert peers_of_two(config_from_dict(cohort(3, reward={"mode": "peers"}))) is None
+    assert len(config_warnings(two)) == 1 and "equals ring" in config_warnings(two)[0]
+    assert config_warnings(config_from_dict(cohort(3, reward={"mode": "peers"}))) == []
+    path = tmp_path / "two.yaml"  # issue 46: `corl config` said nothing where train warns
+    path.write_text(yaml.safe_dump(cohort(2, reward={"mode": "peers"})))
+    assert config_main([str(path)]) == 0
+    assert "warning: reward.mode peers with 2 members equals ring" in capsys.readouterr().err
     assert config_from_dict(cohort(3, reward={"mode": "peers"})).reward.mode == "peers"
     assert config_from_dict(cohort(2, reward={"mode": "soft"})).reward.mode == "soft"
 

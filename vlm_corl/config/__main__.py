@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from vlm_corl.cli import positive_int
-from vlm_corl.config.loading import ConfigError, dump_config, load_config
+from vlm_corl.config.loading import ConfigError, config_warnings, dump_config, load_config
 from vlm_corl.config.parse import explain
 
 
@@ -42,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.file}: invalid cohort config ({n} problem{'s' * (n != 1)}):", file=sys.stderr)
         print("\n".join(f"  - {p}" for p in err.problems), file=sys.stderr)
         return 2
+    for warning in config_warnings(cfg):  # what train warns at start, said here too
+        print(f"warning: {warning}", file=sys.stderr)
     print(dump_config(cfg), end="")
     return 0
 

@@ -24,6 +24,7 @@ from vlm_corl.config.parse import (
     yaml_problem,
 )
 from vlm_corl.config.schema import PEER_MODES, CohortConfig, MemberConfig, custom_rewards, has_teachers
+from vlm_corl.config.templates import chat_template_variables
 from vlm_corl.errors import UserError
 from vlm_corl.members.adapter_files import base_model_dir, is_adapter_dir
 from vlm_corl.registry import BENCHMARKS, FAMILIES, LOADERS, REWARDS
@@ -146,6 +147,7 @@ def _model_problems(cfg: CohortConfig, i: int, m: MemberConfig, model: Path, pro
             f"encoder-decoder models in 0.10.2): set members[{i}].engine: hf for this member (the others may "
             "stay on vLLM)",
         )
+    _unread_template_kwargs(i, m, model, problems)
     smallest = min_image_pixels(model)
     if smallest is not None and cfg.data.max_image_pixels < smallest:
         problems.add(
@@ -185,6 +187,19 @@ def _setting_problems(cfg: CohortConfig, i: int, m: MemberConfig, problems: Prob
             f"{cfg.reward.answer_style!r} cannot read members[{i}] answers (prompt_style {m.prompt_style!r});"
             " use reward.answer_style=auto or match the prompt styles",
         )
+
+
+def _unread_template_kwargs(i: int, m: MemberConfig, model: Path, problems: Problems) -> None:
+    """A key of member `i`'s chat_template_kwargs that its model's chat template never reads (a misspelling has
+    no effect: the template renders as if it were not given)."""
+    read = chat_template_variables(model) if m.chat_template_kwargs else None
+    for key in (m.chat_template_kwargs or {}) if read is not None else ():
+        if key not in read:
+            problems.add(
+                f"members[{i}].chat_template_kwargs.{key}",
+                f"the chat template of {m.model} never reads {key!r}, so it changes nothing (the template "
+                f"reads: {', '.join(sorted(read))}); fix the spelling or remove it",
+            )
 
 
 def _template_kwargs_problems(i: int, m: MemberConfig, problems: Problems) -> None:
@@ -234,11 +249,15 @@ def _custom_problems(cfg: CohortConfig, problems: Problems) -> None:
         )
 
 
-def peers_of_two(cfg: CohortConfig) -> str | None:
-    """The warning a run of `peers` over two members gets (it is `ring`: each member's only peer labels it)."""
+def config_warnings(cfg: CohortConfig) -> list[str]:
+    """What a valid config runs as but likely does not mean: warned by `train` at start and by `corl config`
+    alike. `peers` over two members is `ring` (each member's only peer labels it)."""
+    warnings = []
     if cfg.reward.mode == "peers" and len(cfg.members) == 2:
-        return "reward.mode peers with 2 members equals ring (each member's only peer labels it); it runs as given"
-    return None
+        warnings.append(
+            "reward.mode peers with 2 members equals ring (each member's only peer labels it); it runs as given"
+        )
+    return warnings
 
 
 def _run_problems(cfg: CohortConfig, problems: Problems) -> None:

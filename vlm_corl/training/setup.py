@@ -9,6 +9,7 @@ import gc
 import importlib.util
 import logging
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from vlm_corl.cli import output_dir
 from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
-from vlm_corl.config.loading import config_to_dict, peers_of_two
+from vlm_corl.config.loading import config_to_dict, config_warnings
 from vlm_corl.config.resume_rules import changed_at_resume
 from vlm_corl.config.schema import DatasetConfig
 from vlm_corl.data.loaders import DataError, load_examples, loader_category
@@ -42,6 +43,7 @@ from vlm_corl.training.collapse import CollapseTracker
 from vlm_corl.training.guard import BEST_DIR, read_best
 from vlm_corl.training.metrics import MetricsSink
 from vlm_corl.training.numerics import NonFiniteTracker
+from vlm_corl.training.reward_funcs import RewardFunction, check_run_columns
 from vlm_corl.training.rewards import RewardSpec, resolve_reward
 from vlm_corl.training.slots import Slot, SlotSpec, build_slots, check_views, slot_specs
 from vlm_corl.training.trackers import start_trackers
@@ -81,9 +83,9 @@ class CohortRun:
     data: dict = field(default_factory=dict)  # the training data by content (checkpoint.data_fingerprint)
 
 
-def start_run(cfg: CohortConfig) -> CohortRun:
-    """Join the launch, place members on ranks, load data and this process's members, build their slots
-    (engines, renderers), and restore the newest checkpoint if resuming."""
+def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) -> CohortRun:
+    """Join the launch, place members on ranks, load data (and check `reward_funcs` against its columns) and this
+    process's members, build their slots (engines, renderers), and restore the newest checkpoint if resuming."""
     world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)
     placement = place_members(cfg.members, world.size)
     reward_spec = resolve_reward(cfg.reward)
@@ -107,6 +109,7 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         _claim_run_dir(cfg, run_dir, clear=world.is_main)
     check_disk(cfg, world, plan)  # output_dir (writable, cleared if overwritten) holds the checkpoints to come
     examples, data_report = _load_data(cfg, resume_from)
+    check_run_columns(reward_funcs, examples, log_it=world.is_main)  # before any model loads, not at step 1
     data = data_fingerprint(examples, cfg.data.train)  # the data by content: a resume on other data is refused
     if state is not None:
         check_resumed_data(state, run_dir, resume_from, data)  # before anything of the run is rewritten
@@ -118,8 +121,8 @@ def start_run(cfg: CohortConfig) -> CohortRun:
         if plan is not None:
             write_plan(plan, run_dir)
         log.info("placement over %d process(es): %s", world.size, describe(placement))
-        if peers_of_two(cfg):
-            log.warning(peers_of_two(cfg))
+        for warning in config_warnings(cfg):
+            log.warning(warning)
     torch.manual_seed(cfg.seed)
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
     specs = slot_specs(cfg.members, reward_spec.layout)
