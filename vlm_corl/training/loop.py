@@ -70,6 +70,7 @@ from vlm_corl.training.release import giving_back, launcher_stop_ignored, releas
 from vlm_corl.training.reward_funcs import (
     RewardFunction,
     add_function_rewards,
+    function_name,
     function_rewards,
     run_reward_functions,
 )
@@ -692,6 +693,8 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
     state = {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}
     state["config"] = config_to_dict(run.cfg)  # what the checkpoint means: a resume compares its own with it
     state["data"] = run.data  # what it trained on, by content: a resume compares it (checkpoint.check_resumed_data)
+    # the reward functions (reward.custom's and the API's, which config.yaml cannot hold): the model card names them
+    state["reward_functions"] = [{"function": function_name(f.fn), "weight": f.weight} for f in run.reward_funcs]
     save_checkpoint(run.world, run.run_dir, step, [(m, writers[m.id]) for m in models], state, run.cfg.train.keep_last)
 
 
