@@ -91,7 +91,7 @@ def test_config_mistakes_and_callbacks_without_events_are_refused_before_trainin
         CohortTrainer(cfg)
     with pytest.raises(ConfigError, match="rollout.temperature"):
         CohortTrainer(_config(tiny_zoo, tmp_path), overrides=["rollout.temperature=-1"])
-    with pytest.raises(TypeError, match="callback object has none of the methods on_train_begin"):
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]: object has none of the methods on_train_begin"):
         CohortTrainer(_config(tiny_zoo, tmp_path), callbacks=[object()])
 
 

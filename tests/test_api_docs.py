@@ -32,11 +32,12 @@ def _run(title: str) -> dict:
     return scope
 
 
-def test_the_docs_hold_the_three_examples():
+def test_the_docs_hold_the_four_examples():
     assert [name for name, _ in EXAMPLES] == [
         "A format-plus-peers reward",
         "A dataset from `datasets`, with renamed columns",
         "A callback that logs each member's agreement",
+        "A callback that stops the run early",
     ]
 
 
@@ -64,3 +65,16 @@ def test_the_callback_that_logs_agreement(demo_folder, capsys):
     scope = _run("A callback that logs each member's agreement")
     assert sorted(scope["log"].rows)[0][:2] == (1, "llama") and len(scope["log"].rows) == 4
     assert scope["summary"]["run_dir"] == "runs/api_example" and "step 2 qwen: agreement" in capsys.readouterr().out
+
+
+def test_the_callback_that_stops_the_run_early(demo_folder):
+    scope = _run("A callback that stops the run early")
+    summary = scope["summary"]
+    assert summary["steps"] == 1 and summary["stopped_by_callback"] == {
+        "callback": "TimeBudget",
+        "event": "on_step_end",
+        "step": 1,
+        "reason": "time budget of 0 s spent",
+    }
+    assert summary["checkpoint"] == "runs/api_budget/checkpoints/step-1"
+    assert sorted(r["step"] for r in metrics(demo_folder / "runs" / "api_budget")) == [1, 1]

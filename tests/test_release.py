@@ -67,12 +67,12 @@ def held(monkeypatch) -> dict[str, weakref.ref]:
     refs: dict[str, weakref.ref] = {}
     real = loop.start_run
 
-    def start_run(cfg):
+    def start_run(cfg, *args):
         # DeepSpeed's first import in a process (deepspeed 0.19.8, `deepspeed.utils.torch`) takes two references,
         # from C++, to the default process group alive then, which nothing gives back: only a group made after
         # that import can be seen to die (it is destroyed all the same: `_assert_given_back`).
         watch_world = "deepspeed.utils.torch" in sys.modules
-        run = real(cfg)
+        run = real(cfg, *args)
         n = sum(key.endswith(".renderer") for key in refs)  # a second run's slots get their own names
         for m in run.members:
             refs[f"{n}:{m.id}.model"] = weakref.ref(m.model)
@@ -243,8 +243,8 @@ def test_a_heap_the_engines_froze_is_unfrozen_once_they_are_built(tiny_zoo, tmp_
     monkeypatch.setattr(slots_module, "make_engine", freezing)
     started = loop.start_run
 
-    def start_run(cfg):
-        run = started(cfg)
+    def start_run(cfg, *args):
+        run = started(cfg, *args)
         frozen.append(gc.get_freeze_count())
         return run
 

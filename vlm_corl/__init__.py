@@ -12,7 +12,7 @@ if _shutil.which("nvidia-smi") is None:
     _os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-__all__ = ["CohortTrainer", "CallbackFailed", "RewardFunctionFailed", "__version__"]
+__all__ = ["CohortTrainer", "CallbackFailed", "RewardFunctionFailed", "StopTraining", "__version__"]
 
 
 def __getattr__(name: str):
@@ -22,8 +22,9 @@ def __getattr__(name: str):
     CohortTrainer: train a cohort (vlm_corl.api.CohortTrainer; docs/python-api.md).
     CallbackFailed: a user callback raised; the run stopped, its last checkpoint intact.
     RewardFunctionFailed: a reward function raised or returned something unusable; the step stopped.
+    StopTraining: returned (or raised) by a callback, ends the run cleanly after the current step.
     """
-    if name in ("CohortTrainer", "CallbackFailed", "RewardFunctionFailed"):
+    if name in ("CohortTrainer", "CallbackFailed", "RewardFunctionFailed", "StopTraining"):
         from vlm_corl import api
 
         return getattr(api, name)

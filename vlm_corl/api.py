@@ -16,10 +16,10 @@ from typing import Any
 from vlm_corl.config import CohortConfig, ConfigError, check_registered, config_from_dict, load_config
 from vlm_corl.config.loading import config_to_dict, read_raw_config, with_overrides
 from vlm_corl.config.schema import DatasetConfig
-from vlm_corl.training.callbacks import EVENTS, CallbackFailed, Callbacks
+from vlm_corl.training.callbacks import EVENTS, CallbackFailed, StopTraining, callback_list
 from vlm_corl.training.reward_funcs import RewardFunctionFailed, run_reward_functions
 
-__all__ = ["EVENTS", "CallbackFailed", "CohortTrainer", "RewardFunctionFailed"]
+__all__ = ["EVENTS", "CallbackFailed", "CohortTrainer", "RewardFunctionFailed", "StopTraining"]
 
 _DEFAULT_TRAIN = dataclasses.asdict(DatasetConfig())
 EVAL_DATASET = "eval_dataset"  # how evaluation rows and results name CohortTrainer's eval_dataset
@@ -37,14 +37,20 @@ class CohortTrainer:
         names others. Rows go through the loaders' checks: a bad row is skipped, counted and reported.
     eval_dataset: the same kinds, with answers; evaluated every `eval.every` steps beside `eval.benchmarks`
         (its rows are named "eval_dataset" in eval.jsonl). `columns` applies to both datasets.
-    reward_funcs: callables `fn(*, member, prompts, completions, answers, peer_answers, **columns)` returning one
-        float (or None: abstain) per completion; their values, weighted by `reward_weights` (default 1 each), are
-        added to the `reward.mode`'s reward (`reward.mode: none`: they are the whole reward). See
-        `vlm_corl.training.reward_funcs` for the arguments.
-    callbacks: objects with any of `on_train_begin()`, `on_step_end(step, metrics)` (one row per member, as in
-        metrics.jsonl), `on_evaluate(step, results)` (the in-loop evaluation's rows), `on_save(step, path)` (the
-        checkpoint directory) and `on_train_end(summary)`. They run on the main process (world rank 0). One that
-        raises stops the run on every rank with `CallbackFailed`, naming it; the last checkpoint stays intact.
+    reward_funcs: a callable `fn(*, member, prompts, completions, answers, peer_answers, **columns)` returning
+        one float (or None: abstain) per completion, an import string naming one as `reward.custom` does
+        ("my_pkg.rewards:score"), or a list mixing both; their values, weighted by `reward_weights` (one number
+        per function, a single number for a single function; default 1 each), are added to the `reward.mode`'s
+        reward (`reward.mode: none`: they are the whole reward). See `vlm_corl.training.reward_funcs` for the
+        arguments; a signature that cannot take the dataset's columns is refused before any model loads.
+    callbacks: an object, or a list of them, with any of `on_train_begin()`, `on_step_end(step, metrics)` (one
+        row per member, as in metrics.jsonl), `on_evaluate(step, results)` (the in-loop evaluation's rows),
+        `on_save(step, path)` (the checkpoint directory) and `on_train_end(summary)`. They run on the main process
+        (world rank 0). One that returns (or raises) `StopTraining(reason)` ends the run cleanly after that step
+        (final checkpoint, summary.json's `stopped_by_callback`); one that raises anything else stops the run on
+        every rank with `CallbackFailed`, naming it; the last checkpoint stays intact.
+
+    A mistake in any argument is a `ConfigError` naming it (`reward_funcs[1]`, `reward_weights`, `callbacks`).
 
     `train()` returns the run's summary (also in RUN/summary.json), with `run_dir`.
     """
@@ -54,9 +60,9 @@ class CohortTrainer:
         config: str | Path | dict[str, Any] | CohortConfig,
         train_dataset: object = None,
         eval_dataset: object = None,
-        reward_funcs: Sequence[Callable] | Callable | None = None,
-        reward_weights: Sequence[float] | None = None,
-        callbacks: Sequence[object] | None = None,
+        reward_funcs: Sequence[Callable | str] | Callable | str | None = None,
+        reward_weights: Sequence[float] | float | None = None,
+        callbacks: Sequence[object] | object | None = None,
         columns: Mapping[str, str] | None = None,
         overrides: Sequence[str] = (),
     ):
@@ -73,8 +79,7 @@ class CohortTrainer:
             self.config = config_from_dict(raw)
         check_registered(self.config)
         self.reward_funcs = run_reward_functions(self.config, reward_funcs, reward_weights)
-        self.callbacks = list(callbacks or [])
-        Callbacks(self.callbacks, is_main=True)  # a callback with no known method is a TypeError now, not later
+        self.callbacks = callback_list(callbacks)  # one object or a list; a wrong one is refused now, not later
 
     def train(self) -> dict:
         """Run the training to train.max_steps (resuming where train.resume says) and return the summary. Returned

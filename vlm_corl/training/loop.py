@@ -70,7 +70,6 @@ from vlm_corl.training.release import giving_back, launcher_stop_ignored, releas
 from vlm_corl.training.reward_funcs import (
     RewardFunction,
     add_function_rewards,
-    function_name,
     function_rewards,
     run_reward_functions,
 )
@@ -175,7 +174,7 @@ def _train_and_release(
     cfg: CohortConfig, callbacks: collections.abc.Sequence[object], reward_funcs: list[RewardFunction]
 ) -> dict:
     """`run_cohort`'s run from its start to its release (`release_run`), whether it returns or raises."""
-    run = start_run(cfg)
+    run = start_run(cfg, reward_funcs)
     timer, renders = PhaseTimer(run.world, run.start), RenderAhead(run)
     try:
         run.callbacks = Callbacks(callbacks, run.world.is_main)
@@ -238,12 +237,15 @@ def train_steps(run: CohortRun, timer: PhaseTimer, renders: RenderAhead) -> dict
     every, started = max(1, cfg.train.max_steps // 20), time.perf_counter()
     stopped = None
     run.callbacks.fire("on_train_begin", run.start)
-    run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
-    if cfg.eval.every and run.start == 0:  # the step-0 baseline of the eval-drop flag and the first best model
+    stop = run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))  # a callback's StopTraining
+    if cfg.eval.every and run.start == 0 and stop is None:  # the eval-drop flag's step-0 baseline, first best model
         with timer("eval"):
             eval_phase(run, 0)
+        stop = run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
     teachers = {spec.id for spec in run.specs if spec.teacher}
     for step in bar:
+        if stop is not None:  # asked for before the first step: none runs
+            break
         step_start = time.perf_counter()
         timer.start_step(step)
         rows, warnings = step_phases(run, step, timer, renders)
@@ -268,14 +270,20 @@ def train_steps(run: CohortRun, timer: PhaseTimer, renders: RenderAhead) -> dict
             times["time_step"] = time.perf_counter() - step_start  # everything but this write
             run.sink.write([{**row, **times} for row in rows])
         run.callbacks.fire("on_step_end", step + 1, step + 1, rows)
-        run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
+        stop = run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
         run.nonfinite.observe(step + 1, run.updates, latest_checkpoint(run.run_dir), run.world.is_main)
         stopped = guard_phase(run, warnings)
         if stopped is not None:
             break
+        if stop is not None:  # a callback's clean stop: the run ends here as at train.max_steps, checkpoint included
+            if cfg.train.save_last and not save_due(cfg.train, step + 1):
+                with timer("checkpoint"):
+                    checkpoint_phase(run, step + 1, rows)
+                run.callbacks.fire("on_save", step + 1, step + 1, latest_checkpoint(run.run_dir))
+            break
     renders.close()
-    summary = finish_run(run, stopped)
-    run.callbacks.fire("on_train_end", cfg.train.max_steps, summary)
+    summary = finish_run(run, stopped, stop)
+    run.callbacks.fire("on_train_end", cfg.train.max_steps if stop is None else stop["step"], summary)
     run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
     if stopped is not None:
         raise CollapseStopped(stopped["message"])
@@ -693,8 +701,6 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
     state = {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}
     state["config"] = config_to_dict(run.cfg)  # what the checkpoint means: a resume compares its own with it
     state["data"] = run.data  # what it trained on, by content: a resume compares it (checkpoint.check_resumed_data)
-    # the reward functions (reward.custom's and the API's, which config.yaml cannot hold): the model card names them
-    state["reward_functions"] = [{"function": function_name(f.fn), "weight": f.weight} for f in run.reward_funcs]
     save_checkpoint(run.world, run.run_dir, step, [(m, writers[m.id]) for m in models], state, run.cfg.train.keep_last)
 
 

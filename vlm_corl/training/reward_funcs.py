@@ -13,9 +13,14 @@ called once per trained member and step, with one entry per completion of that m
 - `**columns`: the dataset's other columns (those every example of the step has), one value per completion.
 The gold answer is never passed: rewards stay label-free (`reward.mode: gt` is the reference that reads it).
 
-It returns one number per completion; None abstains (adds nothing). A function that raises, returns the wrong
-length or anything but numbers stops the step on every rank with `RewardFunctionFailed` naming the function and
-the member; the last checkpoint stays as it was (the reward phase comes before the update).
+It returns one number per completion (a 0-d tensor counts as one); None abstains (adds nothing). A function that
+raises, returns the wrong length, anything but numbers, or a number that is not finite (NaN and infinities are
+errors, never abstentions) stops the step on every rank with `RewardFunctionFailed` naming the function and the
+member; the last checkpoint stays as it was (the reward phase comes before the update).
+
+Before any model loads, each function's signature is checked against the columns the run's data passes
+(`check_columns`): a column it cannot take, or a parameter it requires that no call gives, is a ConfigError
+naming the function, not a failure at step 1.
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ import inspect
 import logging
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vlm_corl.config import ConfigError
+from vlm_corl.config.loading import CUSTOM_NAME
 from vlm_corl.config.schema import custom_rewards
 from vlm_corl.errors import UserError, brief
-from vlm_corl.registry import REWARDS
+from vlm_corl.registry import REWARDS, UnknownNameError
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import CohortConfig
@@ -57,6 +64,7 @@ class RewardFunction:
     fn: Callable[..., Sequence[Any]]
     name: str
     weight: float = 1.0
+    origin: str = "reward_funcs"  # where the user gave it (reward.custom[0], reward_funcs[1]): messages name it
 
 
 def contract_problem(fn: object) -> str | None:
@@ -100,8 +108,11 @@ def metric_name(fn: object, taken: set[str]) -> str:
     return name
 
 
-def reward_functions(fns: Sequence[Callable], weights: Sequence[float] | None) -> list[RewardFunction]:
-    """`fns` with their weights (default 1 each) and metric names; ValueError naming what does not fit."""
+def reward_functions(
+    fns: Sequence[Callable], weights: Sequence[float] | None, origins: Sequence[str] | None = None
+) -> list[RewardFunction]:
+    """`fns` with their weights (default 1 each), metric names and origins (where the user gave each; default
+    reward_funcs[i]); ValueError naming what does not fit."""
     if weights is not None and len(weights) != len(fns):
         raise ValueError(f"{len(weights)} reward weight(s) for {len(fns)} reward function(s); give one per function")
     out: list[RewardFunction] = []
@@ -110,12 +121,94 @@ def reward_functions(fns: Sequence[Callable], weights: Sequence[float] | None) -
         problem = contract_problem(fn)
         if problem:
             raise ValueError(problem)
-        weight = 1.0 if weights is None else weights[i]
-        if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
-            raise ValueError(f"reward weight {weight!r} of {function_name(fn)} is not a finite number")
-        out.append(RewardFunction(fn, metric_name(fn, taken), float(weight)))
+        weight = 1.0 if weights is None else _number(weights[i], allow_bool=False)
+        if weight is None:
+            raise ValueError(f"reward weight {weights[i]!r} of {function_name(fn)} is not a finite number")
+        origin = origins[i] if origins is not None else f"reward_funcs[{i}]"
+        out.append(RewardFunction(fn, metric_name(fn, taken), weight, origin))
         taken.add(out[-1].name)
     return out
+
+
+def _is_scalar_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _number(value: object, allow_bool: bool = True) -> float | None:
+    """`value` as a finite float (a real number, or a 0-d tensor holding one), or None when it is not one: NaN,
+    an infinity, an integer too large for a float, a bool where one is not allowed, anything else."""
+    if _is_scalar_tensor(value) and not value.is_complex():
+        value = value.item()
+    if not isinstance(value, numbers.Real) or (isinstance(value, bool) and not allow_bool):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, TypeError, ValueError):  # 10**400, or a Real subclass that cannot be converted
+        return None
+    return number if math.isfinite(number) else None
+
+
+def check_columns(funcs: Sequence[RewardFunction], examples: Sequence[Example]) -> list[str]:
+    """Why a function cannot be called with the columns `examples` pass (`call_arguments`: a column is passed
+    at a step whose every example has it), one line per function that cannot, checked before any model loads: a
+    function without **kwargs must take every column that may be passed, and a parameter it requires (no
+    default) must be a contract argument or a column every example has."""
+    rows = Counter(key for ex in examples for key in ex.metadata if key not in ARGUMENTS)  # column -> rows with it
+    always = {key for key, n in rows.items() if n == len(examples)}
+    some = set(rows) - always
+    problems = []
+    for f in funcs:
+        try:
+            params = list(inspect.signature(f.fn).parameters.values())
+        except (TypeError, ValueError):
+            continue  # a builtin or C callable: found out at the first call
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+        named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        required = [
+            p.name
+            for p in params
+            if p.default is p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ARGUMENTS
+        ]
+        said = []
+        for column in [] if takes_any else sorted((always | some) - named):
+            passed = "every call" if column in always else "every call whose questions all have it"
+            said.append(
+                f"does not take the dataset's column {column!r}, which {passed} passes as a keyword argument: "
+                f"add a parameter {column}, or **kwargs"
+            )
+        for name in required:
+            if name in some:
+                said.append(
+                    f"requires {name}, a column only some rows have ({rows[name]} of {len(examples)}): give it a "
+                    "default, or give every row the column"
+                )
+            elif name not in always:
+                columns = ", ".join(sorted(always | some)) or "none"
+                said.append(
+                    f"requires {name}, which is no reward-function argument and no column of the dataset "
+                    f"(columns: {columns}): give it a default, or add the column"
+                )
+        if said:
+            problems.append(f"{function_name(f.fn)} " + "; it ".join(said))
+    return problems
+
+
+def check_run_columns(funcs: Sequence[RewardFunction], examples: Sequence[Example], log_it: bool = False) -> None:
+    """`check_columns` as a ConfigError naming each function where the user gave it (reward.custom[i],
+    reward_funcs[i]); with `log_it`, a warning for each column that a contract argument of the same name hides
+    from the functions (it is never passed)."""
+    if not funcs:
+        return
+    problems = [(f.origin, problem) for f in funcs for problem in check_columns([f], examples)]
+    if problems:
+        raise ConfigError([f"{origin}: {problem}" for origin, problem in problems], [o for o, _ in problems])
+    hidden = sorted({key for ex in examples for key in ex.metadata if key in ARGUMENTS})
+    if hidden and log_it:
+        log.warning(
+            "the dataset's column(s) %s are not passed to the reward functions: the reward-function argument(s) "
+            "of the same name take their place; rename the column(s) to pass them",
+            ", ".join(hidden),
+        )
 
 
 def call_arguments(
@@ -142,20 +235,24 @@ def checked_values(values: Any, expected: int, where: str) -> list[float]:
     """A function's return as floats (NaN = abstained); RewardFunctionFailed text when it is unusable."""
     if isinstance(values, torch.Tensor):
         values = values.tolist()
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise RewardFunctionFailed(f"{where} returned {type(values).__name__}, not a list of numbers")
     try:
-        values = list(values)
-    except TypeError:
-        raise RewardFunctionFailed(f"{where} returned {type(values).__name__}, not a list of numbers") from None
+        values = list(values)  # a generator runs the user's code here: its failure is named like a raise
+    except Exception as err:  # noqa: BLE001 - the user's code: named, with its traceback in the log
+        log.exception("%s raised while its values were read", where)
+        raise RewardFunctionFailed(
+            f"{where} raised {brief(err)} while its values were read (traceback in the run log)"
+        ) from err
     if len(values) != expected:
         raise RewardFunctionFailed(f"{where} returned {len(values)} values for {expected} completions")
     out = []
     for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)
-        elif isinstance(v, numbers.Real) and math.isfinite(float(v)):
-            out.append(float(v))
-        else:
-            raise RewardFunctionFailed(f"{where} returned {v!r} at position {i}: expected a finite number or None")
+        number = math.nan if v is None else _number(v)
+        if number is None:  # NaN and infinities too: only None abstains, so a broken score is never a silent 0
+            shown = "an integer too large for a float" if isinstance(v, int) and not isinstance(v, bool) else repr(v)
+            raise RewardFunctionFailed(f"{where} returned {shown} at position {i}: expected a finite number or None")
+        out.append(number)
     return out
 
 
@@ -220,31 +317,25 @@ def add_function_rewards(scored: RewardOutput, values: dict[str, torch.Tensor], 
     return replace(scored, rewards=total, parts={**scored.parts, **values})
 
 
-def run_reward_functions(cfg: CohortConfig, fns=None, weights: Sequence[float] | None = None) -> list[RewardFunction]:
+def run_reward_functions(cfg: CohortConfig, fns=None, weights=None) -> list[RewardFunction]:
     """The run's reward functions: reward.custom's (weights: reward.weights), then `fns` (CohortTrainer's
-    reward_funcs; weights: `weights`), checked against the contract; ConfigError for what does not fit, and for
-    reward.mode none without any function."""
-
-    if callable(fns):
-        fns = [fns]
-    fns = list(fns or [])
-    if weights is not None and len(weights) != len(fns):
-        raise ConfigError(
-            [f"reward_weights: {len(weights)} weight(s) for {len(fns)} reward function(s); give one per function"],
-            ["reward_weights"],
-        )
+    reward_funcs: a callable, an import string as reward.custom takes, or a list of them; weights:
+    `weights`, one number per function, or a single number for a single function), checked against the
+    contract; a ConfigError naming each argument that does not fit, and reward.mode none without any function."""
+    problems: list[tuple[str, str]] = []
+    api = _api_functions(fns, problems)
+    api_weights = _api_weights(weights, len(api), problems)
     named = [REWARDS.get(name) for name in custom_rewards(cfg)]
     single = isinstance(cfg.reward.custom, str)
-    wrong = [
-        (("reward.custom" if single else f"reward.custom[{i}]"), problem)
-        for i, fn in enumerate(named)
-        if (problem := contract_problem(fn))
-    ]
-    if wrong:
-        raise ConfigError([f"{path}: {problem}" for path, problem in wrong], [path for path, _ in wrong])
-    yaml_weights = cfg.reward.weights or [1.0] * len(named)
-    api_weights = list(weights) if weights is not None else [1.0] * len(fns)
-    if cfg.reward.mode == "none" and not (named or fns):
+    yaml = [("reward.custom" if single else f"reward.custom[{i}]", fn) for i, fn in enumerate(named)]
+    problems += [(path, problem) for path, fn in [*yaml, *api] if (problem := contract_problem(fn))]
+    yaml_weights = list(cfg.reward.weights or [1.0] * len(named))
+    for i, w in enumerate(yaml_weights):
+        if _number(w, allow_bool=False) is None:
+            problems.append((f"reward.weights[{i}]", f"{w!r} is not a finite number"))
+    if problems:
+        raise ConfigError([f"{path}: {problem}" for path, problem in problems], [path for path, _ in problems])
+    if cfg.reward.mode == "none" and not (named or api):
         raise ConfigError(
             [
                 "reward.mode: none means only the reward functions, and none is given: add reward.custom or "
@@ -252,7 +343,67 @@ def run_reward_functions(cfg: CohortConfig, fns=None, weights: Sequence[float] |
             ],
             ["reward.mode"],
         )
-    try:
-        return reward_functions(named + fns, yaml_weights + api_weights)
-    except ValueError as err:
-        raise ConfigError([f"reward_funcs: {err}"], ["reward_funcs"]) from None
+    pairs = [*yaml, *api]
+    return reward_functions([fn for _, fn in pairs], yaml_weights + api_weights, [path for path, _ in pairs])
+
+
+def _api_functions(fns: object, problems: list[tuple[str, str]]) -> list[tuple[str, Callable]]:
+    """CohortTrainer's reward_funcs as (where given, function): one callable or import string is one function
+    (a string is never iterated letter by letter); a list may mix both. Problems are added, named."""
+    if fns is None:
+        return []
+    if isinstance(fns, str) or callable(fns):
+        given = [("reward_funcs", fns)]
+    elif isinstance(fns, (bytes, Mapping)) or not isinstance(fns, Iterable):
+        kind = "a dict" if isinstance(fns, Mapping) else repr(fns)
+        problems.append(("reward_funcs", f"{kind} is neither a reward function nor a list of them"))
+        return []
+    else:
+        given = [(f"reward_funcs[{i}]", fn) for i, fn in enumerate(fns)]
+    out = []
+    for path, fn in given:
+        if isinstance(fn, str):
+            if not CUSTOM_NAME.fullmatch(fn):  # reward.custom's rule, and its words
+                problems.append((path, f"{fn!r} is not valid; expected module:function, e.g. my_pkg.rewards:score"))
+                continue
+            try:
+                fn = REWARDS.get(fn)
+            except Exception as err:  # noqa: BLE001 - a typo, or the user's module failing as it is imported
+                said = str(err) if isinstance(err, UnknownNameError) else f"cannot load rewards {fn!r}: {brief(err)}"
+                problems.append((path, said))
+                continue
+        elif not callable(fn):
+            problems.append((path, f"{fn!r} is neither a callable nor an import string 'module:function'"))
+            continue
+        out.append((path, fn))
+    return out
+
+
+def _api_weights(weights: object, n: int, problems: list[tuple[str, str]]) -> list[float]:
+    """CohortTrainer's reward_weights for its `n` functions: None (1 each), one number per function, or a single
+    number for a single function. Problems are added, named."""
+    if weights is None:
+        return [1.0] * n
+    if isinstance(weights, numbers.Real) and not isinstance(weights, bool) or _is_scalar_tensor(weights):
+        weight = _number(weights, allow_bool=False)
+        if weight is None:
+            problems.append(("reward_weights", f"{weights!r} is not a finite number"))
+        elif n != 1:
+            problems.append(
+                ("reward_weights", f"one weight for {n} reward functions; give a list of {n}, one per function")
+            )
+        return [1.0] * n if weight is None or n != 1 else [weight]
+    if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Iterable):
+        problems.append(("reward_weights", f"{weights!r} is neither a number nor a list of numbers"))
+        return [1.0] * n
+    given = list(weights)
+    if len(given) != n:
+        problems.append(("reward_weights", f"{len(given)} weight(s) for {n} reward function(s); give one per function"))
+        return [1.0] * n
+    out = []
+    for i, w in enumerate(given):
+        weight = _number(w, allow_bool=False)
+        if weight is None:
+            problems.append((f"reward_weights[{i}]", f"{w!r} is not a finite number"))
+        out.append(1.0 if weight is None else weight)
+    return out

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from vlm_corl.training.setup import CohortRun
 
 
-def finish_run(run: CohortRun, stopped: dict | None) -> dict:
+def finish_run(run: CohortRun, stopped: dict | None, stop: dict | None = None) -> dict:
     """The run's summary (written by rank 0 to summary.json): last metrics per member, collapse warnings, the
-    guard's stop, best models, data records kept and skipped, and the environment."""
+    guard's stop, a callback's stop (`stop`: {callback, event, step, reason}; `steps` is then the step the run
+    ended at), best models, data records kept and skipped, and the environment."""
     fallbacks = {
         sid: n
         for part in run.world.all_gather({s.id: s.renderer.view_fallbacks for s in run.slots})
@@ -32,6 +33,9 @@ def finish_run(run: CohortRun, stopped: dict | None) -> dict:
     if run.cfg.eval.max_category_drop:
         summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
     summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning")}
+    summary["stopped_by_callback"] = stop
+    if stop is not None:  # a clean early end: the steps trained, not the ones train.max_steps asked for
+        summary["steps"] = stop["step"]
     summary["best"] = run.best or None
     summary["nonfinite_skipped"] = run.nonfinite.total  # optimizer steps the numerical guard skipped, per member
     report = run.data_report
