@@ -89,6 +89,10 @@ def test_the_page_shows_plots_text_as_text_a_working_filter_and_asks_for_nothing
         == 0
     )
     assert browser.evaluate("typeof window.pwned") == "undefined"
+    # the question's picture, in the page once (a CSS class) and drawn in each of its 12 rows
+    drawn = browser.evaluate("Array.from(document.querySelectorAll('#completions-table .pic')).map(d => "
+                             "getComputedStyle(d).backgroundImage.slice(0, 26) + ' ' + d.offsetWidth)")  # fmt: skip
+    assert drawn == ['url("data:image/png;base64 64'] * 12
     assert "in category shape at step 9" in browser.evaluate("document.getElementById('categories').textContent")
     matrix = browser.evaluate("Array.from(document.querySelectorAll('.matrix td')).map(td => td.textContent)")
     assert matrix == ["1.00", "0.86", "0.86", "1.00"]

@@ -29,11 +29,22 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_corl.report_md import render_report
     from vlm_corl.run_plots import load_run
 
-    runs = [load_run(d) for d in args.run_dirs]  # every directory checked before anything is written
+    runs = [load_run(d) for d in _distinct(args.run_dirs)]  # every directory checked before anything is written
     report = render_report(args.run_dirs[0], args.out, args.smooth)
     print(report)
     print(render_html(runs, report.parent / "report.html", args.smooth))
     return 0
+
+
+def _distinct(run_dirs: list[Path]) -> list[Path]:
+    """The run directories, each once: one given again (the same directory by another path too) would draw every
+    line and table row twice; a warning names it."""
+    seen: dict[Path, Path] = {}
+    for run_dir in run_dirs:
+        first = seen.setdefault(run_dir.resolve(), run_dir)
+        if first is not run_dir:
+            print(f"[report] {run_dir} given twice (the same directory as {first}): reported once", file=sys.stderr)
+    return list(seen.values())
 
 
 if __name__ == "__main__":

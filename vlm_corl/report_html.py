@@ -1,10 +1,12 @@
 """report.html: one self-contained page for one run or several overlaid (`corl report RUN [RUN2 ...]`).
 
-The page needs nothing outside itself: plots are inline SVG (matplotlib), question pictures inline data URIs,
-and the little JavaScript that filters and sorts the completions table is embedded; a Content-Security-Policy
-forbids every request (no fonts, scripts or images are fetched). Every text from a run (model output,
-questions, member ids) is HTML-escaped where the page is written: model output such as `<answer>x</answer>`
-or `<script>` shows as text. The table's filters are also read from the address (`report.html#member=q&step=3`),
+The page needs nothing outside itself: plots are inline SVG (matplotlib), question pictures inline data URIs
+(each picture once, as a CSS class its rows share), and the little JavaScript that filters and sorts the
+completions table is embedded; a Content-Security-Policy forbids every request (no fonts, scripts or images are
+fetched). Every text from a run (model output, questions, member ids) is HTML-escaped where the page is written:
+model output such as `<answer>x</answer>` or `<script>` shows as text. Each text is written once, a prompt or
+response cut at MAX_TEXT_CHARS (with a note), and the table keeps its newest rows within MAX_COMPLETIONS rows
+and MAX_TABLE_BYTES. The table's filters are also read from the address (`report.html#member=q&step=3`),
 so a filtered view can be linked.
 
 Sections: the runs; per-member curves of reward, agreement, pseudo-label accuracy and answer accuracy (one line
@@ -30,6 +32,7 @@ from vlm_corl.run_plots import (
     by_member,
     category_figure,
     category_lines,
+    clean_text,
     eval_category_lines,
     eval_lines,
     mark_flags,
@@ -39,6 +42,7 @@ from vlm_corl.run_plots import (
 )
 from vlm_corl.training.collapse import collapse_warnings, describe
 from vlm_corl.training.metrics import PAIR_PREFIX
+from vlm_corl.training.samples import MAX_TEXT_CHARS, cut_text
 
 CURVES = (
     ("reward_mean", "Reward"),
@@ -47,6 +51,7 @@ CURVES = (
     ("answer_acc", "Answer accuracy (gold, diagnostic)"),
 )
 MAX_COMPLETIONS = 3000  # table rows (one per response), the newest kept: a long run's page stays light
+MAX_TABLE_BYTES = 10_000_000  # the table's rows and pictures, the newest kept (20 MB of responses made a 40 MB page)
 MAX_PICTURE_BYTES = 200_000  # larger question pictures are named, not embedded
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
@@ -55,27 +60,35 @@ CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 
 def render_html(runs: Sequence[RunData], out: Path, smooth: int = 5) -> Path:
     """Write `out` (report.html) for `runs` (one, or several overlaid; labels are the run directories' names)."""
     names = _names(runs)
+    completions, pictures = _completions(runs, names)
     sections = [
         _header(runs, names),
         _curves(runs, names, smooth),
         _evaluation(runs, names),
         _categories(runs, names),
         _agreement(runs, names),
-        _completions(runs, names),
+        completions,
     ]
     title = "Co-RL report: " + ", ".join(names)
     page = PAGE.format(
-        csp=CSP, title=html.escape(title), body="\n".join(s for s in sections if s), style=STYLE, script=SCRIPT
+        csp=CSP,
+        title=html.escape(title),
+        body="\n".join(s for s in sections if s),
+        style=STYLE + pictures,
+        script=SCRIPT,
     )
     out = Path(out)
-    out.write_text(page, encoding="utf-8")
+    out.write_text(clean_text(page), encoding="utf-8")  # a directory name that is not UTF-8 is replaced, too
     return out
 
 
 def _names(runs: Sequence[RunData]) -> list[str]:
-    names = [r.run_dir.resolve().name for r in runs]
-    if len(set(names)) < len(names):  # same leaf names: the parent tells them apart
-        names = [f"{r.run_dir.resolve().parent.name}/{r.run_dir.resolve().name}" for r in runs]
+    """Each run's label: its directory's name, with as many parent directories as the runs need to differ."""
+    parts = [r.run_dir.resolve().parts for r in runs]
+    for depth in range(1, max(map(len, parts)) + 1):
+        names = [Path(*p[-depth:]).as_posix() for p in parts]
+        if len(set(names)) == len(names):
+            break
     return names
 
 
@@ -225,50 +238,79 @@ def _agreement(runs, names) -> str:
     return f'<section id="agreement"><h2>Member x member agreement</h2><p>{note}</p>{"".join(parts)}</section>'
 
 
-def _picture(path: str | None) -> str:
-    if not path:
-        return ""
-    file = Path(path)
-    if not file.is_file() or file.stat().st_size > MAX_PICTURE_BYTES:
-        return f'<div class="muted">{html.escape(file.name)}</div>'
-    kind = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".gif": "gif", ".webp": "webp"}.get(file.suffix.lower())
-    if kind is None:
-        return f'<div class="muted">{html.escape(file.name)}</div>'
+PICTURE_KINDS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".gif": "gif", ".webp": "webp"}
+
+
+def _embeddable(path: str | None) -> Path | None:
+    """The sampled question's picture file when the page can hold it (a picture of at most MAX_PICTURE_BYTES)."""
+    file = Path(path) if path else None
+    if file is None or file.suffix.lower() not in PICTURE_KINDS or not file.is_file():
+        return None
+    return file if file.stat().st_size <= MAX_PICTURE_BYTES else None
+
+
+def _picture_rule(file: Path, name: str) -> str:
+    """A CSS class drawing `file`: each picture is in the page once, however many rows show it."""
     data = base64.b64encode(file.read_bytes()).decode()
-    return f'<img alt="" src="data:image/{kind};base64,{data}">'
+    return f".{name} {{ background-image: url(data:image/{PICTURE_KINDS[file.suffix.lower()]};base64,{data}); }}\n"
 
 
-def _completions(runs, names) -> str:
-    rows, members, steps = [], set(), set()
+def _text_cell(text: str, kind: str) -> str:
+    """A prompt or response, cut at MAX_TEXT_CHARS with a note saying how much more there was."""
+    shown, left = cut_text(text)
+    note = f'<div class="muted">… {left:,} more characters (samples.jsonl holds them)</div>' if left else ""
+    return f'<div class="text {kind}">{html.escape(shown)}</div>{note}'
+
+
+def _completions(runs, names) -> tuple[str, str]:
+    """The completions section and the CSS of its pictures. Rows are kept newest first up to MAX_COMPLETIONS
+    rows and MAX_TABLE_BYTES of rows and pictures; each text is written once (a sort reads the cell's text)."""
+    built = []  # (row, its member label, its step, its picture file or None), oldest first
+    classes: dict[Path, str] = {}
     for i, run in enumerate(runs):
         for sample in read_jsonl(run.run_dir / "samples.jsonl"):
-            picture = _picture(sample.get("image"))
+            file, picture = _embeddable(sample.get("image")), ""
+            if file is not None:
+                picture = f'<div class="pic {classes.setdefault(file, f"pic{len(classes)}")}"></div>'
+            elif sample.get("image"):  # too large or not a picture: named
+                picture = f'<div class="muted">{html.escape(Path(sample["image"]).name)}</div>'
             for mid, m in sample["members"].items():
                 label = _label(names, i, mid)
-                members.add(label)
-                steps.add(sample["step"])
-                prompt = m.get("prompt", sample["question"])
+                prompt = picture + _text_cell(m.get("prompt", sample["question"]), "prompt")
                 source = ", ".join(m.get("label_from") or []) or "nobody"
                 for k, text in enumerate(m["responses"]):
                     reward, advantage = m["rewards"][k], m["advantages"][k]
                     cells = [
                         (sample["step"], str(sample["step"])),
-                        (label, html.escape(label)),
-                        (prompt, picture + f"<div class=\"text prompt\">{html.escape(prompt)}</div>"),
-                        (text, f'<div class="text response">{html.escape(text)}</div>'),
-                        (str(m["answers"][k]), html.escape(str(m["answers"][k]))),
-                        (str(m["vote"]), html.escape(str(m["vote"]))),
+                        (None, html.escape(label)),
+                        (None, prompt),
+                        (None, _text_cell(text, "response")),
+                        (None, html.escape(str(m["answers"][k]))),
+                        (None, html.escape(str(m["vote"]))),
                         (str(m["label"]), f"{html.escape(str(m['label']))} <span class=\"muted\">from "
                                           f"{html.escape(source)}</span>"),
                         (reward, f"{reward:.3f}"),
                         (advantage, f"{advantage:+.3f}"),
                     ]  # fmt: skip
-                    tds = "".join(f'<td data-v="{html.escape(str(v))}">{shown}</td>' for v, shown in cells)
-                    rows.append(f'<tr data-member="{html.escape(label)}" data-step="{sample["step"]}">{tds}</tr>')
-    if not rows:
-        return ""
-    dropped = max(0, len(rows) - MAX_COMPLETIONS)
-    rows = rows[-MAX_COMPLETIONS:]
+                    tds = "".join(
+                        (f'<td data-v="{html.escape(str(v))}">' if v is not None else "<td>") + f"{shown}</td>"
+                        for v, shown in cells
+                    )
+                    row = f'<tr data-member="{html.escape(label)}" data-step="{sample["step"]}">{tds}</tr>'
+                    built.append((row, label, sample["step"], file))
+    if not built:
+        return "", ""
+    kept, rules, size = [], {}, 0
+    for row, label, step, file in reversed(built):
+        rule = "" if file is None or file in rules else _picture_rule(file, classes[file])
+        cost = len(row.encode()) + len(rule.encode())
+        if len(kept) == MAX_COMPLETIONS or size + cost > MAX_TABLE_BYTES:
+            break
+        kept.append((row, label, step))
+        size += cost
+        if rule:
+            rules[file] = rule
+    kept.reverse()
     options = lambda values: "".join(  # noqa: E731
         f'<option value="{html.escape(str(v))}">{html.escape(str(v))}</option>' for v in values
     )
@@ -278,18 +320,27 @@ def _completions(runs, names) -> str:
         f'<th data-col="{j}" data-numeric="{int(h in numeric)}" title="click to sort">{h}</th>'
         for j, h in enumerate(heads)
     )
-    more = f" The oldest {dropped} rows are left out." if dropped else ""
-    return (
+    dropped = len(built) - len(kept)
+    more = (
+        f" The oldest {dropped} rows are left out (the table holds at most {MAX_COMPLETIONS:,} rows and "
+        f"{MAX_TABLE_BYTES / 1e6:g} MB; samples.jsonl has them all)."
+        if dropped
+        else ""
+    )
+    section = (
         '<section id="completions"><h2>Completions</h2>'
         f"<p>Every response of the sampled questions (logging.samples_every): one row per response.{more} "
+        f"A prompt or response longer than {MAX_TEXT_CHARS:,} characters is cut. "
         'Click a column to sort; filter by member and step.</p><div class="filters">'
-        f'<label>member <select id="member-filter"><option value="">all</option>{options(sorted(members))}'
-        "</select></label> "
-        f'<label>step <select id="step-filter"><option value="">all</option>{options(sorted(steps))}</select>'
+        f'<label>member <select id="member-filter"><option value="">all</option>'
+        f"{options(sorted({label for _, label, _ in kept}))}</select></label> "
+        f'<label>step <select id="step-filter"><option value="">all</option>'
+        f"{options(sorted({step for _, _, step in kept}))}</select>"
         '</label> <span id="shown"></span></div>'
-        f'<table class="grid" id="completions-table"><thead><tr>{header}</tr></thead><tbody>{"".join(rows)}'
-        "</tbody></table></section>"
+        f'<table class="grid" id="completions-table"><thead><tr>{header}</tr></thead><tbody>'
+        f"{''.join(row for row, _, _ in kept)}</tbody></table></section>"
     )
+    return section, "".join(rules.values())
 
 
 STYLE = """
@@ -305,7 +356,7 @@ table.grid th { background: #f3f3f3; }
 .response { max-width: 30em; }
 .prompt { min-width: 18em; }  /* else the table squeezes a long instruction to a word per line */
 .muted { color: #777; font-size: 12px; }
-img { image-rendering: pixelated; width: 64px; height: auto; display: block; }
+.pic { image-rendering: pixelated; width: 64px; height: 64px; background: no-repeat center / contain; }
 .filters { margin: .5em 0; } #shown { color: #555; margin-left: 1em; }
 """
 
@@ -329,7 +380,10 @@ function setFilter(name, value) {
 function sortBy(col, numeric, descending) {
   const body = document.querySelector('#completions-table tbody');
   const rows = Array.from(body.rows);
-  const key = tr => tr.cells[col].dataset.v;
+  const key = tr => {  // a text is in the page once: sorting reads the cell's text, its data-v where it has one
+    const cell = tr.cells[col];
+    return cell.dataset.v ?? (cell.querySelector('.text') || cell).textContent;
+  };
   rows.sort((a, b) => {
     const x = numeric ? parseFloat(key(a)) : key(a), y = numeric ? parseFloat(key(b)) : key(b);
     return (x < y ? -1 : x > y ? 1 : 0) * (descending ? -1 : 1);

@@ -13,6 +13,8 @@ The reading and plotting functions are in vlm_corl.run_plots.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +30,7 @@ from vlm_corl.run_plots import (
     by_member,
     category_figure,
     category_lines,
+    clean_text,
     edge_window,
     eval_category_lines,
     eval_lines,
@@ -39,7 +42,7 @@ from vlm_corl.run_plots import (
     read_jsonl,
 )
 from vlm_corl.training.collapse import collapse_warnings, describe
-from vlm_corl.training.samples import sample_markdown
+from vlm_corl.training.samples import markdown_text, sample_markdown
 
 # (file stem, figure title, keys drawn side by side, cohort-level: one line instead of one per slot)
 RUN_PLOTS = (
@@ -173,7 +176,7 @@ def collapse_section(run) -> tuple[list[str], str]:
     if warnings:
         md += [
             f"- **{w['slot']}**"
-            + (f" in category {w['category']!r}" if w.get("category") is not None else "")
+            + (f" in category {markdown_text(repr(w['category']))}" if w.get("category") is not None else "")
             + f" at step {w['step']}: {describe(w)}"
             for w in warnings
         ]
@@ -233,7 +236,7 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
     if samples is not None:
         md += ["", "## What the members answered", "", f"[{samples.name}]({samples.name}): the sampled questions"]
     report = out / "report.md"
-    report.write_text("\n".join(md) + "\n")
+    report.write_text(clean_text("\n".join(md) + "\n"), encoding="utf-8")
     return report
 
 
@@ -254,10 +257,19 @@ def render_samples(run_dir: Path, out: Path, last: int = 50) -> Path | None:
         source = Path(row["image"]) if row.get("image") else None
         if source is not None and source.is_file():
             pictures.mkdir(parents=True, exist_ok=True)
-            target = pictures / f"{row['example_id']}{source.suffix}"
+            target = pictures / picture_name(row["example_id"], source.suffix)
             shutil.copyfile(source, target)
             image = target.relative_to(out).as_posix()
         md += ["", "---", "", sample_markdown(row, image)]
     page = out / "samples.md"
-    page.write_text("\n".join(md) + "\n")
+    page.write_text(clean_text("\n".join(md) + "\n"), encoding="utf-8")
     return page
+
+
+def picture_name(example_id: str, suffix: str) -> str:
+    """The file name of an example's picture beside samples.md: the id's letters, digits, `.`, `_`, `-` (the
+    rest as `_`) and a hash of the whole id, so no id names a path (`../../x`, `a/b`) and two ids never share
+    a file; `suffix` kept when it is a plain extension."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", example_id).strip("._-")[:60] or "example"
+    digest = hashlib.sha256(example_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{slug}-{digest}" + (suffix.lower() if re.fullmatch(r"\.[A-Za-z0-9]{1,8}", suffix) else "")

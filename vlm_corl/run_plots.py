@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -64,17 +65,48 @@ def read_jsonl(path: Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     rows = []
     for i, line in lines:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
+            rows.append(clean_json(row) if _SURROGATE.search(line) else row)
         except json.JSONDecodeError as err:
             if i == lines[-1][0]:
                 print(f"[report] {path}: line {i} is incomplete (a run still writing?), left out", file=sys.stderr)
                 continue
             raise UserError(f"{path} line {i} is not JSON ({err.msg}): is this a training run's metrics file?") from err
     return rows
+
+
+# A JSON escape of a UTF-16 surrogate: only a line holding one can decode to a string that cannot be written
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def clean_text(text: str) -> str:
+    """`text` with each lone surrogate (JSON's "\\ud800", a file name that is not UTF-8) replaced by U+FFFD: a
+    string holding one can be neither written to a UTF-8 file nor drawn by matplotlib."""
+    return text if text.isascii() else text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def clean_json(value):
+    """`value` (parsed JSON) with `clean_text` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, list):
+        return [clean_json(v) for v in value]
+    if isinstance(value, dict):
+        return {clean_text(k): clean_json(v) for k, v in value.items()}
+    return value
+
+
+def literal(text: str) -> str:
+    """`text` for a matplotlib label, shown as written: a `$` escaped (two would start mathtext, which draws
+    "$5 and $10" as maths and fails on "$\\frac{$"), a leading `_` kept in the legend (matplotlib leaves out
+    labels starting with one) and lone surrogates replaced."""
+    text = clean_text(str(text)).replace("$", r"\$")
+    return "\u200b" + text if text.startswith("_") else text
 
 
 @dataclass
@@ -107,7 +139,8 @@ def load_run(run_dir: Path) -> RunData:
     _check_one_run(run_dir / "metrics.jsonl", rows)
     summary_path = run_dir / "summary.json"
     try:
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary = summary_path.read_text(encoding="utf-8", errors="replace") if summary_path.exists() else "{}"
+        summary = clean_json(json.loads(summary))
     except json.JSONDecodeError as err:
         raise UserError(f"{summary_path} is not JSON ({err.msg}); move it away to report from metrics.jsonl") from err
     return RunData(run_dir, rows, read_jsonl(run_dir / "eval.jsonl"), summary, _member_ids(run_dir / "config.yaml"))
@@ -121,7 +154,7 @@ def _member_ids(config: Path) -> list[str]:
         members = yaml.safe_load(config.read_text()).get("members") or []
     except (OSError, AttributeError, yaml.YAMLError):
         return []
-    return [str(m["id"]) for m in members if isinstance(m, dict) and "id" in m]
+    return [clean_text(str(m["id"])) for m in members if isinstance(m, dict) and "id" in m]
 
 
 def _check_one_run(path: Path, rows: list[dict]) -> None:
@@ -194,7 +227,7 @@ def mark_flags(ax: Axes, warnings: Sequence[dict]) -> None:
         if w.get("category") is not None:
             ax.axvline(w["step"], color="red", linestyle="--", linewidth=1.0, alpha=0.7)
             ax.annotate(
-                f"{w['slot']}: {w['category']}",
+                literal(f"{w['slot']}: {w['category']}"),
                 (w["step"], 1.0),
                 xycoords=("data", "axes fraction"),
                 rotation=90,
@@ -280,9 +313,9 @@ def plot_metric(
         marker = "o" if len(steps) <= 20 else None
         if smooth > 1 and len(steps) > 1:
             ax.plot(steps, means, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, moving_average(means, smooth), color=color, linewidth=1.8, label=label)
+            ax.plot(steps, moving_average(means, smooth), color=color, linewidth=1.8, label=literal(label))
         else:
-            ax.plot(steps, means, color=color, linewidth=1.8, marker=marker, markersize=3, label=label)
+            ax.plot(steps, means, color=color, linewidth=1.8, marker=marker, markersize=3, label=literal(label))
         if band and any(stds):
             ax.fill_between(
                 steps,
@@ -295,11 +328,11 @@ def plot_metric(
     if not drawn:
         return None if own else False
     ax.set_xlabel("step")
-    ax.set_ylabel(ylabel or LABELS.get(key, key))
+    ax.set_ylabel(literal(ylabel or LABELS.get(key, key)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     if title:
-        ax.set_title(title)
+        ax.set_title(literal(title))
     if not own:
         return True
     path = Path(path)
@@ -325,7 +358,7 @@ def plot_panel(
     if fig is None:
         return None
     if title:
-        fig.suptitle(title)
+        fig.suptitle(literal(title))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -342,7 +375,7 @@ def category_figure(lines: Mapping[str, Rows], warnings: Sequence[dict], title: 
 
     fig = side_by_side(lines, CATEGORY_PLOT_KEYS, draw)
     if fig is not None:
-        fig.suptitle(title)
+        fig.suptitle(literal(title))
     return fig
 
 

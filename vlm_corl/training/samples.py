@@ -6,6 +6,8 @@ gold answer where known (diagnostic only). Written by world rank 0 to samples.js
 
 from __future__ import annotations
 
+import html
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,18 +113,53 @@ def _prompt(ex: Example, settings: SampleSettings, n: int) -> str:
 def sample_markdown(row: dict, image: str | None = None) -> str:
     """One sampled question as Markdown: the question (its picture from `image`, a path relative to the page,
     else its file named), gold (diagnostic), and each member's responses, answers, vote, label, where the label
-    came from, rewards and advantages."""
-    lines = [f"**{row['example_id']}** (step {row['step']}): {row['question']}"]
+    came from, rewards and advantages. Every text from the run is `markdown_text`: a model's `<script>` shows as
+    text; a response longer than `MAX_TEXT_CHARS` is cut with a note."""
+    example = markdown_text(row["example_id"])
+    lines = [f"**{example}** (step {row['step']}): {markdown_text(row['question'])}"]
     if image:
-        lines.append(f"\n![{row['example_id']}]({image})\n")
+        lines.append(f"\n![{example}]({image})\n")
     elif row.get("image"):
-        lines.append(f"image: `{row['image']}`")
+        lines.append(f"image: {markdown_text(row['image'])}")
     if row.get("gold") is not None:
-        lines.append(f"gold (diagnostic only): `{row['gold']}`")
+        lines.append(f"gold (diagnostic only): {markdown_text(row['gold'])}")
     for mid, m in row["members"].items():
+        source = ", ".join(m["label_from"]) or "nobody"
         lines.append(
-            f"\n*{mid}*: vote `{m['vote']}`, label `{m['label']}` from {', '.join(m['label_from']) or 'nobody'}"
+            f"\n*{markdown_text(mid)}*: vote **{markdown_text(m['vote'])}**, label **{markdown_text(m['label'])}** "
+            f"from {markdown_text(source)}"
         )
         for text, answer, reward, adv in zip(m["responses"], m["answers"], m["rewards"], m["advantages"]):
-            lines.append(f"- `{answer}` reward {reward:.2f} adv {adv:+.2f}: {text!r}")
+            shown, left = cut_text(text)
+            note = f" ({left:,} more characters: samples.jsonl holds the whole response)" if left else ""
+            # repr: the response on one line, its newlines and quotes visible
+            shown = markdown_text(repr(shown))
+            lines.append(f"- **{markdown_text(answer)}** reward {reward:.2f} adv {adv:+.2f}: {shown}{note}")
     return "\n".join(lines)
+
+
+MAX_TEXT_CHARS = 5_000  # a sampled response shown on a page: longer ones are cut (samples.jsonl keeps them whole)
+
+
+def cut_text(text: str, limit: int = MAX_TEXT_CHARS) -> tuple[str, int]:
+    """(the first `limit` characters of `text`, how many more it has): a page shows a long response's start."""
+    return text[:limit], max(0, len(text) - limit)
+
+
+# Markdown's inline markup (emphasis, code, links, tables, strikethrough), and what starts a block at the start
+# of a line (heading, list, setext underline; an ordered list's "1." or "1)")
+_INLINE = re.compile(r"([\\`*_\[\]|~])")
+_BULLET = re.compile(r"^([#+=-])")
+_NUMBERED = re.compile(r"^(\d+)([.)])")
+
+
+def markdown_text(value) -> str:
+    """`value` as Markdown that shows it literally: HTML special characters as entities (a model's `<script>` or
+    `<img onerror>` stays text), Markdown's markup backslash-escaped, each line break a hard break (empty lines
+    dropped: the text stays one paragraph)."""
+    lines = []
+    for line in str(value).splitlines():
+        if line.strip():
+            line = _NUMBERED.sub(r"\1\\\2", _BULLET.sub(r"\\\1", _INLINE.sub(r"\\\1", line.strip())))
+            lines.append(html.escape(line, quote=False))
+    return "\\\n".join(lines)
