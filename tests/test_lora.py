@@ -21,6 +21,7 @@ from vlm_corl import cli, export
 from vlm_corl.config import config_from_dict
 from vlm_corl.config.parse import ConfigError
 from vlm_corl.config.schema import LoraConfig, MemberConfig
+from vlm_corl.errors import UserError
 from vlm_corl.members.lora import adapter_tensors, merged_weights, scalings, target_modules
 from vlm_corl.members.member import load_member
 from vlm_corl.members.state_files import named_tensors
@@ -174,6 +175,14 @@ def test_default_targets_are_the_language_models_projections(tiny_zoo):
     assert not any(".visual." in n for n in names)  # Qwen2.5-VL's vision MLP has gate/up/down_proj too
     vision = target_modules(member.model, LoraConfig(vision=True))
     assert any(".visual." in n for n in vision) and set(names) < set(vision)
+    # issue 46: a vision-only adapter could not be set up, and the message naming a tower layer did not say why
+    alone = target_modules(member.model, LoraConfig(vision=True, target_modules=[]))
+    assert alone and all(".visual." in n for n in alone) and set(alone) == set(vision) - set(names)
+    with pytest.raises(UserError, match="'qkv': the vision tower's; .*target_modules: \\[\\] with it adapts the"):
+        target_modules(member.model, LoraConfig(vision=True, target_modules=["qkv"]))
+    raw = {"members": [{"id": "q", "model": str(tiny_zoo["qwen2_5_vl"]), "lora": {"target_modules": []}}]}
+    with pytest.raises(ConfigError, match="lora.target_modules: \\[\\] adapts no layer .* lora.vision: true"):
+        config_from_dict({**raw, "reward": {"mode": "gt"}})
 
 
 def test_export_merge_gives_a_model_from_pretrained_loads_equal_to_the_member(lora_run, base_models, tmp_path, capsys):

@@ -174,6 +174,13 @@ def _setting_problems(cfg: CohortConfig, i: int, m: MemberConfig, problems: Prob
                 "vLLM serves adapters of the language model only: with adapters in the vision tower use "
                 "rollout.vllm.lora_sync: merged",
             )
+    if m.lora is not None and m.lora.target_modules == [] and not m.lora.vision:
+        problems.add(
+            f"members[{i}].lora.target_modules",
+            "[] adapts no layer of the language model, and lora.vision is false: nothing would train; name "
+            "layers (e.g. [q_proj, v_proj]), null for the default, or set lora.vision: true to adapt the vision "
+            "tower alone",
+        )
     _template_kwargs_problems(i, m, problems)
     if m.lora is not None and not m.trainable:
         problems.add(

@@ -52,11 +52,10 @@ class LoraConfig:
         lt=1,
     )
     target_modules: list[str] | None = _f(
-        "names (last part, e.g. q_proj) of the linear layers that get adapters; null = the language model's "
-        "attention and MLP projections (q/k/v/o_proj, gate/up/down_proj)",
+        "names (last part, e.g. q_proj) of the language model's linear layers that get adapters; null = its "
+        "attention and MLP projections (q/k/v/o_proj, gate/up/down_proj); [] with vision: true = the vision "
+        "tower alone",
         None,
-        min_items=1,
-        why="name at least one layer, or null for the default",
     )
     vision: bool = _f("also adapt every linear layer of the vision tower (frozen otherwise)", False)
 

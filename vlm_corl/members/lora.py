@@ -37,25 +37,33 @@ def in_vision_tower(name: str) -> bool:
 def target_modules(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
     """The full names of the linear layers that get adapters: those whose last name part is one of
     `lora.target_modules` (default: the language model's projections) outside the vision tower, and with
-    `lora.vision` every linear layer of the vision tower. Raises UserError when an entry the user gave matches
-    no linear layer of the language model (a typo would otherwise adapt only the entries that match), or when
+    `lora.vision` every linear layer of the vision tower (`target_modules: []` with it: the tower alone). Raises
+    UserError when an entry the user gave matches no linear layer of the language model (a typo would otherwise
+    adapt only the entries that match; a vision-tower layer's name says how the tower is adapted), or when
     nothing matches at all."""
-    wanted = set(lora.target_modules or LM_PROJECTIONS)
-    names, available = [], set()
+    wanted = set(LM_PROJECTIONS if lora.target_modules is None else lora.target_modules)
+    names, available, in_tower = [], set(), set()
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
         tower, last = in_vision_tower(name), name.rsplit(".", 1)[-1]
-        available.update(() if tower else (last,))
+        (in_tower if tower else available).add(last)
         if (tower and lora.vision) or (not tower and last in wanted):
             names.append(name)
     unmatched = sorted(wanted - available) if lora.target_modules else []
     if unmatched or not names:
+        tower_names = sorted(set(unmatched) & in_tower)
         raise UserError(
             f"lora.target_modules: {', '.join(map(repr, unmatched or sorted(wanted)))} "
             f"match{'es' if len(unmatched) == 1 else ''} no linear layer of the language model, whose layers "
             f"are named {', '.join(sorted(available))}; name the last part of its projections, or leave "
             "target_modules null for the language model's attention and MLP"
+            + (
+                f" ({', '.join(map(repr, tower_names))}: the vision tower's; its layers are adapted all together "
+                "by lora.vision: true, and target_modules: [] with it adapts the vision tower alone)"
+                if tower_names
+                else ""
+            )
         )
     return names
 
