@@ -6,6 +6,7 @@ and reload with plain transformers) run in tests/test_generic_e2e.py (`make test
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -70,9 +71,9 @@ def test_a_generic_member_renders_with_its_own_template_and_samples(generic_zoo,
     example = load_examples("easyvqa", split="train", limit=1).examples[0] if vision else Example("a", "2+2?")
     prompt = Renderer(member, "original", 1 << 20, 1 << 14)(example)
     ids = prompt.inputs["input_ids"][0].tolist()
-    if vision:
+    if vision:  # what the processor expands an image into (Aya Vision: <|IMG_PATCH|>, not its <image>)
         image = member.processor.image_token
-        image_id = member.tokenizer.convert_tokens_to_ids(image)
+        image_id = getattr(member.processor, "image_token_id", None) or member.tokenizer.convert_tokens_to_ids(image)
         assert image_id in member.suppressed_ids and ids.count(image_id) > 1  # expanded by the processor
     assert member.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     torch.manual_seed(0)
@@ -98,11 +99,13 @@ def test_the_end_of_turn_is_read_from_the_chat_template():
 
 @pytest.mark.parametrize("arch", GENERIC_VISION + GENERIC_TEXT)
 def test_a_generic_member_decodes_with_a_ready_made_mask_only_where_one_mask_serves_every_layer(generic_zoo, arch):
-    """Qwen3.5's linear-attention layers take a 2-D mask of their own (padded states are zeroed): no ready-made
-    4-D mask for them. Every other architecture here decodes a padded batch with it as with transformers' own."""
+    """Qwen3.5's linear-attention layers take a 2-D mask of their own (padded states are zeroed), Aya Vision's
+    Cohere2 has sliding-window layers: no ready-made 4-D mask for them. Every other architecture here decodes a
+    padded batch with it as with transformers' own."""
     member = load_member(MemberConfig(id="g", model=str(generic_zoo[arch]), trainable=False))
-    assert ready_decode_mask(member.model.config) == (arch != "qwen3_5")
-    if arch == "qwen3_5":
+    own_masks = arch in ("qwen3_5", "aya_vision")
+    assert ready_decode_mask(member.model.config) == (not own_masks)
+    if own_masks:
         return
     examples = load_examples("easyvqa", split="train", limit=2).examples
     if arch in GENERIC_TEXT:
@@ -209,12 +212,13 @@ def test_the_planner_asks_a_generic_members_own_processor_how_many_tower_positio
     generic_zoo, arch, tmp_path
 ):
     """No family knows how a generic tower tiles an image, so the planner puts images of the pixel cap (square,
-    wide, tall) through the member's own image processor. Its count is the most that images rendered for
-    training (files shrunk to the cap, then the processor) make, and for tiling processors (LLaVA-OneVision's
-    grid, Idefics3's splitting) more than the pixel count alone would plan."""
+    wide, tall, and the aspects between: Aya Vision's tiler makes the most tiles of a 4:3 image) through the
+    member's own image processor. Its count is the most that images rendered for training (files shrunk to the
+    cap, then the processor) make, and for tiling processors (LLaVA-OneVision's grid, Idefics3's splitting) more
+    than the pixel count alone would plan."""
     from PIL import Image
 
-    from vlm_corl.planning.shapes import model_shape, tower_positions
+    from vlm_corl.planning.shapes import ASPECTS, model_shape, tower_positions
 
     cap = 96 * 96
     shape = model_shape(str(generic_zoo[arch]))
@@ -222,12 +226,13 @@ def test_the_planner_asks_a_generic_members_own_processor_how_many_tower_positio
     member = load_member(MemberConfig(id="g", model=str(generic_zoo[arch]), trainable=False))
     render = Renderer(member, "original", cap, 1 << 20)
     seen = []
-    for i, size in enumerate([(96, 96), (192, 48), (48, 192), (400, 300), (40, 30)]):
+    at_cap = [(round((cap * a) ** 0.5), cap // round((cap * a) ** 0.5)) for a in ASPECTS]  # as the planner makes them
+    for i, size in enumerate([*at_cap, (400, 300), (40, 30), (300, 200), (50, 150)]):
         Image.new("RGB", size, (200, 30 * i, 0)).save(tmp_path / f"{i}.png")
         prompt = render(Example(str(i), "What colour?", images=(str(tmp_path / f"{i}.png"),)))
         seen.append(tower_positions(prompt.inputs, shape.patch_size))
     assert max(seen) == shape.patches_per_image(cap), seen
-    if arch in ("llava_onevision", "idefics3"):
+    if arch in ("llava_onevision", "idefics3", "aya_vision"):
         assert shape.patches_per_image(cap) > cap / shape.patch_size**2  # what the pixel count alone would plan
 
 
@@ -238,3 +243,72 @@ def test_a_processor_that_cannot_count_falls_back_to_the_pixel_count_and_says_so
     (broken / "processor_config.json").write_text("{not json")
     assert processor_patches(str(broken), 14, 96 * 96) == 0
     assert "did not count an image's vision-tower positions" in caplog.text and str(broken) in caplog.text
+
+
+def test_corl_plan_reads_a_gpt2_style_config(tmp_path, capsys):
+    """GPT-2 names its sizes n_embd, n_layer, n_head and n_inner (None: 4 x n_embd) and has no intermediate_size:
+    the planner reads them through the config's standard names, its own where there is none."""
+    import yaml
+
+    from vlm_corl.plan import main as plan_main
+    from vlm_corl.planning.shapes import model_shape
+
+    build_arch("gpt2", tmp_path / "gpt2")
+    wider = shutil.copytree(tmp_path / "gpt2", tmp_path / "gpt2-wider")
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "n_inner": 96}))
+    shape = model_shape(str(tmp_path / "gpt2"))
+    dims = (shape.hidden, shape.layers, shape.intermediate, shape.kv_heads, shape.head_dim, shape.vocab)
+    assert dims == (64, 2, 4 * 64, 4, 16, config["vocab_size"])
+    assert model_shape(str(wider)).intermediate == 96
+    cohort = {
+        "members": [{"id": "g", "model": str(tmp_path / "gpt2")}, {"id": "w", "model": str(wider)}],
+        "data": {"train": {"loader": "math500", "split": "test"}, "batch_size": 2},
+        "rollout": {"n": 2, "max_new_tokens": 6},
+    }
+    (tmp_path / "cohort.yaml").write_text(yaml.safe_dump(cohort))
+    assert plan_main(["--config", str(tmp_path / "cohort.yaml"), "--gpus-per-node", "2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True
+
+
+def test_zoo_arch_names_the_package_smolvlms_processor_needs(tmp_path, monkeypatch):
+    """SmolVLM's processor refuses to build without num2words (it spells out video frame counts): the refusal
+    names the package, not a missing image token (docs/models.md)."""
+    from transformers.models.smolvlm import processing_smolvlm
+
+    monkeypatch.setattr(processing_smolvlm, "num2words", None)  # as where the package is not installed
+    with pytest.raises(ArchUnavailable, match=r"^smolvlm: its processor SmolVLMProcessor needs a package.*num2words"):
+        build_arch("smolvlm", tmp_path / "smolvlm")
+    assert not (tmp_path / "smolvlm").exists() or not any((tmp_path / "smolvlm").iterdir())
+
+
+@pytest.mark.parametrize("arch", ["aya_vision", "smolvlm"])
+def test_aya_vision_and_smolvlm_members_train_two_steps_in_a_cohort(tiny_zoo, tmp_path, monkeypatch, arch):
+    """Aya Vision: its processor expands an image into <|IMG_PATCH|> tokens (the config's image token id points
+    there, not at <image>), tiles of the tower's image size, pixel-shuffled by its downsample factor. SmolVLM:
+    built and trained where num2words is installed (a stand-in here: these prompts have no video, the only thing
+    it spells out). Each trains two steps beside a registered member, and its weights move."""
+    from cohort_helpers import cohort, metrics, weights
+
+    from vlm_corl import CohortTrainer
+
+    if arch == "smolvlm":
+        from transformers.models.smolvlm import processing_smolvlm
+
+        monkeypatch.setattr(processing_smolvlm, "num2words", str)
+    build_arch(arch, tmp_path / arch)
+    cfg = cohort(
+        tmp_path,
+        [("g", tmp_path / arch), ("peer", tiny_zoo["qwen2_vl"])],
+        data={"train": {"loader": "easyvqa", "limit": 8}, "batch_size": 2},
+        rollout={"n": 2, "max_new_tokens": 6},
+        reward={"mode": "entropy"},  # every response rewarded apart: a gradient each step
+    )
+    cfg["train"].update(save_every=2, lr=1e-2)
+    CohortTrainer(cfg).train()
+    assert sorted((r["step"], r["member"]) for r in metrics(tmp_path / "run")) == [
+        (s, m) for s in (1, 2) for m in ("g", "peer")
+    ]
+    trained = weights(tmp_path / "run" / "checkpoints" / "step-2" / "g")
+    assert any(not torch.equal(trained[k], v) for k, v in weights(tmp_path / arch).items())

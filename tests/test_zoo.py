@@ -210,3 +210,44 @@ def test_cli_builds_prints_table_and_rejects_unknown_family(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_the_zoo_refuses_a_folder_holding_files_it_did_not_write_and_leaves_them(tmp_path, capsys):
+    """`--arch` writes into OUT itself: another model's files there would sit beside the new one's (a stale
+    preprocessor_config.json, weight shards). Exit 2 naming the folder, what is there and the fix; nothing deleted.
+    The same for a family's folder OUT/<family>."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"model_type": "llama"}')
+    (mine / "notes.txt").write_text("my notes")
+    before = _files(mine)
+    assert cli.run(main, ["--arch", "olmo2", "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert f"{mine} holds files the zoo did not write (config.json, notes.txt)" in err
+    assert "give --out an empty or new folder" in err and "Traceback" not in err
+    assert _files(mine) == before
+    (tmp_path / "zoo" / "qwen3").mkdir(parents=True)
+    (tmp_path / "zoo" / "qwen3" / "weights.bin").write_bytes(b"mine")
+    assert cli.run(main, ["--out", str(tmp_path / "zoo"), "--families", "qwen3"]) == 2
+    assert f"{tmp_path / 'zoo' / 'qwen3'} holds files the zoo did not write (weights.bin)" in capsys.readouterr().err
+    assert _files(tmp_path / "zoo" / "qwen3") == {"weights.bin": b"mine"}
+
+
+def test_the_zoo_replaces_its_own_earlier_build_leaving_none_of_its_files(tiny_zoo, tmp_path):
+    """A VLM built by `--arch`, then a text model into the same folder: exactly the files a fresh build of the
+    text model writes, none of the VLM's (its processor files would make it look like a VLM)."""
+    assert cli.run(main, ["--arch", "llava_onevision", "--out", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "processor_config.json").is_file()
+    assert cli.run(main, ["--arch", "olmo2", "--out", str(tmp_path / "m")]) == 0
+    assert cli.run(main, ["--arch", "olmo2", "--out", str(tmp_path / "fresh")]) == 0
+    assert set(_files(tmp_path / "m")) == set(_files(tmp_path / "fresh"))
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "olmo2"
+    family = FAMILIES.get("qwen3")  # a family's member rebuilt in place, as base_models does
+    build_member(family, tmp_path / "q", seed=1)
+    build_member(family, tmp_path / "q", seed=0)
+    rebuilt, fresh = _files(tmp_path / "q"), _files(tiny_zoo["qwen3"])
+    assert set(rebuilt) == set(fresh) and rebuilt["model.safetensors"] == fresh["model.safetensors"]

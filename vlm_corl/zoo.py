@@ -46,6 +46,9 @@ def build_member(family: Family, path: str | Path, size: str = "tiny", seed: int
     """Build one randomly initialised member of `family` at `size`, save it to `path`; returns its parameter count."""
     import torch
 
+    from vlm_corl.zoo_arch import earlier_files, save_replacing
+
+    earlier_files(path)  # a folder holding files the zoo did not write is refused before anything is built
     tokenizer = family.build_tokenizer()
     config = family.build_config(size, tokenizer)
     # Seed just before construction so a member's weights depend only on (family, size, seed).
@@ -53,10 +56,9 @@ def build_member(family: Family, path: str | Path, size: str = "tiny", seed: int
         torch.manual_seed(seed)
         model = family.model_class.from_config(config, dtype=torch.float32)
     model.generation_config = family.generation_config(tokenizer)
-    model.save_pretrained(path)
-    released_layout(family, path)
     processor = family.build_processor(tokenizer, size) if family.build_processor else tokenizer
-    processor.save_pretrained(path)
+    save_replacing(path, model, processor)
+    released_layout(family, path)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -69,6 +71,7 @@ def build_real(
     from transformers import AutoConfig
 
     from vlm_corl.members.families import detect_family
+    from vlm_corl.zoo_arch import earlier_files, save_replacing
 
     dtype = torch.bfloat16 if dtype is None else dtype
 
@@ -77,6 +80,8 @@ def build_real(
         known = ", ".join(sorted(p.name for p in REAL_MODELS.iterdir() if (p / "config.json").is_file()))
         raise UserError(f"--real {name}: no such architecture; use a directory with a config.json or one of {known}")
     family = detect_family(source)
+    path = Path(out) / Path(name).name
+    earlier_files(path)  # before the (possibly long) initialisation
     tokenizer = family.build_tokenizer()
     config = AutoConfig.from_pretrained(source)
     for key, token in family.config_token_ids:
@@ -85,13 +90,11 @@ def build_real(
         torch.manual_seed(seed)
         model = family.model_class.from_config(config, dtype=dtype)
     model.generation_config = family.generation_config(tokenizer)
-    path = Path(out) / Path(name).name
-    model.save_pretrained(path)
-    released_layout(family, path)
     processor = tokenizer
     if family.modality == "vision":
         processor = real_processor(source, tokenizer, config)
-    processor.save_pretrained(path)
+    save_replacing(path, model, processor)
+    released_layout(family, path)
     return path, sum(p.numel() for p in model.parameters())
 
 
@@ -202,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         FAMILIES.get(name)  # an unknown name fails before anything is built
     out = cli.output_dir(args.out, "--out")
+    from vlm_corl.zoo_arch import earlier_files
+
+    for name in names:  # a folder holding files the zoo did not write fails before anything is built
+        earlier_files(member_dir(out, name, args.size))
     rows = []
     with tqdm(total=len(names), desc="zoo", unit="member", disable=None) as bar:
         for name, path, n_params in _build(out, names, args.size, args.seed):

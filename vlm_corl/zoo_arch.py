@@ -86,6 +86,9 @@ PROCESSOR_ARGS = {
     "vision_feature_select_strategy": lambda c, vc: c.vision_feature_select_strategy,
     "num_image_tokens": lambda c, vc: _grid(vc) ** 2,
     "image_seq_len": lambda c, vc: int(_grid(vc) ** 2 / c.scale_factor**2),
+    # Aya Vision: the tile side the processor counts image tokens for, and the projector's pixel-shuffle factor
+    "img_size": lambda c, vc: vc.image_size,
+    "downsample_factor": lambda c, vc: c.downsample_factor,
     # CLIP towers put a class token before the patches, which the "default" feature strategy drops
     "num_additional_image_tokens": lambda c, vc: int(getattr(vc, "model_type", "") == "clip_vision_model"),
 }
@@ -136,6 +139,8 @@ def _processor_parts(model_type: str, config: PreTrainedConfig, cls: type) -> di
     if isinstance(getattr(image, "max_image_size", None), dict) and isinstance(side, int):  # tiles of the tower's size
         image.max_image_size = {"longest_edge": side}
         image.size = {"longest_edge": 2 * side}
+    elif isinstance(side, int) and _height_width(getattr(image, "size", None)) and not getattr(image, "crop_size", 0):
+        image.size = {"height": side, "width": side}  # tiles of the tower's size (GotOcr2: Aya Vision)
     elif isinstance(side, int) and getattr(image, "crop_size", None):  # a CLIP-style tower: resize, crop to its size
         for attr in ("size", "crop_size"):
             value = getattr(image, attr, None)
@@ -152,6 +157,12 @@ def _processor_parts(model_type: str, config: PreTrainedConfig, cls: type) -> di
             if value is not None:
                 parts[name] = value
     return parts
+
+
+def _height_width(size) -> bool:
+    """Whether an image processor's `size` is a fixed height and width."""
+    keys = set(size) if isinstance(size, dict) else {k for k in ("height", "width") if getattr(size, k, None)}
+    return {"height", "width"} <= keys
 
 
 def _processor_tokens(cls: type, processor=None) -> dict[str, str]:
@@ -188,9 +199,10 @@ def _tokenizer(extra: list[str], named: dict[str, str], image: str | None):
     )
 
 
-def _probe_tokens(cls: type, parts: dict) -> dict[str, str]:
+def _probe_tokens(model_type: str, cls: type, parts: dict) -> dict[str, str]:
     """The special tokens a processor names: built with turn tokens only, then with each token attribute it asks
-    the tokenizer for and does not find (`tokenizer.image_token_id`: Gemma-4, DeepSeek-VL) added, until it builds."""
+    the tokenizer for and does not find (`tokenizer.image_token_id`: Gemma-4, DeepSeek-VL) added, until it builds.
+    A processor that needs a package this environment lacks is ArchUnavailable naming it."""
     asked: dict[str, str] = {}
     for _ in range(8):
         try:
@@ -200,6 +212,10 @@ def _probe_tokens(cls: type, parts: dict) -> dict[str, str]:
             if missing is None or missing.group(1) in asked:
                 break
             asked[missing.group(1)] = f"<|{missing.group(1).removesuffix('_token')}|>"
+        except ImportError as err:  # SmolVLM's processor refuses to build without num2words (for video prompts)
+            raise ArchUnavailable(
+                f"{model_type}: its processor {cls.__name__} needs a package that is not installed ({brief(err)})"
+            ) from err
         except Exception:  # noqa: BLE001 - a processor that needs more than tokens: its constructor's defaults
             break
         else:
@@ -221,7 +237,7 @@ def offline_processor(model_type: str, config: PreTrainedConfig, vision: bool):
         return _tokenizer([], {}, None), None, {}
     cls = _processor_class(model_type)
     parts = _processor_parts(model_type, config, cls)
-    tokens = _probe_tokens(cls, parts)
+    tokens = _probe_tokens(model_type, cls, parts)
     wanted = {**tokens}
     for _, name in _config_token_attrs(config):
         stem = re.sub(r"_token_(id|index)$", "_token", name)
@@ -231,7 +247,11 @@ def offline_processor(model_type: str, config: PreTrainedConfig, vision: bool):
         processor = cls(tokenizer=tokenizer, chat_template=tokenizer.chat_template, **parts)
     except Exception as err:  # noqa: BLE001
         raise ArchUnavailable(f"its processor {cls.__name__} cannot be built offline ({brief(err)})") from err
-    return tokenizer, processor, {stem: tokenizer.convert_tokens_to_ids(t) for stem, t in wanted.items()}
+    token_ids = {stem: tokenizer.convert_tokens_to_ids(t) for stem, t in wanted.items()}
+    expanded = getattr(processor, "image_token_id", None)
+    if isinstance(expanded, int):  # what the processor expands an image into (Aya Vision: <|IMG_PATCH|>, not <image>)
+        token_ids["image_token"] = expanded
+    return tokenizer, processor, token_ids
 
 
 def tiny_config(model_type: str, size: str = "tiny") -> PreTrainedConfig:
@@ -246,7 +266,7 @@ def tiny_config(model_type: str, size: str = "tiny") -> PreTrainedConfig:
     vision = getattr(config, "vision_config", None)
     if vision is not None:
         shrink(vision, VISION_DIMS[size], hidden)
-        factor = getattr(config, "scale_factor", None)
+        factor = getattr(config, "scale_factor", None) or getattr(config, "downsample_factor", None)
         if isinstance(factor, int) and factor > 1 and isinstance(getattr(vision, "image_size", None), int):
             side = -(-_grid(vision) // factor) * factor  # Idefics3's pixel shuffle folds factor x factor patches
             vision.image_size = side * vision.patch_size
@@ -287,6 +307,7 @@ def build_arch(model_type: str, out: str | Path, seed: int = 0, size: str = "tin
     """Build a random member of `model_type` at a zoo `size` ("tiny"; "small": head_dim 32, which vLLM's CPU
     attention needs) in `out`; returns its parameter count. ArchUnavailable says why it cannot (no Auto class for
     it, no processor, a processor or forward that fails offline)."""
+    earlier_files(out)  # a folder holding another model's files is refused before anything is built
     found = auto_class_for(model_type)
     if found is None:
         raise ArchUnavailable(
@@ -319,12 +340,55 @@ def build_arch(model_type: str, out: str | Path, seed: int = 0, size: str = "tin
     )
     _smoke(model_type, model, processor or tokenizer, vision)
     try:  # the saved member must load back, or it is unusable
-        model.save_pretrained(out)
-        (processor or tokenizer).save_pretrained(out)
+        save_replacing(out, model, processor or tokenizer)
         AutoConfig.from_pretrained(out)
+    except UserError:
+        raise
     except Exception as err:  # noqa: BLE001 - its config's validators refuse the shrunk sizes on save or load
+        for written in earlier_files(out):  # no half-saved member left behind
+            written.unlink()
+        (Path(out) / WRITTEN).unlink(missing_ok=True)
         raise ArchUnavailable(f"{model_type}: it does not save and load back ({brief(err)})") from err
     return sum(p.numel() for p in model.parameters())
+
+
+# Beside each member it builds, the zoo lists the files it wrote: a rebuild into that folder removes exactly those,
+# and a folder holding anything else (another model's files, the user's) is refused, never cleared.
+WRITTEN = ".zoo-files"
+
+
+def earlier_files(path: str | Path) -> list[Path]:
+    """The files an earlier zoo build wrote in the member folder `path` (its WRITTEN list), which a new build
+    replaces; [] for a new or empty folder. A folder holding anything else is a UserError naming it, what it holds
+    and the fix: the new member's files would sit beside them (a stale processor file, weight shards)."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    listed = path / WRITTEN
+    ours = set(listed.read_text().split("\n")) - {""} if listed.is_file() else set()
+    others = sorted(p.name for p in path.iterdir() if p.name not in ours and p != listed)
+    if others:
+        shown = ", ".join(others[:6]) + (f", ... ({len(others)} in all)" if len(others) > 6 else "")
+        raise UserError(
+            f"{path} holds files the zoo did not write ({shown}): the new member's files would sit beside them; "
+            "give --out an empty or new folder, or move those files away"
+        )
+    return [path / name for name in sorted(ours) if (path / name).is_file()]
+
+
+def save_replacing(path: str | Path, *parts) -> None:
+    """Save the member's `parts` (model, processor: anything with save_pretrained) into `path` in place of an
+    earlier zoo build's files (`earlier_files` refuses anything else), and list what they wrote in WRITTEN."""
+    path = Path(path)
+    for old in earlier_files(path):
+        old.unlink()
+    (path / WRITTEN).unlink(missing_ok=True)
+    try:
+        for part in parts:
+            part.save_pretrained(path)
+    finally:  # listed even when a save fails half way, so that the next build may replace them
+        names = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != WRITTEN)
+        (path / WRITTEN).write_text("".join(f"{name}\n" for name in names))
 
 
 MAX_PARAMETERS = 20_000_000  # a zoo member is ~0.3M; more means sizes under names `shrink` does not know

@@ -469,7 +469,7 @@ def member_family(cfg: MemberConfig, path: str | Path) -> Family:
     if not Path(path).is_dir():
         raise MemberLoadError(f"{where}: the model directory does not exist (python -m vlm_corl.zoo builds tiny ones)")
     try:
-        detected = detect_family(path, cfg.family)
+        detected = detect_family(path, cfg.family, cfg.trust_remote_code)
     except (OSError, KeyError, json.JSONDecodeError) as err:
         raise MemberLoadError(
             f"{where}: cannot read the model type from config.json ({brief(err)}); it must be a "

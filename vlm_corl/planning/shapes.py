@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 
 from vlm_corl.errors import UserError
 from vlm_corl.members.lora import VISION_TOWERS, adapter_parameters
@@ -72,6 +73,33 @@ def _side(value) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
+# The language model's sizes under the standard names (which a config's attribute_map translates: GPT-2's
+# hidden_size is its n_embd), then under the names configs without a map entry use. GPT-2 has no
+# intermediate_size; its n_inner None means 4 x n_embd, the width `TEXT_SIZES` falls back to.
+TEXT_SIZES = {
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads"),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff", "mlp_dim"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"),
+    "vocab": ("vocab_size",),
+}
+
+
+def text_sizes(text, model_dir: str) -> dict[str, int]:
+    """The `ModelShape` fields of a language model's config (any object with attributes): hidden, layers,
+    intermediate, kv_heads, head_dim, vocab. A size it names under none of `TEXT_SIZES` is a UserError."""
+    found = {key: _first(text, *names) for key, names in TEXT_SIZES.items()}
+    found["intermediate"] = found["intermediate"] or (found["hidden"] and 4 * found["hidden"])
+    found["kv_heads"] = found["kv_heads"] or found["heads"]
+    missing = [key for key, value in found.items() if not isinstance(value, int)]
+    if missing:
+        names = "; ".join(f"{key}: {' or '.join(TEXT_SIZES[key])}" for key in missing)
+        raise UserError(f"{model_dir}: cannot plan this model: its config.json names none of ({names})")
+    heads = found.pop("heads")
+    return {**found, "head_dim": _first(text, "head_dim") or found["hidden"] // heads}
+
+
 @lru_cache(maxsize=8)
 def _meta_model(model_dir: str):
     """(config, the model on the `meta` device) of the config.json in `model_dir`: shapes without weights."""
@@ -81,6 +109,11 @@ def _meta_model(model_dir: str):
     import vlm_corl.members.families  # noqa: F401  (registers the vision families)
     from vlm_corl.members.families import detect_family
 
+    if _own_code(model_dir):
+        raise UserError(
+            f"{model_dir}: the checkpoint ships its own modelling code, which the planner does not run, so its "
+            "modules (LoRA targets) cannot be counted; plan it without lora, or set train.check_memory: off"
+        )
     try:  # the family first: its message names what an unknown architecture lacks
         family = detect_family(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
@@ -105,23 +138,19 @@ def model_shape(model_dir: str) -> ModelShape:
 
     import vlm_corl.members.families  # noqa: F401  (registers the vision families)
 
+    if _own_code(model_dir):
+        return _shape_from_weights(model_dir)
     config, model = _meta_model(model_dir)
     params = list(model.parameters())  # tied weights appear once
     vision_module = next((m for name, m in model.named_modules() if name.endswith(VISION_TOWERS)), None)
     text = config.get_text_config()
-    heads = text.num_attention_heads
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     dtype = str(raw.get("dtype") or raw.get("torch_dtype") or text.to_dict().get("dtype") or "float32")
     fields = dict(
         params=sum(p.numel() for p in params),
         largest_tensor=max(p.numel() for p in params),
         checkpoint_bytes=DTYPE_BYTES.get(dtype.removeprefix("torch."), 4),
-        hidden=text.hidden_size,
-        layers=text.num_hidden_layers,
-        intermediate=text.intermediate_size,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        vocab=text.vocab_size,
+        **text_sizes(text, model_dir),
     )
     vision = getattr(config, "vision_config", None)
     if vision is not None and vision_module is not None:
@@ -141,6 +170,47 @@ def model_shape(model_dir: str) -> ModelShape:
     return ModelShape(**fields)
 
 
+def _own_code(model_dir: str) -> bool:
+    """Whether the checkpoint in `model_dir` ships its own modelling code (`generic.ships_own_code`)."""
+    from vlm_corl.members.families.generic import ships_own_code
+
+    try:
+        return ships_own_code(json.loads((Path(model_dir) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False  # unreadable: `_meta_model` says what is wrong
+
+
+def _shape_from_weights(model_dir: str) -> ModelShape:
+    """The shape of a checkpoint that ships its own modelling code, without running that code (the member's
+    trust_remote_code lets the member load it, not the planner): parameters from its safetensors files' headers,
+    the language model's sizes from config.json. Its vision tower, if any, is left out of the activations."""
+    from safetensors import safe_open
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    shapes = []
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            shapes += [math.prod(f.get_slice(name).get_shape()) for name in f.keys()]
+    if not shapes:
+        raise UserError(
+            f"{model_dir}: the checkpoint ships its own modelling code, which the planner does not run, and holds no "
+            "*.safetensors weights to count instead; download its weights, or set train.check_memory: off"
+        )
+    if "vision_config" in raw:
+        logging.getLogger("vlm_corl").warning(
+            "planning %s: its own modelling code is not run, so its vision tower's activations are not planned",
+            model_dir,
+        )
+    text = SimpleNamespace(**(raw.get("text_config") or raw))
+    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    return ModelShape(
+        params=sum(shapes),
+        largest_tensor=max(shapes),
+        checkpoint_bytes=DTYPE_BYTES.get(dtype.removeprefix("torch."), 4),
+        **text_sizes(text, model_dir),
+    )
+
+
 def _generic_with_processor(model_dir: str, model_type: str) -> bool:
     """A downloaded generic member: no family knows how its tower tiles the image, but its processor does."""
     from vlm_corl.members.families import family_for_model_type
@@ -153,9 +223,10 @@ def _generic_with_processor(model_dir: str, model_type: str) -> bool:
         return any(path.is_file() for path in has)
 
 
-# Image shapes of `max_image_pixels` the planner asks a processor about: square, wide and tall (tiling processors
-# pick their grid by aspect ratio).
-ASPECTS = (1.0, 4.0, 0.25)
+# Image shapes of `max_image_pixels` the planner asks a processor about: square, wide, tall and the aspects between
+# (tiling processors pick their grid by aspect ratio: GotOcr2's, Aya Vision's, makes 12 tiles of a 4:3 image and
+# 5 of a 4:1 one).
+ASPECTS = (1.0, 4.0, 0.25, 4 / 3, 3 / 4, 2.0, 0.5, 3.0, 1 / 3)
 
 
 @lru_cache(maxsize=64)

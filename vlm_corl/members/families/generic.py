@@ -33,7 +33,7 @@ GENERIC = "generic"
 
 # Architectures with no registered family that the tests run through the generic family (docs/models.md marks
 # them tested): render and sample in the default suite, every command in tests/test_generic_e2e.py.
-TESTED_GENERIC = ("llava_onevision", "idefics3", "mistral3", "qwen3_5", "smollm3", "olmo2")
+TESTED_GENERIC = ("llava_onevision", "idefics3", "mistral3", "aya_vision", "qwen3_5", "smollm3", "olmo2")
 
 # What the generic family does not do that a specialised family may (docs/families.md): said once per member.
 SWITCHED_OFF = (
@@ -58,6 +58,38 @@ def auto_class_for(model_type: str) -> tuple[str, str] | None:
     return None
 
 
+# Auto classes a checkpoint's own modelling code may register for (config.json `auto_map`), by modality.
+_REMOTE_AUTO_CLASSES = (("AutoModelForImageTextToText", "vision"), ("AutoModelForCausalLM", "text"))
+
+
+def ships_own_code(config: dict) -> bool:
+    """Whether a config.json (as a dict) describes an architecture transformers does not know whose checkpoint
+    ships its modelling code (`auto_map`): it loads only with trust_remote_code."""
+    return bool(config.get("auto_map")) and auto_class_for(str(config.get("model_type"))) is None
+
+
+def remote_auto_class(model_type: str, auto_map: dict, trust_remote_code: bool) -> tuple[str, str]:
+    """(modality, Auto class name) that loads a checkpoint of `model_type` through its own code (`auto_map`).
+
+    Raises ValueError naming `trust_remote_code` and its risk when it is off (the default), or naming the Auto
+    classes the generic family needs when `auto_map` registers none of them."""
+    if not trust_remote_code:
+        raise ValueError(
+            f"model_type {model_type!r} is not an architecture of transformers {transformers.__version__}; the "
+            "checkpoint ships its own modelling code (config.json auto_map), which runs only with "
+            "members[i].trust_remote_code: true. That executes the checkpoint's Python files on this machine with "
+            "your permissions: set it only for a checkpoint whose code you have read or whose publisher you trust"
+        )
+    for name, modality in _REMOTE_AUTO_CLASSES:
+        if name in auto_map:
+            return modality, name
+    raise ValueError(
+        f"the checkpoint of model_type {model_type!r} ships its own modelling code, but its config.json auto_map "
+        f"registers none of {', '.join(n for n, _ in _REMOTE_AUTO_CLASSES)} ({', '.join(sorted(auto_map))}), "
+        "which the generic family loads members with; write a family for it (docs/families.md)"
+    )
+
+
 def _no_zoo_builder(size: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
     raise NotImplementedError("generic members are built by `python -m vlm_corl.zoo --arch MODEL_TYPE`")
 
@@ -80,9 +112,10 @@ class GenericFamily(Family):
 
 
 @functools.cache
-def generic_family(model_type: str) -> GenericFamily:
-    """The generic family record for members of `model_type` (one per type: its modality and Auto class)."""
-    found = auto_class_for(model_type)
+def generic_family(model_type: str, auto_class: tuple[str, str] | None = None) -> GenericFamily:
+    """The generic family record for members of `model_type` (one per type: its modality and Auto class);
+    `auto_class` (modality, Auto class name) for a checkpoint that ships its own code (`remote_auto_class`)."""
+    found = auto_class or auto_class_for(model_type)
     if found is None:
         raise ValueError(
             f"model_type {model_type!r} has no registered family and is neither an image-text-to-text nor a "
@@ -122,10 +155,11 @@ def end_of_turn(templater: object, tokenizer: PreTrainedTokenizerBase) -> int | 
     return None
 
 
-def check_servable(model_dir: str | Path, model_type: str) -> None:
+def check_servable(model_dir: str | Path, model_type: str, family: GenericFamily | None = None) -> None:
     """Raise ValueError naming what the generic family would need and `model_dir` lacks: an Auto class that knows
-    `model_type`, a chat template, and for a vision model an image processor. Reads files only."""
-    family = generic_family(model_type)  # raises for an architecture the Auto classes do not know
+    `model_type` (or `family`, the record of a checkpoint that ships its own code), a chat template, and for a
+    vision model an image processor. Reads files only."""
+    family = family or generic_family(model_type)  # raises for an architecture the Auto classes do not know
     where = Path(model_dir)
     missing = []
     config = _json(where / "tokenizer_config.json")
