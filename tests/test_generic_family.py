@@ -287,16 +287,12 @@ def test_zoo_arch_names_the_package_smolvlms_processor_needs(tmp_path, monkeypat
 def test_aya_vision_and_smolvlm_members_train_two_steps_in_a_cohort(tiny_zoo, tmp_path, monkeypatch, arch):
     """Aya Vision: its processor expands an image into <|IMG_PATCH|> tokens (the config's image token id points
     there, not at <image>), tiles of the tower's image size, pixel-shuffled by its downsample factor. SmolVLM:
-    built and trained where num2words is installed (a stand-in here: these prompts have no video, the only thing
-    it spells out). Each trains two steps beside a registered member, and its weights move."""
+    its processor needs num2words (a dependency since issue 46). Each trains two steps beside a registered
+    member, and its weights move."""
     from cohort_helpers import cohort, metrics, weights
 
     from vlm_corl import CohortTrainer
 
-    if arch == "smolvlm":
-        from transformers.models.smolvlm import processing_smolvlm
-
-        monkeypatch.setattr(processing_smolvlm, "num2words", str)
     build_arch(arch, tmp_path / arch)
     cfg = cohort(
         tmp_path,

@@ -33,7 +33,7 @@ GENERIC = "generic"
 
 # Architectures with no registered family that the tests run through the generic family (docs/models.md marks
 # them tested): render and sample in the default suite, every command in tests/test_generic_e2e.py.
-TESTED_GENERIC = ("llava_onevision", "idefics3", "mistral3", "aya_vision", "qwen3_5", "smollm3", "olmo2")
+TESTED_GENERIC = ("llava_onevision", "idefics3", "smolvlm", "mistral3", "aya_vision", "qwen3_5", "smollm3", "olmo2")
 
 # What the generic family does not do that a specialised family may (docs/families.md): said once per member.
 SWITCHED_OFF = (
