@@ -20,13 +20,13 @@ path cannot serve, naming what is missing.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import transformers
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
+from vlm_corl.config.templates import chat_template_texts
 from vlm_corl.members.families.base import Family, SpecialTokens
 
 GENERIC = "generic"
@@ -41,8 +41,6 @@ SWITCHED_OFF = (
     "the chat template renders with its own defaults (no family default variables such as enable_thinking)",
 )
 
-# Files that carry a chat template, by where transformers 5 saves it.
-_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
@@ -162,10 +160,7 @@ def check_servable(model_dir: str | Path, model_type: str, family: GenericFamily
     family = family or generic_family(model_type)  # raises for an architecture the Auto classes do not know
     where = Path(model_dir)
     missing = []
-    config = _json(where / "tokenizer_config.json")
-    has_template = any((where / name).is_file() for name in _TEMPLATE_FILES) or bool(config.get("chat_template"))
-    has_template = has_template or bool(_json(where / "processor_config.json").get("chat_template"))
-    if not has_template:
+    if not chat_template_texts(where):
         missing.append("a chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
     if family.modality == "vision" and not any((where / name).is_file() for name in _PROCESSOR_FILES):
         missing.append("an image processor (preprocessor_config.json or processor_config.json)")
@@ -176,10 +171,3 @@ def check_servable(model_dir: str | Path, model_type: str, family: GenericFamily
             + "; save the checkpoint's processor beside it (processor.save_pretrained), or write a family for it "
             "(docs/families.md)"
         )
-
-
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
