@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,7 @@ from vlm_corl.members.lora import (
 )
 from vlm_corl.members.precision import DTYPES, cast_parameters, rollout_dtype, serves_lower, update_autocast_dtype
 from vlm_corl.members.rollout import Policy
-from vlm_corl.members.state_files import TRAINER_STATE, named_tensors, read_state
+from vlm_corl.members.state_files import TRAINER_STATE, host_copy, named_tensors, read_state
 from vlm_corl.registry import FAMILIES
 
 log = logging.getLogger(__name__)
@@ -353,6 +353,45 @@ class Member:
                 # the weights are saved rounded: keep the masters exact (a LoRA member's adapter is saved in fp32)
                 state["masters"] = {n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
             torch.save(state, directory / TRAINER_STATE)
+
+    def snapshot(self, write: bool = True) -> Callable[[Path], None]:
+        """Host copies of what `save` writes, taken now; the returned function writes them into a directory
+        later (a background checkpoint: training goes on meanwhile, the copies do not change). The same files as
+        `save`; not for a DeepSpeed member (its engine writes its own state: `save`). Only the member's writer
+        (`write`) copies anything: the others hold the same weights."""
+        if self.deepspeed is not None:
+            raise ValueError(f"member {self.id!r} runs under DeepSpeed: its checkpoint is written by `save`")
+        if not write:
+            return lambda directory: None
+        if self.peft is not None:
+            adapter = self.adapter_weights()  # host copies already
+            weights, dtype = None, None
+        else:
+            dtype = self.checkpoint_dtype if self.cfg.trainable else None
+            weights = {name: _saved(t, dtype) for name, t in self.full_weights()}
+        trainer = None
+        if self.optimizer is not None:
+            trainer = host_copy({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
+            if self.checkpoint_dtype != torch.float32 and self.peft is None:
+                trainer["masters"] = host_copy({n: p for n, p in self.model.named_parameters() if p.requires_grad})
+        model, files = self.generation_module, self.processor if self.is_vision else self.tokenizer
+
+        def write_files(directory: Path) -> None:
+            if self.peft is not None:
+                self.peft.save_pretrained(directory, state_dict=adapter, safe_serialization=True)
+            else:
+                model.should_save_on_this_rank = lambda is_main_process: is_main_process  # as in `save_weights`
+                try:
+                    model.save_pretrained(directory, safe_serialization=True, state_dict=weights)
+                finally:
+                    del model.should_save_on_this_rank
+                if dtype is not None:
+                    _record_dtype(Path(directory) / "config.json", dtype)
+            files.save_pretrained(directory)
+            if trainer is not None:
+                torch.save(trainer, Path(directory) / TRAINER_STATE)
+
+        return write_files
 
     def save_weights(self, directory: Path, write: bool = True) -> None:
         """HF-format weights + processor only (a best-so-far model); every rank of the member calls it (under

@@ -6,6 +6,7 @@ DeepSpeed update (`deepspeed_update.py`) both stand on this room; the cohort che
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,3 +60,31 @@ def persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     """A module's buffers that its state dict holds (non-persistent ones, such as rotary tables, are left out)."""
     keys = set(module.state_dict(keep_vars=True))  # non-persistent buffers (rotary tables) are left out
     return ((name, b) for name, b in module.named_buffers() if name in keys)
+
+
+def host_copy(value: object) -> object:
+    """A deep copy of a state (nested dicts, lists and tuples of tensors and plain values) with every tensor copied
+    to the host: what a background checkpoint writes while training goes on. A CUDA tensor goes to pinned memory
+    (the copy runs at the link's speed) and the device is synchronised once at the end; a host tensor is cloned,
+    since the optimizer updates its own in place."""
+    pinned = torch.cuda.is_available()
+    copied = _host_copy(value, pinned)
+    if pinned and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the non-blocking copies have landed before anyone reads them
+    return copied
+
+
+def _host_copy(value: object, pinned: bool) -> object:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+        return out.copy_(t, non_blocking=pinned)
+    if isinstance(value, dict):
+        return {k: _host_copy(v, pinned) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_host_copy(v, pinned) for v in value]
+    if type(value) is tuple:
+        return tuple(_host_copy(v, pinned) for v in value)
+    return copy.deepcopy(value)

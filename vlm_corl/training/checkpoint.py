@@ -74,8 +74,7 @@ def save_checkpoint(
     teachers; a model's writer is its member's first rank); `cohort_state["members"]` lists what the manifest
     requires. Every rank calls this at the same step.
     """
-    root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step}"
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
         tmp.mkdir(parents=True)
@@ -85,13 +84,22 @@ def save_checkpoint(
             member.save(tmp / member.id, write=writes)
     rngs = world.all_gather(rng_states())  # every rank's RNG states, in rank order
     world.barrier()  # every member's directory is written
+    return finish_checkpoint(world, run_dir, step, {"rng": rngs, **cohort_state}, keep_last)
+
+
+def finish_checkpoint(world: World, run_dir: Path, step: int, cohort_state: dict, keep_last: int) -> Path:
+    """Make step `step`'s written directory a complete checkpoint: world rank 0 checks every member's files,
+    writes the cohort state and the manifest (the marker a resume reads), renames it and prunes to the newest
+    `keep_last`. Every rank calls it once every member's files are on disk."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
     if world.is_main:
         required = cohort_state["members"]
         missing = [f"{mid}/{name}" for mid, files in required.items() for name in files if not _has(tmp / mid, name)]
         if missing:
             raise RuntimeError(f"checkpoint step {step} is incomplete after every rank wrote it: missing {missing}")
         with _disk_full_is_named(tmp, step, run_dir):
-            torch.save({"step": step, "rng": rngs, **cohort_state}, tmp / STATE_FILE)
+            torch.save({"step": step, **cohort_state}, tmp / STATE_FILE)
             manifest = {"step": step, "members": required, "replicas": cohort_state.get("replicas", {})}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         shutil.rmtree(final, ignore_errors=True)
