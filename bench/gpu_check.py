@@ -21,8 +21,10 @@ On CUDA (`--size real`, the default there): members with released architectures 
   resumed: every step's row once, the last checkpoint complete, the losses finite (a LoRA checkpoint is MBs: a
   full 2B member's with Adam is 35 GB);
 - `decode_sync`: the HF decode loop's schedules (reading the device every 8 tokens, the ready-made decoding
-  mask, the KV cache with reserved room) each fed one fixed token sequence (teacher-forced): the per-token
-  log-probs each gives against reading every token with transformers' own mask and cache, and their seconds;
+  mask, the KV cache with reserved room, the static KV cache with its steps captured as CUDA graphs) each fed
+  one fixed token sequence (teacher-forced): the per-token log-probs each gives against reading every token
+  with transformers' own mask and cache, their seconds and tokens/s (the static one's first call, which
+  compiles and captures, timed apart);
 - `rollout_precision`: HF rollouts of fp32 masters in fp32, under bf16 autocast and from a bf16 copy
   (bench/rollout_precision.py);
 - `rope_buffers`: the HF engine's bf16 copy of a ZeRO-3 member keeps RoPE's inv_freq in fp32.
@@ -70,7 +72,7 @@ SIZES = {  # rollout and batch settings per size; `resume` trains at `resume_*` 
                  resume_batch=4, resume_n=2, resume_tokens=8),
 }  # fmt: skip
 LIMIT_S = {  # each check's own time limit at the real size (s): about twice what it took on an H200 (2026-12-04)
-    "members": 90, "train": 150, "zero2": 100, "lora": 100, "resume": 120, "decode_sync": 60, "rope_buffers": 45,
+    "members": 90, "train": 150, "zero2": 100, "lora": 100, "resume": 120, "decode_sync": 240, "rope_buffers": 45,
     "rollout_precision": 90, "zero3": 150, "zero3_offload": 150,
 }  # fmt: skip
 LIMIT_TINY_S = 240
@@ -257,11 +259,13 @@ def rollout_precision_check(ctx: Context) -> dict:
 
 
 DECODE_TOLERANCE = {"cuda": 0.05, "cpu": 1e-5}  # mean |delta log p| of one token sequence under two schedules
-SCHEDULES = {  # name: (decode steps between device reads, ready-made decoding mask, KV cache with reserved room)
-    "every_token": (1, False, False),  # transformers' own mask and growing cache, a read every token: the reference
-    "chosen": (None, False, False),  # the device's read schedule (hf.sync_every)
-    "ready": (None, True, False),  # + the ready-made decoding mask (transformers' checks padding on the host)
-    "reserved": (None, True, True),  # + room reserved in the KV cache (no concatenation every token)
+SCHEDULES = {  # name: (decode steps between device reads, ready-made decoding mask, KV cache with reserved room,
+    # static KV cache: rollout.hf_static_cache on, its one-token steps captured as CUDA graphs on CUDA)
+    "every_token": (1, False, False, False),  # transformers' own mask and growing cache, a read every token: reference
+    "chosen": (None, False, False, False),  # the device's read schedule (hf.sync_every)
+    "ready": (None, True, False, False),  # + the ready-made decoding mask (transformers' checks padding on the host)
+    "reserved": (None, True, True, False),  # + room reserved in the KV cache (no concatenation every token)
+    "static": (None, True, False, True),  # a static KV cache, rows kept to the end, steps replayed (issue 47)
 }
 
 
@@ -275,11 +279,14 @@ def decode_sync_check(ctx: Context) -> dict:
     A schedule differs by numerics alone when its mean |delta log p| stays within DECODE_TOLERANCE for the compute
     dtype (bf16 on CUDA: other batch shapes may round otherwise; fp32 on the CPU: the schedules are bit-equal
     there); a bug (a wrong cache row, a stale mask) moves whole responses by far more. `schedule_seconds`: median
-    of 2 timed calls. On the H200 (32 rows of 32 tokens, none ending early) all schedules were bit-equal."""
+    of 2 timed calls; `tokens_per_s`: the response tokens over those seconds. The static schedule's engine is
+    called once before (untimed: `static_first_call_seconds`, its compile and capture) and must not fall back
+    to the plain loop (`static_fallbacks`: the reasons it did). On the H200 (32 rows of 32 tokens, none ending
+    early) all schedules but the static one (not yet run there) were bit-equal."""
     from vlm_corl.config import MemberConfig
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.distributed.world import default_device
-    from vlm_corl.members import batching
+    from vlm_corl.members import batching, static_decode
     from vlm_corl.members.engines import hf
     from vlm_corl.members.member import load_member
     from vlm_corl.members.render import Renderer
@@ -291,30 +298,42 @@ def decode_sync_check(ctx: Context) -> dict:
     prompts = [render(ex) for ex in load_examples("easyvqa", split="test", limit=s["precision_prompts"]).examples]
     greedy = SamplingParams(n=4, max_new_tokens=s["precision_tokens"], temperature=0.0)
     chosen = hf.sync_every(member.device)
-    with schedule(hf, batching, SCHEDULES["every_token"], chosen):
-        greedy_ids = [r.token_ids for g in hf.HFEngine(member).generate(prompts, greedy) for r in g.responses]
+    with schedule(hf, batching, SCHEDULES["every_token"], chosen) as static:
+        engine = hf.HFEngine(member, static)
+        greedy_ids = [r.token_ids for g in engine.generate(prompts, greedy) for r in g.responses]
     reference = staggered(greedy_ids, greedy.max_new_tokens, member.eos_token_ids[0])
-    logps, seconds = {}, {}
+    logps, seconds, first_call = {}, {}, None
+    fallbacks = len(static_decode.fallback_reasons)
     for name, setting in SCHEDULES.items():
-        with schedule(hf, batching, setting, chosen), teacher_forced(hf, reference):
+        with schedule(hf, batching, setting, chosen) as static, teacher_forced(hf, reference):
+            engine = hf.HFEngine(member, static)  # one engine: the static one keeps its cache and graphs
+            if static == "on":
+                start = time.perf_counter()
+                engine.generate(prompts, greedy)
+                _sync()
+                first_call = round(time.perf_counter() - start, 4)
             times = []
             for _ in range(2):
                 start = time.perf_counter()
-                groups = hf.HFEngine(member).generate(prompts, greedy)
+                groups = engine.generate(prompts, greedy)
                 _sync()
                 times.append(time.perf_counter() - start)
         assert [r.token_ids for g in groups for r in g.responses] == reference, f"{name}: not teacher-forced"
         logps[name] = [r.token_logprobs for g in groups for r in g.responses]
         seconds[name] = round(statistics.median(times), 4)
+    static_fallbacks = static_decode.fallback_reasons[fallbacks:]
+    tokens = sum(map(len, reference))
     tolerance = DECODE_TOLERANCE[member.device.type]
     compared = {name: logprob_gap(logps["every_token"], logps[name], tolerance) for name in SCHEDULES}
     compared.pop("every_token")
     return {"sync_every": chosen, "ready_decode_mask": batching.ready_decode_mask(member.model.config),
-            "tokens": sum(map(len, reference)), "rows": len(reference),
+            "tokens": tokens, "rows": len(reference),
             "rows_ended_early": sum(len(r) < greedy.max_new_tokens for r in reference), "tolerance": tolerance,
-            "schedule_seconds": seconds, "logprob_gap": compared,
+            "schedule_seconds": seconds, "tokens_per_s": {n: round(tokens / t, 1) for n, t in seconds.items()},
+            "static_first_call_seconds": first_call, "static_fallbacks": static_fallbacks,
+            "logprob_gap": compared,
             "differ_beyond_numerics": sorted(n for n, c in compared.items() if not c["numerics_only"]),
-            "ok": all(c["numerics_only"] for c in compared.values())}  # fmt: skip
+            "ok": all(c["numerics_only"] for c in compared.values()) and not static_fallbacks}  # fmt: skip
 
 
 def staggered(responses: list[list[int]], limit: int, eos: int) -> list[list[int]]:
@@ -341,8 +360,9 @@ def logprob_gap(want: list[list[float]], got: list[list[float]], tolerance: floa
 @contextmanager
 def schedule(hf, batching, setting: tuple, chosen: int):
     """The HF decode loop under one of SCHEDULES (read every `every` steps, its ready-made mask or transformers',
-    a reserved or a growing KV cache), restored afterwards."""
-    every, own_mask, reserved = setting
+    a reserved or a growing KV cache), restored afterwards; yields the engine's rollout.hf_static_cache (on for
+    the static schedule, else off: auto would be on for every schedule on CUDA)."""
+    every, own_mask, reserved, static = setting
     every = chosen if every is None else every
     saved = hf.sync_every, batching.ready_decode_mask, batching.reserve_cache
     ready = batching.ready_decode_mask
@@ -350,7 +370,7 @@ def schedule(hf, batching, setting: tuple, chosen: int):
     batching.ready_decode_mask = lambda config: own_mask and ready(config)
     batching.reserve_cache = saved[2] if reserved else (lambda cache, room: None)
     try:
-        yield
+        yield "on" if static else "off"
     finally:
         hf.sync_every, batching.ready_decode_mask, batching.reserve_cache = saved
 

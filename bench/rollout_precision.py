@@ -66,7 +66,9 @@ def contexts(mode: str, device: torch.device):
 def run(model, prompts, params, policy, eos, tok, mode, device, counter=None):
     autocast, grad = contexts(mode, device)
     with autocast, grad, counter if counter is not None else contextlib.nullcontext():
-        tokens, _, _, _ = sample(model, [p.inputs for p in prompts], params, policy, eos, tok)
+        # the plain decoding loop (static cache off), whose casts this counts; gpu_check's decode_sync times the
+        # static one
+        tokens, _, _, _ = sample(model, [p.inputs for p in prompts], params, policy, eos, tok, "off")
     return sum(len(t) for t in tokens)
 
 

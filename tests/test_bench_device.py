@@ -53,9 +53,9 @@ def gpu_check(*args: str, timeout: int) -> tuple[subprocess.CompletedProcess, di
 def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     """bench/gpu_check.sh at the tiny size on the CPU: every check it runs on a lent GPU (real-size members,
     training with its memory plan, ZeRO-2, ZeRO-3 and ZeRO-3 offload, a LoRA member, a kill and resume, the
-    decode loop's schedules teacher-forced, rollout precision, the ZeRO-3 copy's fp32 RoPE buffers) runs here
-    too, each in a process of its own whose directory is deleted once read, and reports its JSON; then
-    `--only` reruns one over the members already built."""
+    decode loop's schedules teacher-forced (the static KV cache's among them), rollout precision, the ZeRO-3
+    copy's fp32 RoPE buffers) runs here too, each in a process of its own whose directory is deleted once read,
+    and reports its JSON; then `--only` reruns one over the members already built."""
     proc, result = gpu_check("--size", "tiny", "--steps", "2", "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0 and result["ok"], json.dumps(result)[-3000:]
     assert result["mode"] == "cpu fallback" and result["vllm"].startswith("skipped")
@@ -72,7 +72,10 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     sync = result["decode_sync"]
     assert sync["sync_every"] == 1 and sync["ready_decode_mask"] and sync["tokens"] > 0  # CPU: a read every token
     assert 0 < sync["rows_ended_early"] < sync["rows"]  # rows leave the batch mid-way, at staggered steps
-    assert set(sync["logprob_gap"]) == {"chosen", "ready", "reserved"} and sync["differ_beyond_numerics"] == []
+    assert set(sync["logprob_gap"]) == {"chosen", "ready", "reserved", "static"}
+    assert sync["differ_beyond_numerics"] == []
+    assert sync["static_fallbacks"] == [] and sync["static_first_call_seconds"] > 0  # the static cache decoded
+    assert set(sync["tokens_per_s"]) == set(sync["schedule_seconds"]) and all(sync["tokens_per_s"].values())
     assert all(gap["max_abs"] <= 1e-5 for gap in sync["logprob_gap"].values())  # fp32 on the CPU: bit-equal
     assert result["sleep_wake"]["skipped"] and result["rope_buffers"]["inv_freq_dtypes"] == ["torch.float32"]
     errors = result["rope_buffers"]["mean_abs_logit_error"]

@@ -3,7 +3,9 @@
 Each prompt (and its images) goes through the model once; its KV cache is repeated K times and the K samples
 are decoded from it by a short loop over the model's forward pass (`batching.prefill` / `continuation`), not by
 `generate`, which would prefill and encode every prompt K times and pay its per-token machinery. Greedy
-decoding emits exactly `generate`'s tokens (tests/test_rollout.py checks every family of the zoo).
+decoding emits exactly `generate`'s tokens (tests/test_rollout.py checks every family of the zoo). With
+`rollout.hf_static_cache` (auto: on CUDA) the one-token steps run over a static KV cache with fixed shapes,
+captured as CUDA graphs on a GPU (`vlm_corl.members.static_decode`): the same tokens and log-probs.
 
 Sampling follows `generate(do_sample=True)` with `suppress_tokens`, temperature, top-k and top-p. The policy
 is the tempered distribution with the member's suppressed (control) tokens removed, the one the update's
@@ -25,26 +27,30 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from vlm_corl.members.batching import DecodeSteps, prefill
+from vlm_corl.members.batching import prefill
 from vlm_corl.members.finite import NonFiniteLogits
 from vlm_corl.members.rollout import Policy, Prompt, Response, RolloutGroup, SamplingParams
+from vlm_corl.members.static_decode import StaticBuckets, decode_steps
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
 class HFEngine:
-    """Rollout engine over the forward pass of a loaded member (see `vlm_corl.members.member.Member`)."""
+    """Rollout engine over the forward pass of a loaded member (see `vlm_corl.members.member.Member`);
+    `static_cache`: rollout.hf_static_cache (auto | on | off)."""
 
-    def __init__(self, member):
-        self.member = member
+    def __init__(self, member, static_cache: str = "auto"):
+        self.member, self.static_cache = member, static_cache
+        self.buckets = StaticBuckets()  # the static caches and captured steps, kept from one rollout to the next
 
     def sync_weights(self) -> None:
         """Sampling uses the member's live module; an EMA teacher's rollout-dtype copy takes its new weights."""
         self.member.refresh_rollout_copy()
 
     def sleep(self) -> None:
-        """Nothing to release: the engine holds no memory of its own."""
+        """Nothing released: the weights are the member's, and the static caches (`buckets`) stay allocated
+        through the update, so the next rollout replays their captured steps instead of compiling again."""
 
     def wake(self) -> None:
         """Nothing to take back."""
@@ -62,7 +68,7 @@ class HFEngine:
             try:
                 tokens, stopped, sums, token_logp = sample(
                     model, [p.inputs for p in prompts], params, member.policy(params.temperature), member.eos_token_ids,
-                    tok,
+                    tok, self.static_cache, self.buckets,
                 )  # fmt: skip
             except NonFiniteLogits as err:
                 raise NonFiniteLogits(f"member {member.id!r}: {err}") from None
@@ -93,9 +99,13 @@ def sample(
     policy: Policy,
     eos_ids: list[int],
     tokenizer: PreTrainedTokenizerBase,
+    static_cache: str = "auto",
+    buckets: StaticBuckets | None = None,
 ) -> tuple[list[list[int]], list[bool], dict, list]:
     """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i, from `policy` (its pad id,
-    suppressed tokens, M-RoPE flag; the temperature and the rest of the draw come from `params`).
+    suppressed tokens, M-RoPE flag; the temperature and the rest of the draw come from `params`);
+    `static_cache` (auto | on | off) chooses the decoding steps (`static_decode.decode_steps`), over the static
+    caches of `buckets` (an engine's, kept across rollouts; a fresh set when None).
 
     Returns per row: its tokens (up to and including the eos or the token that completes a stop string),
     whether it stopped (eos or stop string, not the length limit), the sums over its tokens of the
@@ -106,7 +116,7 @@ def sample(
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
     limit = params.max_new_tokens
-    steps = DecodeSteps(prefix, limit)
+    steps = decode_steps(model, prefix, limit, static_cache, policy.pad_id, buckets)
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
     choose, eos = Chooser(params), torch.tensor(eos_ids, device=device)
     samplable = _samplable(vocab, policy.suppressed, device)  # (V',) token ids the policy can emit
@@ -116,8 +126,9 @@ def sample(
     # Each row's length: the length limit until it ends (an eos token, or a stop string found at a sync point).
     lengths = torch.full((rows,), limit, dtype=torch.long, device=device)
     # The batch (indices into the R rows) and which of its rows still decode. A row that ends stays in the batch
-    # until the next synchronisation (`sync_every`), where ended rows leave the batch and the cache; between
-    # two, the loop reads nothing back from the device (on a GPU each read waits for every queued kernel).
+    # until the next synchronisation (`sync_every`), where ended rows leave the batch and the cache (over a
+    # static cache they stay to the end, fed the pad token: `steps.keeps_rows`); between two, the loop reads
+    # nothing back from the device (on a GPU each read waits for every queued kernel).
     # Finite logits are checked once, at the end. `at` indexes the batch's rows in the (R, ...) tensors: a plain
     # slice while every row decodes (a strided copy per write, not an indexed scatter).
     active, at = torch.arange(rows, device=device), slice(None)
@@ -136,7 +147,7 @@ def sample(
         lengths[at] = torch.where(ended, t + 1, lengths[at])
         alive &= ~ended
         if t + 1 < limit and (t + 1 - synced) % every:
-            logits = model(**steps.inputs(next_tokens[:, None], t)).logits[:, -1]
+            logits = steps.logits(next_tokens, alive, t)
             continue
         # a synchronisation: stop strings in the tokens since the last one, who is left
         if stops is not None:
@@ -146,12 +157,12 @@ def sample(
         synced = t + 1
         if t + 1 == limit or not bool(alive.any()):
             break
-        if not bool(alive.all()):
+        if not steps.keeps_rows and not bool(alive.all()):
             keep = alive.nonzero().squeeze(1)
             steps.select(keep)
             active, alive, next_tokens = active[keep], alive[keep], next_tokens[keep]
             at = active
-        logits = model(**steps.inputs(next_tokens[:, None], t)).logits[:, -1]
+        logits = steps.logits(next_tokens, alive, t)
     within = torch.arange(limit, device=device) < lengths[:, None]  # (R, T): each row's own tokens
     _check_finite(stats["entropy"], within)
     sums = {name: (value * within).sum(dim=1).tolist() for name, value in stats.items()}
