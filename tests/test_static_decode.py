@@ -197,3 +197,24 @@ def test_an_engine_keeps_its_static_caches_and_compiled_steps_across_rollouts(ti
         buckets.get(member.model, "past_key_values", (rows, 256, torch.float32, torch.device("cpu")))
     assert [key[0] for key in buckets.buckets] == [3, 4, 5, 6]  # the least recently used went
 
+
+def test_a_model_whose_static_layers_transformers_would_not_make_full_falls_back(tiny_zoo, examples, monkeypatch):
+    """transformers builds the static cache's layers from the config on its own: a model for which it would
+    make any but plain full-attention layers keeps today's loop, naming them."""
+    member, prompts = _member_and_prompts(tiny_zoo, examples[:1], "qwen2")
+    monkeypatch.setattr(static_decode, "fallback_reasons", [])
+
+    class Sliding:
+        pass
+
+    made = static_decode.StaticCache
+
+    def sliding_cache(config, max_cache_len):
+        cache = made(config=config, max_cache_len=max_cache_len)
+        cache.layers[-1] = Sliding()
+        return cache
+
+    monkeypatch.setattr(static_decode, "StaticCache", sliding_cache)
+    steps = []
+    _rollout(member, prompts, SamplingParams(n=2, max_new_tokens=3), "on", monkeypatch, steps)
+    assert not steps[0].static and static_decode.fallback_reasons == ["qwen2: static cache layers Sliding, StaticLayer"]

@@ -84,6 +84,10 @@ def unsupported(model: torch.nn.Module, prefix: Prefix) -> str | None:
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers or [prefix.cache]})
         return f"{config.model_type}: cache layers {', '.join(kinds)} (a static cache copies full-attention ones)"
+    # transformers decides the static layers from the config on its own: they must be plain full attention too
+    static = {type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers}  # unallocated
+    if static != {"StaticLayer"}:
+        return f"{config.model_type}: static cache layers {', '.join(sorted(static))}"
     return None
 
 
@@ -155,7 +159,7 @@ class _Bucket:
 
     def __init__(self, model, cache_arg: str, batch: int, length: int, dtype: torch.dtype, device: torch.device):
         config = unwrapped(model).config
-        self.cache = StaticCache(config=config, max_cache_len=length)  # StaticLayers: full attention (`unsupported`)
+        self.cache = StaticCache(config=config, max_cache_len=length)  # StaticLayers only (`unsupported`)
         self.mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
         cache = self.cache
 
