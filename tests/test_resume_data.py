@@ -110,7 +110,7 @@ def test_a_stream_with_other_rows_is_refused(tiny_zoo, tmp_path):
         return datasets.IterableDataset.from_generator(lambda: iter(rows))
 
     cfg = cohort(tmp_path, [("a", tiny_zoo["qwen3"]), ("b", tiny_zoo["llama"])], reward={"mode": "none"})
-    del cfg["data"]["train"]
+    cfg["data"]["train"] = {"limit": 8}  # a stream is read up to data.train.limit, and refused without it
     cfg["data"]["batch_size"] = 2
     cfg["rollout"]["n"] = 2
     cfg["train"].update(max_steps=1, save_every=1)

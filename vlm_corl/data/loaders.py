@@ -10,6 +10,14 @@ undecodable line, a field of the wrong type). It does no other checking: `load_e
 checks to every loader's records (empty question, duplicate id, images that do not decode) and counts every
 record it drops, by reason, in a `LoadReport`.
 
+Images are never dropped silently. A record whose image field is null (or "", or an Image value with neither
+bytes nor path) has lost its image: it is dropped and counted ("no_image"). Data in which any record has an
+image, or names one that does not load, is image data: a record of it without an image (the field absent, or an
+empty list) is dropped as "no_image" too, as a question about a picture cannot be asked without it. No record
+with an image at all is a DataError naming the columns when the image field is null in every record, or when
+pictures sit in a column no field reads (a misnamed image column). A source with no known end (a stream: the
+loader returns a `Stream`) is read lazily, only up to `limit`, and refused without one.
+
 Built-in loaders: "jsonl" (JSONL + image folder), "hf" (a Hugging Face dataset on local disk), "easyvqa" (the
 easy-vqa PyPI package); `text_corl` adds "math500" through an entry point. A user loader is any function with
 the signature above, named as "package.module:function" or registered under a name.
@@ -20,7 +28,8 @@ names another column for a field, which then must exist):
     id           "id" (string or integer); default "<source>-<split>-<row index, 6 digits>"
     question     "question", "prompt", "problem"
     images       "images", "image": a path (relative to `image_root`), a {"bytes", "path"} mapping (the
-                 datasets Image feature), raw bytes, or a list of these; absent or null for text-only records
+                 datasets Image feature), raw bytes, or a list of these; absent or [] for a text-only record
+                 (null: the record lost its image, and is dropped as "no_image")
     answer       "answer" (string or number)
     choices      "choices", "options" (list of strings or numbers)
     paraphrases  "paraphrases" (list of strings)
@@ -35,7 +44,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,10 +79,43 @@ class DataError(UserError):
 
 @dataclass(frozen=True)
 class Skip:
-    """A record a loader could not turn into an `Example`: `reason` is a short key, `detail` says where/why."""
+    """A record a loader could not turn into an `Example`: `reason` is a short key, `detail` says where/why;
+    `columns`, where the loader gives them, are the record's own field names (for a message naming them)."""
 
     reason: str
     detail: str
+    columns: tuple[str, ...] = field(default=(), compare=False)
+
+
+IMAGE_REASONS = frozenset(
+    {"image_url", "missing_image", "unreadable_image", "zero_size_image", "corrupt_image", "oversized_image"}
+)
+"""Skip reasons of a record that names an image which does not load: the data has images."""
+
+STREAM_READS_PER_EXAMPLE = 10
+"""A stream is read for at most this many records per example asked for (and at least `STREAM_MIN_READS`): a
+stream whose records are all dropped ends the load, not the run's memory."""
+STREAM_MIN_READS = 1000
+
+
+class Stream(Iterator):
+    """A loader's records from a source with no known end (a `datasets.IterableDataset`, a torch
+    `IterableDataset`, a generator): `load_examples` reads it lazily, up to its `limit`, and refuses it without one.
+    `what` names the source and `limit_setting` where its user gives the limit (e.g. "data.train.limit")."""
+
+    def __init__(self, records: Iterable, what: str, limit_setting: str):
+        self._records = iter(records)
+        self.what = what
+        self.limit_setting = limit_setting
+        self.read = 0  # records pulled so far
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self):
+        item = next(self._records)
+        self.read += 1
+        return item
 
 
 @dataclass
@@ -89,6 +131,7 @@ class LoadReport:
     """reason -> the first `SAMPLES_PER_REASON` dropped records, as "id: detail" or the loader's detail."""
     skip_first: int = 0  # kept examples a training run passes over first (data.train.skip)
     used: int | None = None  # the examples the run uses (after data.train.skip and limit); None: all kept
+    no_image_columns: set[str] = field(default_factory=set, repr=False)  # the columns of records without an image
 
     def skip(self, reason: str, detail: str) -> None:
         """Count one dropped record."""
@@ -144,9 +187,12 @@ def load_examples(
 
     `limit` stops after that many kept examples. `options` go to the loader. A record is dropped, and counted
     under its reason, when the loader yields a `Skip`, its question is blank ("empty_question"), its id was
-    already kept ("duplicate_id"; the first wins), or one of its images fails `load_image` (a `BadImage`
-    reason: "missing_image", "corrupt_image", "zero_size_image", ...). Each distinct image is decoded once.
-    Raises `DataError` when the source cannot be read or no record survives.
+    already kept ("duplicate_id"; the first wins), one of its images fails `load_image` (a `BadImage`
+    reason: "missing_image", "corrupt_image", "zero_size_image", ...), or it has no image in data that has
+    images or a null image field ("no_image": see the module doc). Each distinct image is decoded once.
+    Raises `DataError` when the source cannot be read, no record survives (a tailored message when records
+    were dropped for a null image), or no record has an image but a column holds pictures; `ConfigError`
+    (naming the loader's limit setting) for a `Stream` without `limit`.
     """
     if limit is not None and limit < 1:
         raise DataError(f"limit must be at least 1, or None for every record (got {limit})")
@@ -160,31 +206,166 @@ def load_examples(
             f"{accepted or 'no options'} (data.train.options)"
         ) from err
     items = fn(path, split, **options)
+    if isinstance(items, Stream) and limit is None:
+        from vlm_corl.config.parse import ConfigError  # the data layer does not import the config package
+
+        setting = items.limit_setting
+        raise ConfigError(
+            [
+                f"{setting}: {items.what} is a stream with no known end, read only up to {setting}, which is "
+                f"not set (it would be read forever): set {setting} to the number of examples to use"
+            ],
+            [setting],
+        )
     report = LoadReport(loader, None if path is None else os.fspath(path), split)
-    examples: list[Example] = []
-    kept_ids: set[str] = set()
-    image_problems: dict[ImageSource, BadImage | None] = {}
-    for item in items:
-        if isinstance(item, Skip):
-            report.skip(item.reason, item.detail)
-            continue
-        problem = _problem(item, kept_ids, image_problems)
-        if problem is not None:
-            report.skip(problem[0], f"{item.id}: {problem[1]}")
-            continue
-        examples.append(item)
-        kept_ids.add(item.id)
-        if len(examples) == limit:
-            break
+    examples = _checked(items, report, limit)
     report.kept = len(examples)
+    where = report.path or str(options.get("source") or loader)  # the Python API's: train_dataset, eval_dataset
+    if not examples and report.skipped.get("no_image"):
+        raise DataError(_no_image_at_all(report, where, loader))
     if not examples:
         raise DataError(
             f"no usable example in {report.path or loader} (split {split!r}):\n{report.summary()}\n"
             f"Check the path, the split and the field names (see vlm_corl.data.loaders)."
         )
+    if not any(ex.images for ex in examples) and not report.skipped.keys() & IMAGE_REASONS:
+        _refuse_misnamed_images(examples, where, loader)
+    if report.skipped.get("no_image"):
+        log.warning(
+            "%d record(s) of %s have no image (a null image field, or none in data whose records have images): "
+            "dropped, as a question about a picture cannot be asked without it; e.g. %s",
+            report.skipped["no_image"],
+            where,
+            "; ".join(report.samples["no_image"][:2]),
+        )
     if report.skipped:
         log.warning("dropped records while loading data:\n%s", report.summary())
     return LoadResult(examples, report)
+
+
+def _checked(items: Iterable[Example | Skip], report: LoadReport, limit: int | None) -> list[Example]:
+    """The examples of `items` that pass every check, in order, at most `limit`; every dropped one counted in
+    `report`. Once the data shows images (a record has one, or names one that does not load), an example without
+    an image is dropped as "no_image", those kept before that too. A `Stream` is read for at most
+    STREAM_READS_PER_EXAMPLE x `limit` records."""
+    examples: list[Example] = []
+    kept_ids: set[str] = set()
+    image_problems: dict[ImageSource, BadImage | None] = {}
+    has_images = False
+    stream = items if isinstance(items, Stream) else None
+    most = None if stream is None or limit is None else max(STREAM_MIN_READS, STREAM_READS_PER_EXAMPLE * limit)
+
+    def images_seen() -> None:  # the data has images: the examples kept without one are dropped after all
+        nonlocal has_images, examples
+        if has_images:
+            return
+        has_images = True
+        for ex in examples:
+            if not ex.images:
+                report.skip("no_image", f"{ex.id}: no image, in data whose records have images")
+                kept_ids.discard(ex.id)
+        examples = [ex for ex in examples if ex.images]
+
+    for item in items:
+        if isinstance(item, Skip):
+            report.skip(item.reason, item.detail)
+            if item.reason in IMAGE_REASONS:
+                images_seen()
+            if item.reason == "no_image":
+                report.no_image_columns.update(item.columns)
+        else:
+            problem = _problem(item, kept_ids, image_problems)
+            if problem is None and not item.images and has_images:
+                problem = ("no_image", "no image, in data whose records have images")
+            if problem is not None:
+                report.skip(problem[0], f"{item.id}: {problem[1]}")
+                if problem[0] in IMAGE_REASONS:
+                    images_seen()
+            else:
+                if item.images:
+                    images_seen()
+                examples.append(item)
+                kept_ids.add(item.id)
+                if len(examples) == limit:
+                    break
+        if most is not None and stream.read >= most:
+            log.warning(
+                "%s: stopped reading after %d records, %d of them kept (of %d asked for): the stream's records are "
+                "mostly dropped (%s)",
+                stream.what,
+                stream.read,
+                len(examples),
+                limit,
+                ", ".join(f"{reason}: {n}" for reason, n in report.skipped.items()),
+            )
+            break
+    return examples
+
+
+def _no_image_at_all(report: LoadReport, where: str, loader: str) -> str:
+    """The refusal of data whose records name an image field but none holds an image."""
+    columns = sorted(report.no_image_columns)
+    return (
+        f"{where}: no record has an image, though the records name one: {report.skipped['no_image']} "
+        f"record(s) without their image (e.g. {'; '.join(report.samples['no_image'][:3])}); their columns: "
+        f"{', '.join(columns) or 'unknown'}. The images were lost when the data was made, or are in another "
+        f"column: {_name_it(loader, '<column>')} (if the data is text-only, remove the null image column)\n"
+        f"{report.summary()}"
+    )
+
+
+def _refuse_misnamed_images(examples: list[Example], where: str, loader: str) -> None:
+    """DataError when no example has an image but a column that is read as no field holds pictures (bytes of an
+    image file, a {"bytes", "path"} image value, a path or URL of an image file): a misnamed image column."""
+    for ex in examples[:IMAGE_SCAN]:
+        for column, value in ex.metadata.items():
+            if _looks_like_image(value):
+                other = sorted({k for e in examples[:IMAGE_SCAN] for k in e.metadata})
+                raise DataError(
+                    f"{where}: no record has an image under "
+                    f"{' or '.join(repr(n) for n in FIELD_NAMES['images'])}, but column {column!r} holds "
+                    f"pictures (e.g. record {ex.id}: {_shown(value)}); columns not read as an example "
+                    f"field: {', '.join(other)}. If they are the questions' images, {_name_it(loader, column)}; if "
+                    f"the data is text-only, remove that column"
+                )
+
+
+IMAGE_SCAN = 200
+"""Examples whose other columns are looked at for pictures when no example has an image."""
+
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"RIFF", b"II*\x00", b"MM\x00*")
+
+
+def _looks_like_image(value: Any) -> bool:
+    """A picture as a record would hold it: image file bytes, a decoded image, a datasets Image value, or the
+    path or URL of an image file (or a non-empty list of these)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_looks_like_image(v) for v in value)
+    if isinstance(value, Mapping) and set(value) <= {"bytes", "path"} and value:
+        return _looks_like_image(value.get("bytes")) or _looks_like_image(value.get("path"))
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).startswith(_IMAGE_MAGIC)
+    if isinstance(value, str):
+        return len(value) < 1000 and "\n" not in value and value.split("?")[0].lower().endswith(_IMAGE_SUFFIXES)
+    return all(hasattr(value, a) for a in ("save", "mode", "size"))  # a PIL image
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}, first {_shown(value[0])}"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, Mapping):
+        return "{'bytes': ..., 'path': ...}"
+    return repr(value) if isinstance(value, str) else type(value).__name__
+
+
+def _name_it(loader: str, column: str) -> str:
+    """How a user names a dataset's image column, for this loader."""
+    if loader == "python":
+        return f"name it with columns={{'image': {column!r}}}"
+    return f"name it with the loader option fields={{'images': {column!r}}} (data.train.options.fields)"
 
 
 HUB_TIMEOUT_S = 5.0
@@ -318,7 +499,9 @@ def example_from_row(
     """Map one record (a JSON object or a dataset row) onto an Example using `FIELD_NAMES`.
 
     `fields` overrides the record field name for an Example field; `image_root` anchors relative image paths.
-    Returns Skip("bad_record", ...) for a record that is not a mapping or has a field of the wrong type.
+    Returns Skip("bad_record", ...) for a record that is not a mapping or has a field of the wrong type, and
+    Skip("no_image", ...) for one whose image field is there but null ("", an Image value with neither bytes
+    nor path, a list of only these), or absent where `fields` names it; [] is a record without images.
     """
     if not isinstance(row, Mapping):
         return Skip("bad_record", f"{fallback_id}: expected an object with fields, got {type(row).__name__}")
@@ -328,6 +511,10 @@ def example_from_row(
     def value(attr: str) -> Any:
         return None if used[attr] is None else row[used[attr]]
 
+    if (used["images"] is not None or (fields and "images" in fields)) and _lost_image(value("images")):
+        found = f"its {used['images']!r} field is {value('images')!r}" if used["images"] else None
+        said = found or f"no {fields['images']!r} field"
+        return Skip("no_image", f"{_own_id(value('id')) or fallback_id}: {said}", columns=tuple(map(str, row)))
     try:
         return Example(
             id=_text(value("id"), "id") or fallback_id,
@@ -371,6 +558,16 @@ def _texts(value: Any, name: str) -> tuple[str, ...]:
     if None in texts:
         raise _BadField(f"{name} has a null entry")
     return texts
+
+
+def _lost_image(value: Any) -> bool:
+    """An image field whose image is lost: null, "", an Image value with neither bytes nor path, or a non-empty
+    list of only these ([] is a record without images: data_tools.prepare writes text records so)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_lost_image(v) for v in value)
+    if isinstance(value, Mapping) and set(value) <= {"bytes", "path"}:
+        return not value.get("bytes") and not value.get("path")
+    return value is None or value == ""
 
 
 def _images(value: Any, root: Path) -> tuple[ImageSource, ...]:

@@ -2,7 +2,9 @@
 loader, so that their rows go through `load_examples`' checks like any file's: a bad row is skipped, counted and
 reported.
 
-A dataset is a `datasets.Dataset`, a `datasets.IterableDataset` or a list of dicts. Columns default to the
+A dataset is a `datasets.Dataset`, a `datasets.IterableDataset`, a torch `IterableDataset` (of dicts) or a list of
+dicts. A stream (either `IterableDataset`) is read lazily, up to `data.train.limit` (`eval.limit` for an
+evaluation set), and refused without it: it may have no end. Columns default to the
 loaders' record fields (`question`, `answer`, `image`/`images`, `id`, `choices`, `paraphrases`; see
 `vlm_corl.data.loaders`); `columns={"question": "problem", "image": "img"}` names others. An image is a PIL
 image, a path, bytes, a {"bytes", "path"} mapping, or a list of these. Every other column stays in the
@@ -20,17 +22,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vlm_corl.data.loaders import FIELD_NAMES, DataError, Skip, check_columns, example_from_row
+from vlm_corl.data.loaders import FIELD_NAMES, DataError, Skip, Stream, check_columns, example_from_row
 from vlm_corl.data.records import Example
 from vlm_corl.registry import LOADERS
 
 LOADER = "python"
 _DATASETS: dict[str, object] = {}  # fingerprint -> the dataset object, in this process
 COLUMN_ALIASES = {"image": "images"}  # a column mapping's key -> the Example field it names
+LIMIT_SETTINGS = {"train_dataset": "data.train.limit", "eval_dataset": "eval.limit"}  # a stream's limit, by argument
 
 
 def register_dataset(data: object, columns: Mapping[str, str] | None, argument: str) -> dict[str, Any]:
@@ -67,12 +71,25 @@ def _column_names(data: object, argument: str) -> list[str] | None:
         datasets = None
     if datasets is not None and isinstance(data, (datasets.Dataset, datasets.IterableDataset)):
         return list(data.column_names) if data.column_names is not None else None
-    if isinstance(data, (list, tuple)):
+    if isinstance(data, (list, tuple)) or _torch_stream(data):
         return None
     raise DataError(
-        f"{argument} must be a datasets.Dataset, a datasets.IterableDataset or a list of dicts, "
-        f"got {type(data).__name__}"
+        f"{argument} must be a datasets.Dataset, a datasets.IterableDataset or a list of dicts (or a torch "
+        f"IterableDataset of dicts), got {type(data).__name__}"
     )
+
+
+def _torch_stream(data: object) -> bool:
+    """Whether `data` is a torch `IterableDataset` (torch is not imported for it: a script that made one has)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(data, torch.utils.data.IterableDataset)
+
+
+def is_stream(data: object) -> bool:
+    """Whether `data` is read as a stream: a `datasets.IterableDataset` or a torch `IterableDataset`, which may
+    have no end."""
+    datasets = sys.modules.get("datasets")
+    return (datasets is not None and isinstance(data, datasets.IterableDataset)) or _torch_stream(data)
 
 
 def fingerprint(data: object) -> str:
@@ -84,6 +101,9 @@ def fingerprint(data: object) -> str:
         return f"ds-{data._fingerprint}"
     if isinstance(data, datasets.IterableDataset):
         info = json.dumps([data.column_names, str(data.features), data.info.dataset_name], default=str)
+        return "stream-" + hashlib.sha256(info.encode()).hexdigest()[:16]
+    if _torch_stream(data):  # never iterated here: it may have no end
+        info = f"{type(data).__module__}.{type(data).__qualname__}"
         return "stream-" + hashlib.sha256(info.encode()).hexdigest()[:16]
     digest = hashlib.sha256()
     for row in data:
@@ -117,7 +137,16 @@ def load_python(
             f"the same process, and none with fingerprint {dataset!r} was given here; run the script that passes "
             "it (a YAML config names its data with a file loader: jsonl, hf, ...)"
         )
-    return _rows(_DATASETS[dataset], source, fields, require_answer)
+    data = _DATASETS[dataset]
+    rows = _rows(data, source, fields, require_answer)
+    if is_stream(data):  # pulled a row at a time, up to the limit, which load_examples requires
+        kind = f"{type(data).__module__.split('.')[0]}.{type(data).__name__}"
+        return Stream(rows, f"{source} ({kind})", _limit_setting(source))
+    return rows
+
+
+def _limit_setting(source: str) -> str:
+    return LIMIT_SETTINGS.get(source, "data.train.limit")
 
 
 def _rows(data: object, source: str, fields, require_answer: bool) -> Iterator[Example | Skip]:

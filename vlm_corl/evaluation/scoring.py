@@ -61,8 +61,10 @@ EASYVQA = Benchmark("easyvqa", "easyvqa", "test", balance_by="question_type")
 
 
 def benchmark_examples(bench: Benchmark, limit: int | None, path: str | None = None) -> list[Example]:
-    """The benchmark's examples, balanced across `balance_by` values when set, at most `limit`."""
-    examples = load_examples(bench.loader, path or bench.path, split=bench.split, **bench.options).examples
+    """The benchmark's examples, balanced across `balance_by` values when set, at most `limit` (read only up to
+    `limit` when not balanced: a stream, `eval_dataset`'s, is read no further)."""
+    upto = None if bench.balance_by else limit
+    examples = load_examples(bench.loader, path or bench.path, split=bench.split, limit=upto, **bench.options).examples
     return balance_by(examples, bench.balance_by, limit) if bench.balance_by else examples[:limit]
 
 
