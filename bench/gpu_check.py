@@ -322,6 +322,10 @@ def decode_sync_check(ctx: Context) -> dict:
         logps[name] = [r.token_logprobs for g in groups for r in g.responses]
         seconds[name] = round(statistics.median(times), 4)
     static_fallbacks = static_decode.fallback_reasons[fallbacks:]
+    # the compiled static step and its CUDA graphs (their memory pool) live in torch's caches past the engine:
+    # dropped here, so the memory left after the check (memory_after_gb) is the check's own leak, if any
+    del engine
+    torch._dynamo.reset()
     tokens = sum(map(len, reference))
     tolerance = DECODE_TOLERANCE[member.device.type]
     compared = {name: logprob_gap(logps["every_token"], logps[name], tolerance) for name in SCHEDULES}
