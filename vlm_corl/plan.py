@@ -86,6 +86,7 @@ def main(argv: Sequence[str]) -> int:
     # torch loads only now (the planner builds models on the meta device): `--help` answers at once
     from vlm_corl.planning.cohort import Hardware, layout_problems, plan_cohort
     from vlm_corl.planning.fixes import fixes
+    from vlm_corl.planning.micro_batch import with_micro_batch
     from vlm_corl.planning.render import render_plan
     from vlm_corl.planning.suggest import suggest
 
@@ -100,6 +101,7 @@ def main(argv: Sequence[str]) -> int:
         cfg = load_config(args.config, [*args.overrides, *stand_ins])
     except ConfigError as err:
         raise UserError(f"{args.config}: " + "; ".join(err.problems)) from None
+    cfg = with_micro_batch(cfg, hardware)  # train.micro_batch_size: auto, as a launch on `hardware` resolves it
     problems = layout_problems(cfg, processes)
     if problems and not args.suggest:
         raise UserError(

@@ -275,7 +275,7 @@ def _meets_constraints(f: dataclasses.Field, value: Any, path: str, problems: Pr
         failed += [
             f"must be {op} {meta[key]}, got {value!r}{why}"
             for key, op in _BOUNDS
-            if key in meta and not _BOUND_TESTS[key](value, meta[key])
+            if key in meta and not isinstance(value, str) and not _BOUND_TESTS[key](value, meta[key])  # not "auto"
         ]
         if "pattern" in meta and not re.fullmatch(meta["pattern"][0], value):
             failed.append(f"{value!r} is not valid; expected {meta['pattern'][1]}")

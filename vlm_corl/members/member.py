@@ -267,8 +267,7 @@ class Member:
             lr=self.cfg.lr or train.lr,
             betas=(train.adam_beta1, train.adam_beta2),
             weight_decay=train.weight_decay,
-            # one kernel for the whole step, without foreach's full-size temporaries (CUDA only)
-            fused=self.device.type == "cuda" and not deepspeed,
+            fused=adamw_fused(self.device, deepspeed, params),
         )
         if not deepspeed:
             # Zero (not None) gradients: a step whose every sequence has zero advantage then updates exactly as
@@ -460,6 +459,17 @@ def allocate_adam_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
     for state in optimizer.state.values():
         state["step"].zero_()
+
+
+def adamw_fused(device: torch.device, deepspeed: bool, params: Iterable[torch.Tensor]) -> bool:
+    """Does the member's AdamW run fused (one kernel for the whole step, without foreach's full-size
+    temporaries)? On CUDA, when every trained parameter is a floating-point tensor on a CUDA device (torch's
+    condition for `fused=True`; `device` decides for parameters still on the meta device), and not under
+    DeepSpeed, whose ZeRO partitions step through its own optimizer wrapper. Elsewhere the foreach
+    implementation (torch's default) runs."""
+    if device.type != "cuda" or deepspeed:
+        return False
+    return all(p.is_floating_point() and p.device.type in ("cuda", "meta") for p in params)
 
 
 def _saved(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

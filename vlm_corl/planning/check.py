@@ -19,6 +19,7 @@ from vlm_corl.members.member import member_family
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import CohortPlan, Hardware, plan_cohort
 from vlm_corl.planning.fixes import fixes
+from vlm_corl.planning.micro_batch import with_micro_batch
 from vlm_corl.planning.render import render_plan, verdict_line
 
 log = logging.getLogger("vlm_corl")
@@ -46,6 +47,17 @@ def launch_hardware(cfg: CohortConfig, device: torch.device, processes: int) -> 
         what = "host RAM"
     label = f"{processes} rank{'s' * (processes > 1)} of {per_rank / GB:.1f} GB ({what})"
     return Hardware(processes, per_rank, cuda=device.type == "cuda", label=label, ranks_per_node=local)
+
+
+def resolve_micro_batch(cfg: CohortConfig, device: torch.device, processes: int, is_main: bool) -> CohortConfig:
+    """`cfg` with `train.micro_batch_size: auto` resolved for this launch (`planning.micro_batch`: on CUDA the
+    largest micro-batch whose plan fits, elsewhere 8); rank 0 logs the choice."""
+    if cfg.train.micro_batch_size != "auto":
+        return cfg
+    if device.type == "cuda":
+        for m in cfg.members:  # a directory the planner cannot read gets the loader's message, not a traceback
+            member_family(m, m.model)
+    return with_micro_batch(cfg, launch_hardware(cfg, device, processes), log_it=is_main)
 
 
 def check_launch(cfg: CohortConfig, device: torch.device, processes: int, is_main: bool) -> CohortPlan | None:

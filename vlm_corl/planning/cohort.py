@@ -228,7 +228,11 @@ class _Launch:
 
 def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
     """The memory plan of `cfg` launched on `hardware` (raises PlacementError if the members cannot be placed):
-    every rank's GPU, every node's host memory and the checkpoints' disk."""
+    every rank's GPU, every node's host memory and the checkpoints' disk. `train.micro_batch_size: auto` is
+    planned at what a launch on `hardware` resolves it to (`micro_batch_for`)."""
+    if cfg.train.micro_batch_size == "auto":
+        size, plan = micro_batch_for(cfg, hardware)
+        return plan or plan_cohort(with_changes(cfg, {MICRO_BATCH: size}), hardware)
     placement = place_members(cfg.members, hardware.processes)
     serving = {m.id: rollout_bytes(cfg, m, hardware.cuda) for m in cfg.members}
     shares = engine_shares(cfg, placement, hardware.device_bytes, hardware.cuda, lambda m: serving[m.id])
@@ -248,6 +252,33 @@ def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
     out.host = host_memory(cfg, placement, _zero2_room(launch, ranks), hardware.ranks_per_node, hardware.cuda)
     out.disk = checkpoint_disk(cfg)
     return out
+
+
+MICRO_BATCH = "train.micro_batch_size"
+CPU_MICRO_BATCH = 8  # auto off CUDA: the default before auto (a CPU is not faster with larger micro-batches)
+
+
+def responses_per_rank(cfg: CohortConfig, processes: int) -> int:
+    """The most responses one rank of a member trains in a step: a member's batch × K over its fewest ranks."""
+    fewest = min(len(ranks) for ranks in place_members(cfg.members, processes).values())
+    return -(-cfg.data.batch_size * cfg.rollout.n // fewest)
+
+
+def micro_batch_for(cfg: CohortConfig, hardware: Hardware) -> tuple[int, CohortPlan | None]:
+    """`train.micro_batch_size: auto` on `hardware`, and the plan at that size (None where none was made).
+
+    On CUDA: the largest power of two up to `responses_per_rank` (which is tried too; a larger micro-batch holds
+    nothing more) whose plan fits every rank, tried from the largest down; 1 when none fits (the memory check
+    then names what else to change). Elsewhere, or where the layout cannot launch at all: `CPU_MICRO_BATCH`."""
+    if not hardware.cuda or layout_problems(cfg, hardware.processes):
+        return CPU_MICRO_BATCH, None
+    rows = responses_per_rank(cfg, hardware.processes)
+    plan = None
+    for size in sorted({rows, *(2**i for i in range(rows.bit_length()) if 2**i <= rows)}, reverse=True):
+        plan = plan_cohort(with_changes(cfg, {MICRO_BATCH: size}), hardware)
+        if plan.fits:
+            return size, plan
+    return 1, plan
 
 
 def _zero2_room(launch: _Launch, ranks: list[RankPlan]) -> dict[int, dict[str, float]]:

@@ -104,7 +104,7 @@ def _families(cfg: CohortConfig, hw: Hardware) -> list[list[tuple[str, dict]]]:
     if not cfg.train.gradient_checkpointing and any(m.trainable for m in cfg.members):
         families.append([("gradient checkpointing", {"train.gradient_checkpointing": True})])
     halvings, mb = [], cfg.train.micro_batch_size
-    while mb > 1:
+    while mb != "auto" and mb > 1:  # auto is already the largest that fits (1 when none does)
         mb //= 2
         halvings.append((f"micro-batch {mb}", {"train.micro_batch_size": mb}))
     families.append(halvings)

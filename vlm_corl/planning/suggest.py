@@ -93,7 +93,7 @@ def suggest(cfg: CohortConfig, hardware: Hardware) -> Suggestion | None:
     """The cheapest layout of `cfg` that fits `hardware` (see the module docstring), or None."""
     zeros = [(None, (0, False))] + [(preset_path(name), (stage, off)) for name, stage, off in ZERO_PRESETS]
     micro = [cfg.train.micro_batch_size]
-    while micro[-1] > 1:
+    while micro[-1] != "auto" and micro[-1] > 1:  # auto: each layout's plan takes the largest that fits
         micro.append(micro[-1] // 2)
     vllm = hardware.cuda and any(member_engine(cfg, m) == "vllm" for m in cfg.members)
     best: tuple | None = None
@@ -123,7 +123,7 @@ def suggest(cfg: CohortConfig, hardware: Hardware) -> Suggestion | None:
                 gc,
                 zero[0],
                 sleep,
-                -mb,
+                -mb if mb != "auto" else 0,
                 split is not None,
             )
             if best is None or key < best[0]:
