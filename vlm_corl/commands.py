@@ -14,6 +14,7 @@ from collections.abc import Sequence
 COMMANDS = {
     "train": ("vlm_corl.train", "train a cohort from its YAML file (vision or text members)"),
     "eval": ("vlm_corl.eval", "score models or a run's checkpoints on benchmarks"),
+    "preflight": ("vlm_corl.preflight", "minutes on your node: will the run work (versions, members, memory, disk)"),
     "plan": ("vlm_corl.plan", "know before launch whether a cohort fits on your GPUs (--suggest: a layout that does)"),
     "report": ("vlm_corl.report", "plots, tables and the members' sampled answers of a run"),
     "export": ("vlm_corl.export", "a run's members as Hugging Face models (--merge: LoRA adapters merged)"),
