@@ -247,7 +247,7 @@ def perturb(member, seed: int = 0) -> str:
     if member.peft is not None:
         scaling = max(member.lora_scaling.values(), default=1.0)  # alpha / r, the same for every layer
         tensors = [p for n, p in member.model.named_parameters() if "lora_B" in n]
-        r = tensors[0].shape[1] if tensors else 1
+        r = getattr(tensors[0], "ds_shape", tensors[0].shape)[1] if tensors else 1  # ZeRO-3: the whole shape
         std = 1.0 / (scaling * math.sqrt(r))  # B A x moves each output by ~its own scale
         what = f"{len(tensors)} LoRA B matrices"
     else:
