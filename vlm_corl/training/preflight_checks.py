@@ -259,13 +259,18 @@ def perturb(member, seed: int = 0) -> str:
         with _gathered(member, w):
             gen = torch.Generator(device=w.device).manual_seed(seed + i)
             w.add_(torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32).to(w.dtype), alpha=std)
+            moved = w.double().abs().sum().item()
+        with _gathered(member, w, write=False):  # what the module holds now, not the gathered copy written above
+            held = w.double().abs().sum().item()
+        if not math.isclose(held, moved, rel_tol=1e-6):  # else the push check would test an unmoved policy
+            raise RuntimeError(f"member {member.id!r}: the preflight's change to {what} did not persist")
     return what
 
 
 @contextmanager
-def _gathered(member, w: torch.Tensor):
-    """`w` whole for the body; under ZeRO-3 gathered over the member's ranks, and what the first of them wrote
-    partitioned again (each rank draws the same noise, so any would do)."""
+def _gathered(member, w: torch.Tensor, write: bool = True):
+    """`w` whole for the body; under ZeRO-3 gathered over the member's ranks, and with `write` what the first of
+    them wrote partitioned again (each rank draws the same noise, so any would do)."""
     if not member.partitioned:
         yield
         return
@@ -273,7 +278,7 @@ def _gathered(member, w: torch.Tensor):
     import torch.distributed as dist
 
     first = min(dist.get_process_group_ranks(w.ds_process_group)) if dist.is_initialized() else 0
-    with deepspeed.zero.GatheredParameters([w], modifier_rank=first):
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=first if write else None):
         yield
 
 
