@@ -18,11 +18,11 @@ PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 if ! command -v nvidia-smi >/dev/null 2>&1; then export DS_ACCELERATOR=cpu; fi
-needs='import deepspeed, math_verify, easy_vqa, qwen_vl_utils, transformers, vlm_corl.registry
+needs='import deepspeed, math_verify, easy_vqa, qwen_vl_utils, transformers, peft, vlm_corl.registry
 from importlib.metadata import entry_points
-from packaging.version import Version
-assert Version(transformers.__version__) >= Version("5.19"), transformers.__version__
-import peft; assert Version(peft.__version__) >= Version("0.20"), peft.__version__  # what transformers 5.19 declares
+from vlm_corl.versions import version_checks  # the tested versions: one table, which preflight reads too
+outside = [r["line"] for r in version_checks() if r["library"] in ("transformers", "peft") and not r["ok"]]
+assert not outside, outside
 assert entry_points(group="vlm_corl.families"), "this project is not installed"'
 if ! "$PY" -c "$needs" 2>/dev/null; then
   if [ -d .gpu-bundle ]; then
