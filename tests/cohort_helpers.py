@@ -70,7 +70,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 # Metrics fields that measure the machine and the placement (seconds, throughput, memory), not the training:
 # left out where two runs' rows must be equal.
-MEASURED = ("time_", "tokens_per_s", "prompt_cache_mb", "peak_gb_", "plan_gb", "peak_over_plan")
+MEASURED = (
+    "time_",
+    "tokens_per_s",
+    "prompt_cache_mb",
+    "peak_gb_",
+    "plan_gb",
+    "peak_over_plan",
+    *("rollout_tokens_per_s", "update_tokens_per_s", "update_mfu", "gpu_busy_"),  # vlm_corl.training.throughput
+)
 
 
 def trained_fields(rows: list[dict]) -> list[dict]:
