@@ -13,8 +13,9 @@ class LockstepSampler:
     A batch never crosses an epoch boundary: when fewer than `batch_size` examples are left in the epoch, they
     are dropped and the next epoch starts (a new permutation, so no example is left out for good when
     shuffling). A batch therefore never holds one example twice. Excluded examples (`exclude`: prompts too long
-    for a member) are passed over. The whole state is (epoch, position, excluded): it goes into checkpoints,
-    and a restored sampler continues with exactly the batches the interrupted run would have drawn.
+    for a member) are passed over. Dynamic sampling's extra questions (`draw`) come from the same stream. The
+    whole state is (epoch, position, excluded): it goes into checkpoints, and a restored sampler continues with
+    exactly the batches (and extra questions) the interrupted run would have drawn.
     """
 
     def __init__(self, num_examples: int, batch_size: int, seed: int, shuffle: bool = True):
@@ -41,6 +42,16 @@ class LockstepSampler:
     def next_batch(self) -> list[int]:
         """The next `batch_size` indices, all distinct and none excluded; advances the state."""
         return self._take(self.batch_size, set())
+
+    def draw(self, n: int, avoid: set[int]) -> list[int]:
+        """The next `n` indices of the stream that are neither excluded nor in `avoid` (a step's questions so far):
+        extra questions for dynamic sampling (algo.resample_zero_variance). They advance the state like a batch
+        (a resume continues after them); at most `available(avoid)`."""
+        return self._take(n, avoid)
+
+    def available(self, avoid: set[int]) -> int:
+        """How many distinct indices `draw` can give while avoiding `avoid`."""
+        return self.num_examples - len(self.excluded | avoid)
 
     def _take(self, n: int, avoid: set[int]) -> list[int]:
         """The next `n` indices of this epoch (or, when fewer are left, of the next) that are neither excluded

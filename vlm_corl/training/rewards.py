@@ -8,6 +8,7 @@ supervised each member (for diagnostics). Label-free modes never see gold answer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from vlm_corl.data.answers import answers_equivalent, consensus, plurality_vote
 from vlm_corl.registry import REWARDS
+from vlm_corl.training.grpo import nonzero_variance_groups
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import RewardConfig
@@ -220,6 +222,56 @@ def peers_ema_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
         labels.append([consensus([o[j] for o in others], batch.choices[j]) for j in range(len(votes[0]))])
         labels.append([None] * len(votes[0]))
     return _label_reward(labels, batch, cfg)
+
+
+# ---- which questions carry a gradient -----------------------------------------------------------------
+
+
+def cohort_zero_variance(rewards: Tensor, trained: Sequence[bool]) -> Tensor:
+    """(B,) bool: the questions no trained slot can learn from: for every trained slot n, question b's K rewards
+    are all equal (`grpo.nonzero_variance_groups` false), so each of its groups has zero advantage and carries no
+    GRPO gradient (algo.resample_zero_variance replaces them).
+
+    DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2) keeps a group only when
+    0 < accuracy < 1, i.e. its rewards vary. In a cohort every slot answers the same question, so a question
+    stays while any trained slot's group on it varies (the others' zero-advantage groups on it cost nothing);
+    frozen peers and EMA teachers (trained False) never decide. rewards: (N, B, K); trained: (N,).
+    With no trained slot nothing is zero-variance (there is nothing to resample for)."""
+    rows = [nonzero_variance_groups(r) for r, t in zip(rewards, trained) if t]
+    if not rows:
+        return torch.zeros(rewards.shape[1], dtype=torch.bool)
+    return ~torch.stack(rows).any(dim=0)
+
+
+# ---- shaping added to any mode's reward ---------------------------------------------------------------
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache: int) -> Tensor:
+    """DAPO's soft overlong punishment of each response's length |y| (algo.overlong_penalty = L_cache):
+
+        R_length(y) = 0                                  if |y| <= L_max - L_cache
+                      ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
+                      -1                                 if |y| > L_max
+
+    (Yu et al. 2025, "DAPO", arXiv 2503.14476, section 3.4: overlong reward shaping). Here L_max is
+    rollout.max_new_tokens: a response cut at the budget has |y| = L_max and gets -1, the penalty falls linearly
+    over the last L_cache tokens before it. lengths: response tokens, any shape; 1 <= cache <= max_len.
+    Returns the penalty (float, lengths' shape), in [-1, 0]."""
+    if not 1 <= cache <= max_len:
+        raise ValueError(f"the overlong window must be 1..{max_len} tokens (rollout.max_new_tokens), got {cache}")
+    y = lengths.float()
+    free = max_len - cache
+    return torch.where(y > max_len, -1.0, ((free - y) / cache).clamp(max=0.0))
+
+
+def add_overlong_penalty(
+    scored: RewardOutput, lengths: Tensor, max_len: int, cache: int, factor: float = 1.0
+) -> RewardOutput:
+    """The rewards plus factor x `overlong_penalty` per response (DAPO adds it to the task reward); the penalty,
+    unweighted, becomes the part "overlong" (`reward_overlong` in the metrics). It is added to every response,
+    a group whose label abstained included: such a group then learns length alone. lengths: (N, B, K)."""
+    penalty = overlong_penalty(lengths, max_len, cache)
+    return RewardOutput(scored.rewards + factor * penalty, {**scored.parts, "overlong": penalty}, scored.labels)
 
 
 @reward_mode("none")
