@@ -10,3 +10,9 @@ def shorter_is_better(*, completions, **_) -> list[float]:
 def constant(*, completions, **_) -> list[float]:
     """The same reward for every response: every group has zero variance (nothing to learn)."""
     return [1.0] * len(completions)
+
+
+def zero_variance_on_yes_no(*, completions, question_type, **_) -> list[float]:
+    """1.0 for every response to a yes/no question (zero variance: nothing to learn), the completion's index
+    elsewhere (every group varies, whatever the texts): dynamic sampling's questions are known from the data."""
+    return [1.0 if kind == "yes/no" else float(i) for i, kind in enumerate(question_type)]
