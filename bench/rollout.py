@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     prompts = [p for p in rendered if p.inputs["input_ids"].shape[1] <= rollout.max_prompt_tokens][: args.prompts]
     engines = {name: make_engine(name, member, rollout) for name in args.engines.split(",")}
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
-    for engine in engines.values():  # warm-up (kernels, caches), untimed
-        engine.generate(prompts[:2], params)
+    for engine in engines.values():  # warm-up (kernels, caches; the HF engine's static cache bucket), untimed
+        engine.generate(prompts, params)
     times = {name: [] for name in engines}
     tokens = {name: [] for name in engines}
     for r in range(args.rounds):

@@ -1,4 +1,4 @@
-"""The HF engine's static-cache decoding (`rollout.hf_static_cache`, vlm_corl/members/static_decode.py) gives the
+"""The HF engine's static-cache decoding (`HFEngine(static_cache=...)`, vlm_corl/members/static_decode.py) gives the
 tokens and log-probs of today's loop, for every family of the zoo; a family whose cache does not fit falls back
 to today's loop, saying why once; on CUDA the step would be compiled with mode reduce-overhead."""
 
@@ -38,7 +38,7 @@ def _member_and_prompts(tiny_zoo, examples, family):
 
 
 def _rollout(member, prompts, params, mode, monkeypatch, record):
-    """(token ids, finish reason, log-probs, statistics) per response with rollout.hf_static_cache = `mode`;
+    """(token ids, finish reason, log-probs, statistics) per response with the engine's static_cache = `mode`;
     `record` collects the decoding steps each call used."""
     made = static_decode.decode_steps
 
@@ -57,7 +57,7 @@ def _rollout(member, prompts, params, mode, monkeypatch, record):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_static_cache_decodes_the_tokens_and_log_probs_of_today_s_loop(tiny_zoo, examples, family, monkeypatch, caplog):
+def test_static_cache_decodes_the_tokens_and_log_probs_of_today_s_loop(tiny_zoo, examples, family, monkeypatch):
     """Sampled per-row streams (seeded), rows ending at different steps (extra end tokens taken from a first
     rollout) and a stop string met mid-way: the static path's tokens are equal, its log-probs within 1e-5."""
     member, prompts = _member_and_prompts(tiny_zoo, examples, family)
@@ -67,9 +67,8 @@ def test_static_cache_decodes_the_tokens_and_log_probs_of_today_s_loop(tiny_zoo,
     stop = member.tokenizer.decode(free[0][0][3:5])  # met at the first row's 5th token (or earlier)
     params = replace(params, stop=(stop,))
     eager, static = [], []
-    with caplog.at_level(logging.WARNING, logger=static_decode.__name__):
-        today = _rollout(member, prompts, params, "off", monkeypatch, eager)
-        got = _rollout(member, prompts, params, "on", monkeypatch, static)
+    today = _rollout(member, prompts, params, "off", monkeypatch, eager)
+    got = _rollout(member, prompts, params, "on", monkeypatch, static)
     assert not eager[0].static and len({len(r[0]) for r in today}) > 1  # rows end at different steps
     assert today[0][1] == "stop" and len(today[0][0]) < 10
     if family in FALLS_BACK:
@@ -152,7 +151,7 @@ def test_the_switch_and_the_compile_decision(tiny_zoo, examples, monkeypatch):
     dynamic=False), elsewhere it runs as it is; the buckets."""
     assert use_static_cache("auto", torch.device("cuda", 0)) and not use_static_cache("auto", torch.device("cpu"))
     assert use_static_cache("on", torch.device("cpu")) and not use_static_cache("off", torch.device("cuda", 0))
-    with pytest.raises(ValueError, match="hf_static_cache"):
+    with pytest.raises(ValueError, match="static_cache must be one of"):
         use_static_cache("yes", torch.device("cpu"))
     assert [bucket_rows(r) for r in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
     assert [bucket_length(n) for n in (1, 256, 257)] == [256, 256, 512]

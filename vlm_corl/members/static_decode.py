@@ -1,4 +1,4 @@
-"""The HF engine's one-token decoding steps over a static KV cache (`rollout.hf_static_cache`), replayed as CUDA
+"""The HF engine's one-token decoding steps over a static KV cache (`HFEngine`'s `static_cache`), replayed as CUDA
 graphs on a GPU.
 
 Today's loop (`batching.DecodeSteps`) hands transformers a growing cache and a batch that shrinks as rows end:
@@ -39,10 +39,10 @@ fallback_reasons: list[str] = []  # every distinct reason the static path was re
 
 
 def use_static_cache(mode: str, device: torch.device) -> bool:
-    """Whether `rollout.hf_static_cache` = `mode` decodes over a static cache on `device`: auto = on CUDA only
+    """Whether the HF engine's `static_cache` = `mode` decodes over a static cache on `device`: auto = on CUDA only
     (on a CPU a step's launches cost little, and every new bucket would be allocated for nothing)."""
     if mode not in MODES:
-        raise ValueError(f"rollout.hf_static_cache must be one of {', '.join(MODES)}, not {mode!r}")
+        raise ValueError(f"the HF engine's static_cache must be one of {', '.join(MODES)}, not {mode!r}")
     return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
 
 
@@ -110,7 +110,7 @@ def _fall_back(reason: str) -> None:
     """Log once per distinct reason that the rollout keeps today's loop."""
     if reason not in fallback_reasons:
         fallback_reasons.append(reason)
-        log.warning("rollout.hf_static_cache: decoding without a static cache: %s", reason)
+        log.warning("HF engine static_cache: decoding without a static cache: %s", reason)
 
 
 class EagerSteps:

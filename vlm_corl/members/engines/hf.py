@@ -4,7 +4,7 @@ Each prompt (and its images) goes through the model once; its KV cache is repeat
 are decoded from it by a short loop over the model's forward pass (`batching.prefill` / `continuation`), not by
 `generate`, which would prefill and encode every prompt K times and pay its per-token machinery. Greedy
 decoding emits exactly `generate`'s tokens (tests/test_rollout.py checks every family of the zoo). With
-`rollout.hf_static_cache` (auto: on CUDA) the one-token steps run over a static KV cache with fixed shapes,
+the engine's `static_cache` (auto: on CUDA) the one-token steps run over a static KV cache with fixed shapes,
 captured as CUDA graphs on a GPU (`vlm_corl.members.static_decode`): the same tokens and log-probs.
 
 Sampling follows `generate(do_sample=True)` with `suppress_tokens`, temperature, top-k and top-p. The policy
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 class HFEngine:
     """Rollout engine over the forward pass of a loaded member (see `vlm_corl.members.member.Member`);
-    `static_cache`: rollout.hf_static_cache (auto | on | off)."""
+    `static_cache`: auto (on CUDA) | on | off (a config field for it is to come: docs/speed.md)."""
 
     def __init__(self, member, static_cache: str = "auto"):
         self.member, self.static_cache = member, static_cache
