@@ -13,6 +13,10 @@ On CUDA (`--size real`, the default there): members with released architectures 
 (Qwen2-VL-2B and InternVL3-2B, `python -m vlm_corl.zoo --real`), one GPU.
 - `members`: building them (parameters, seconds) and the card's bf16 matmul speed (`peak_tflops`, the MFU's
   denominator);
+- `preflight`: `corl preflight` (vlm_corl.training.preflight_checks, what users run first on their node) over the
+  train check's cohort: its verdict and every number (the phases' peaks against the plan, the rollout guard's
+  number after a push, a checkpoint of the largest member written and deleted), so the device check runs the
+  users' code;
 - `train`: the 2-member cohort on easy-vqa, both members on the one card, bf16 compute, gradient checkpointing;
 - `zero2`, `zero3`, `zero3_offload`: the Qwen2-VL member alone under each shipped DeepSpeed config in one
   process (`configs/deepspeed/`; zero3_offload is gpu_1gpu_2vlm.yaml's);
@@ -74,6 +78,7 @@ SIZES = {  # rollout and batch settings per size; `resume` trains at `resume_*` 
 LIMIT_S = {  # each check's own time limit at the real size (s): about twice what it took on an H200 (2026-12-04)
     "members": 90, "train": 150, "zero2": 100, "lora": 100, "resume": 120, "decode_sync": 240, "rope_buffers": 45,
     "rollout_precision": 90, "zero3": 150, "zero3_offload": 150,
+    "preflight": 150,  # not yet timed there: it writes (and deletes) a full 2B member's checkpoint, ~35 GB
 }  # fmt: skip
 LIMIT_TINY_S = 240
 RESUME_STEPS = 6  # a checkpoint each: enough that the kill lands before the end, even on a loaded machine
@@ -141,6 +146,19 @@ def matmul_speed() -> dict:
 def train_check(ctx: Context) -> dict:
     """The 2-member cohort, both members on this one device."""
     return run_check(ctx, "train", ("qwen", "intern"))
+
+
+def preflight_check(ctx: Context) -> dict:
+    """`corl preflight` (vlm_corl.training.preflight_checks: the very code users run on their node) over the
+    check's own two members as the train check's cohort: the install, each member's load, engine, rollout, update
+    micro-batch, push and the rollout guard's number after it, the rank's phase peaks against the plan, one
+    checkpoint of the largest member written and deleted, and the verdict (`ok`: ready)."""
+    from vlm_corl.config import load_config
+    from vlm_corl.training.preflight_checks import run_preflight
+
+    report = run_preflight(load_config(cohort_file(ctx, "preflight", ("qwen", "intern"), ctx.settings)))
+    report["ok"] = report["verdict"] == "ready"
+    return report
 
 
 def zero2_check(ctx: Context) -> dict:
@@ -416,6 +434,7 @@ def teacher_forced(hf, responses: list[list[int]]):
 
 CHECKS = {  # in the order they run: what a short budget must not skip comes first
     "members": members_check,
+    "preflight": preflight_check,  # what users run first on their node (docs/gpu.md), over the check's members
     "train": train_check,
     "zero2": zero2_check,
     "lora": lora_check,
@@ -498,9 +517,18 @@ def step_report(rows: list[dict], run_dir: Path, ctx: Context, lora: bool = Fals
     report = {"steps": max(r["step"] for r in rows)}
     for member in sorted({r["member"] for r in rows}):
         mine = [r for r in later if r["member"] == member]
-        keys = sorted({k for r in mine for k in r if k.startswith(("time_", "peak_gb_", "peak_over_plan"))})
+        # the run's own speed fields too (vlm_corl.training.throughput): tokens/s per phase, MFU, GPU busy per phase
+        speed = ("rollout_tokens_per_s", "update_tokens_per_s", "update_mfu", "gpu_busy_")
+        keys = sorted(
+            {
+                k
+                for r in mine
+                for k in r
+                if k.startswith(("time_", "peak_gb_", "peak_over_plan", *speed)) and r[k] is not None
+            }
+        )
         report[member] = {
-            **{k: round(statistics.median(r[k] for r in mine if k in r), 4) for k in keys},
+            **{k: round(statistics.median(r[k] for r in mine if r.get(k) is not None), 4) for k in keys},
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in mine), 1),
             "update_tokens": statistics.median(r["update_tokens"] for r in mine),
             "compute_dtype": mine[-1].get("compute_dtype"),
@@ -523,12 +551,13 @@ def update_speed(rows: list[dict], members: dict, lora: bool) -> dict:
     steps: 6 x parameters x tokens per member (4 x for a LoRA member: its frozen base gets no weight gradients;
     gradient checkpointing's recomputation is not counted, as MFU conventionally does not), all members' work
     over the phase's seconds (members on one device update in turn)."""
-    per_param = 4 if lora else 6
+    from vlm_corl.training.throughput import model_flops
+
     rates = []
     for step in sorted({r["step"] for r in rows}):
         mine = [r for r in rows if r["step"] == step and r.get("update_tokens")]
         if mine:
-            flops = sum(per_param * members["parameters"][r["member"]] * r["update_tokens"] for r in mine)
+            flops = sum(model_flops(members["parameters"][r["member"]], r["update_tokens"], lora) for r in mine)
             rates.append(flops / mine[0]["time_update"] / 1e12)
     if not rates:
         return {}
@@ -689,8 +718,6 @@ def main(argv=None) -> int:
 def header(cuda: bool, size: str) -> dict:
     """The library versions the check ran with, and what it cannot run here (the device's name is the members
     check's: this process never touches the GPU, so every byte on it is a check's)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     result = {
         "mode": "cuda" if cuda else "cpu fallback",
         "size": size,
@@ -703,11 +730,11 @@ def header(cuda: bool, size: str) -> dict:
             "wake, push and generate is tested on CPU with a recording stand-in (tests/test_engine_phases.py)"
         },
     }
+    from vlm_corl.versions import TESTED, installed_version, version_checks
+
     for name in ("transformers", "deepspeed", "accelerate", "peft"):
-        try:
-            result[name] = version(name)
-        except PackageNotFoundError:
-            result[name] = None
+        result[name] = installed_version(TESTED[name][0])
+    result["versions"] = version_checks()  # against the tested ranges: preflight's first lines
     return result
 
 

@@ -103,8 +103,8 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     (
         "swapped call-site args",
         "vlm_corl/members/update.py",
-        "truncated_is_weights(old_logp, _rollout_logp(mb, mask), mask",
-        "truncated_is_weights(_rollout_logp(mb, mask), old_logp, mask",
+        "old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap",
+        "_rollout_logp(mb, mask), old_logp, mask, algo.rollout_is_cap",
         T + "test_the_importance_weight_is_the_trainers_probability_over_the_engines",
     ),
     (

@@ -60,13 +60,17 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert proc.returncode == 0 and result["ok"], json.dumps(result)[-3000:]
     assert result["mode"] == "cpu fallback" and result["vllm"].startswith("skipped")
     assert result["peft"] and result["transformers"]  # the versions the check ran with
-    checks = ["members", "train", "zero2", "lora", "resume", "decode_sync", "rope_buffers", "rollout_precision",
-              "zero3", "zero3_offload"]  # fmt: skip
+    checks = ["members", "preflight", "train", "zero2", "lora", "resume", "decode_sync", "rope_buffers",
+              "rollout_precision", "zero3", "zero3_offload"]  # fmt: skip
     assert result["ran"] == checks and len({result[c]["pid"] for c in checks}) == len(checks)  # a process each
     for name in checks:
         assert result[name]["seconds"] > 0 and "busy_share" in result[name], name
         assert name == "members" or not (tmp_path / name).exists(), f"{name}'s directory was not deleted"
     assert result["members"]["parameters"]["qwen"] > 0 and result["members"]["peak_tflops"] > 0
+    preflight = result["preflight"]  # the users' preflight over the check's members (tests/test_preflight.py)
+    assert preflight["ok"] and preflight["verdict"] == "ready" and set(preflight["members"]) == {"qwen", "intern"}
+    assert all(m["push_gap_nats"] < 1e-3 and m["update"]["trained_seqs"] > 0 for m in preflight["members"].values())
+    assert preflight["checkpoint"]["bytes"] > 0 and {v["library"] for v in result["versions"]} >= {"torch", "vllm"}
     cached = result["rollout_precision"]["autocast_cached"]["weight_casts_per_call"]
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
     sync = result["decode_sync"]

@@ -135,7 +135,7 @@ def test_every_rank_runs_the_busiest_ranks_number_of_micro_batches(threaded_all_
 
     def batches(counts):
         def on_rank(world):
-            seq = Sequence({}, [1], 1.0)
+            seq = Sequence({"input_ids": torch.ones(1, 3)}, [1], 1.0)  # a prompt's length: micro-batches sort by it
             work = [seq] * counts[world.rank]
             micro, real = _micro_batches(SimpleNamespace(micro_batch_count=_lockstep(world)), work, seq, 2)
             return len(micro), real, [s.advantage for mb in micro[real:] for s in mb]
@@ -205,7 +205,10 @@ def test_a_collapse_stop_is_taken_by_every_rank(tmp_path):
 
     def on_rank(world):
         run = SimpleNamespace(
-            cfg=SimpleNamespace(train=SimpleNamespace(on_collapse="stop")), world=world, run_dir=tmp_path
+            cfg=SimpleNamespace(train=SimpleNamespace(on_collapse="stop")),
+            world=world,
+            run_dir=tmp_path,
+            checkpoints=None,
         )
         return guard_phase(run, [EVAL_DROP] if world.is_main else [])
 
@@ -381,7 +384,7 @@ def test_the_ratio_is_clipped_at_one_minus_clip_low_and_one_plus_clip_high(monke
 def test_the_importance_weight_is_the_trainers_probability_over_the_engines(monkeypatch):
     """The trainer gives the sampled token 0.6, the engine gave 0.3: weight min(0.6 / 0.3, cap 3) = 2, loss
     -1 x 1 x 2 = -2; KL sum r - 1 - log r at r = 2: 1 - log 2. Pins `update._micro_batch_loss` (the bug: train and
-    rollout log-probs swapped into `truncated_is_weights`, weight 0.5)."""
+    rollout log-probs swapped into `rollout_is_weights`, weight 0.5)."""
     loss, _, sums = _loss(monkeypatch, [0.6], rollout=[0.3], rollout_is="token_truncated", rollout_is_cap=3.0)
     assert loss == pytest.approx(-2.0)
     assert sums["kl"] == pytest.approx(1 - math.log(2)) and sums["abs_dlogp"] == pytest.approx(math.log(2))

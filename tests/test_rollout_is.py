@@ -1,6 +1,8 @@
-"""Off-policy correction (algo.rollout_is=token_truncated): the truncated importance weights and mismatch figures
-by hand, and their effect on a real update: equal engine and trainer log-probs change nothing, a gap beyond the
-cap doubles the policy gradient (cap 2), non-finite engine log-probs are excluded and counted."""
+"""Off-policy correction (algo.rollout_is): the truncated importance weights and mismatch figures by hand, and
+their effect on a real update: equal engine and trainer log-probs change nothing, a gap beyond the cap doubles the
+policy gradient (cap 2), non-finite engine log-probs are excluded and counted; the masked and sequence-level
+modes weigh each sequence as a plain update with its advantage times the weight would (tests/test_grpo_objectives.py
+works their weights by hand)."""
 
 import math
 
@@ -11,7 +13,7 @@ from vlm_corl.config import AlgoConfig, MemberConfig, TrainConfig
 from vlm_corl.config.schema import RolloutConfig
 from vlm_corl.members.member import load_member
 from vlm_corl.members.update import Sequence, policy_update, response_logprobs, rollout_mismatch
-from vlm_corl.training.grpo import truncated_is_weights
+from vlm_corl.training.grpo import rollout_is_weights
 
 
 def test_truncated_weights_and_mismatch_by_hand():
@@ -19,7 +21,7 @@ def test_truncated_weights_and_mismatch_by_hand():
     rollout = torch.log(torch.tensor([[0.2, 0.4, 0.9, 0.5]]))
     rollout[0, 2] = float("nan")  # the engine gave no log-prob for this token
     mask = torch.tensor([[1, 1, 1, 0]])  # the last position is padding
-    weights, sums = truncated_is_weights(train, rollout, mask, cap=2.0)
+    weights, sums = rollout_is_weights(train, rollout, mask, cap=2.0)
     # ratios: 0.8/0.2 = 4 -> capped at 2; 0.2/0.4 = 0.5; NaN -> excluded; padding -> 0
     assert torch.allclose(weights, torch.tensor([[2.0, 0.5, 0.0, 0.0]]))
     assert sums["tokens"] == 2 and sums["capped"] == 1 and sums["nonfinite"] == 1
@@ -32,6 +34,7 @@ def test_truncated_weights_and_mismatch_by_hand():
             "is_abs_dlogp": (math.log(4) + math.log(2)) / 2,
             "is_kl": k3 / 2,
             "is_capped_frac": 0.5,
+            "is_capped_seq_frac": 1.0,  # the one sequence has a capped token
             "is_nonfinite_tokens": 1,
         },
         rel=1e-5,
@@ -40,13 +43,15 @@ def test_truncated_weights_and_mismatch_by_hand():
 
 def _update(
     tiny_zoo,
-    shift: float | None,
+    shift: float | list[float] | None,
     nan_first: bool = False,
     mode: str = "token_truncated",
     passes: int = 1,
     cap: float = 2.0,
+    advantages: tuple[float, ...] = (1.0, -1.0, 0.5),
 ) -> dict:
-    """One update of a fresh tiny member on fixed sequences whose engine log-probs are the trainer's + shift."""
+    """One update of a fresh tiny member on fixed sequences (4, 2 and 3 tokens) whose engine log-probs are the
+    trainer's + shift (one for all, or one per sequence)."""
     torch.manual_seed(0)
     member = load_member(MemberConfig(id="t", model=str(tiny_zoo["qwen3"])))
     train = TrainConfig(max_steps=1, lr=1e-3, grad_clip=0.0, micro_batch_size=3, warmup_ratio=0.0)
@@ -57,10 +62,11 @@ def _update(
         logp, mask = response_logprobs(member.model, [prompt] * 3, responses, member.policy())
     engine = [logp[i, : len(r)].tolist() for i, r in enumerate(responses)]
     if shift is not None:
-        engine = [[v + shift for v in row] for row in engine]
+        shifts = shift if isinstance(shift, list) else [shift] * len(engine)
+        engine = [[v + d for v in row] for row, d in zip(engine, shifts)]
     if nan_first:
         engine[0][0] = float("nan")
-    seqs = [Sequence(prompt, r, adv, rollout_logprobs=lp) for r, adv, lp in zip(responses, (1.0, -1.0, 0.5), engine)]
+    seqs = [Sequence(prompt, r, adv, rollout_logprobs=lp) for r, adv, lp in zip(responses, advantages, engine)]
     algo = AlgoConfig(rollout_is=mode, rollout_is_cap=cap, updates_per_batch=passes)
     return policy_update(member, seqs, algo, train, RolloutConfig(max_new_tokens=1))
 
@@ -114,3 +120,47 @@ def test_the_config_refuses_the_correction_with_truncated_sampling(tmp_path, tin
     }
     with pytest.raises(ConfigError, match="set rollout.top_p=1.0 and rollout.top_k=0"):
         config_from_dict(cfg)
+
+
+def test_token_mask_drops_tokens_over_the_cap_and_keeps_the_ratio_under_it(tiny_zoo):
+    """token_mask, cap 2: every token at ratio 4 is over the cap and dropped (no gradient at all, every token and
+    sequence counted as capped); at ratio 1.5 each keeps its weight 1.5: 1.5 times the plain gradient."""
+    plain = _update(tiny_zoo, None, mode="none")
+    over = _update(tiny_zoo, -math.log(4), mode="token_mask")
+    assert over["grad_norm"] == 0.0 and over["loss"] == 0.0
+    assert over["is_capped_frac"] == 1.0 and over["is_capped_seq_frac"] == 1.0
+    under = _update(tiny_zoo, -math.log(1.5), mode="token_mask")
+    assert under["grad_norm"] == pytest.approx(1.5 * plain["grad_norm"], rel=1e-4)
+    assert under["is_capped_frac"] == 0.0 and under["is_capped_seq_frac"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "mode, scaled, capped_seqs",
+    [
+        # ratio 2 per token: sequence ratios 2^4 = 16, 2^2 = 4, 2^3 = 8; cap 5
+        ("sequence_truncated", (5.0, -4.0, 2.5), 2 / 3),  # weights min(R, 5) = 5, 4, 5 times (1, -1, 0.5)
+        ("sequence_mask", (0.0, -4.0, 0.0), 2 / 3),  # 16 and 8 over the cap: dropped; 4 kept at weight 4
+        ("token_truncated", (2.0, -2.0, 1.0), 0.0),  # per token: 2 each, under the cap
+    ],
+)
+def test_sequence_weights_are_the_product_of_the_token_ratios(tiny_zoo, mode, scaled, capped_seqs):
+    """The engine gives each token half the trainer's probability (ratio 2). A weight w on a sequence at ratio 1
+    is the plain update with the advantage w A: the corrected update equals the plain one with the advantages
+    scaled as the sequence weights say (the sequence modes' weights are products over 4, 2 and 3 tokens, the
+    token mode's the token ratio). Masked: the tokens of the two dropped sequences, 7 of 9, count as capped."""
+    corrected = _update(tiny_zoo, -math.log(2), mode=mode, cap=5.0)
+    plain = _update(tiny_zoo, None, mode="none", advantages=scaled)
+    assert corrected["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    assert corrected["loss"] == pytest.approx(plain["loss"], rel=1e-4)
+    assert corrected["is_capped_seq_frac"] == pytest.approx(capped_seqs)
+    assert corrected["is_capped_frac"] == pytest.approx(7 / 9 if mode.startswith("sequence") else 0.0)
+
+
+def test_a_sequence_mode_leaves_out_a_sequence_whose_engine_log_prob_is_missing(tiny_zoo):
+    """sequence_truncated with equal log-probs except one missing token in the first sequence: its ratio is
+    unknown, so the whole sequence leaves the loss (the plain update without its advantage), and the missing
+    token is counted."""
+    corrected = _update(tiny_zoo, 0.0, nan_first=True, mode="sequence_truncated")
+    plain = _update(tiny_zoo, None, mode="none", advantages=(0.0, -1.0, 0.5))
+    assert corrected["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    assert corrected["is_nonfinite_tokens"] == 1

@@ -268,7 +268,8 @@ def config_warnings(cfg: CohortConfig) -> list[str]:
 
 
 def _run_problems(cfg: CohortConfig, problems: Problems) -> None:
-    """The rest of the run: DeepSpeed, evaluation, engines, the off-policy correction, referenced files."""
+    """The rest of the run: DeepSpeed, evaluation, engines, the off-policy correction, the overlong window,
+    referenced files."""
     if cfg.train.deepspeed is not None:
         for problem in deepspeed_problems(cfg.train.deepspeed):
             problems.add("train.deepspeed", problem)
@@ -296,6 +297,12 @@ def _run_problems(cfg: CohortConfig, problems: Problems) -> None:
             "importance weights compare the trainer's and the engine's probabilities of the full tempered "
             "distribution, which top-p/top-k truncation changes: set rollout.top_p=1.0 and rollout.top_k=0, or "
             "algo.rollout_is=none",
+        )
+    if cfg.algo.overlong_penalty > cfg.rollout.max_new_tokens:
+        problems.add(
+            "algo.overlong_penalty",
+            f"the overlong window ({cfg.algo.overlong_penalty} tokens) is longer than the budget it ends "
+            f"(rollout.max_new_tokens={cfg.rollout.max_new_tokens}); set it to at most that, or 0 (off)",
         )
     for path, value in (("data.paraphrases", cfg.data.paraphrases),):
         if value is not None and not Path(value).is_file():

@@ -250,12 +250,46 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """The GRPO objective."""
+    """The GRPO objective (docs/method.md tables every objective and correction with its formula and source)."""
 
-    clip_low: float = _f(
-        "epsilon_low: ratio clipped below at 1 - clip_low", 0.2, ge=0, lt=1, why="1 - clip_low must stay positive"
+    policy_loss: Literal["grpo", "gspo", "cispo", "sapo"] = _f(
+        "the policy-gradient objective: grpo (token ratio, PPO clip: clip_low/clip_high) | gspo (one "
+        "length-normalised ratio per sequence, clipped per sequence: gspo_clip_low/gspo_clip_high) | cispo (the "
+        "clipped importance weight, held constant, times the log-prob's gradient: no token dropped; "
+        "cispo_max_weight) | sapo (a sigmoid gate of the token ratio instead of the clip: sapo_tau_pos/sapo_tau_neg)",
+        "grpo",
     )
-    clip_high: float = _f("epsilon_high: ratio clipped above at 1 + clip_high", 0.2, ge=0)
+    clip_low: float = _f(
+        "epsilon_low: ratio clipped below at 1 - clip_low (policy_loss grpo)",
+        0.2,
+        ge=0,
+        lt=1,
+        why="1 - clip_low must stay positive",
+    )
+    clip_high: float = _f("epsilon_high: ratio clipped above at 1 + clip_high (policy_loss grpo)", 0.2, ge=0)
+    gspo_clip_low: float = _f(
+        "policy_loss gspo: the sequence ratio clipped below at 1 - gspo_clip_low (GSPO's paper: 3e-4; its "
+        "geometric-mean ratio stays near 1, so GRPO's 0.2 would never clip)",
+        3e-4,
+        ge=0,
+        lt=1,
+        why="1 - gspo_clip_low must stay positive",
+    )
+    gspo_clip_high: float = _f(
+        "policy_loss gspo: the sequence ratio clipped above at 1 + gspo_clip_high (GSPO's paper: 4e-4)", 4e-4, ge=0
+    )
+    cispo_max_weight: float = _f(
+        "policy_loss cispo: the cap of the importance weight min(pi / pi_old, cap) (no lower bound, as MiniMax-M1 "
+        "ran it; 5 as TRL recommends after ScaleRL)",
+        5.0,
+        gt=0,
+    )
+    sapo_tau_pos: float = _f("policy_loss sapo: the gate's temperature for positive advantages", 1.0, gt=0)
+    sapo_tau_neg: float = _f(
+        "policy_loss sapo: the gate's temperature for advantages <= 0 (larger: their off-policy tokens fade faster)",
+        1.05,
+        gt=0,
+    )
     kl_beta: float = _f("weight of the KL penalty to the initial model; 0 = no reference model", 0.0, ge=0)
     kl_estimator: Literal["k1", "k3"] = _f("KL estimator: k1 | k3 (low variance)", "k3")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "drgrpo"] = _f("loss aggregation over tokens", "token_mean")
@@ -263,13 +297,42 @@ class AlgoConfig:
     scale_rewards: Literal["group", "batch", "none"] = _f("advantage std: per group | whole batch | none", "group")
     adv_eps: float = _f("epsilon added to the std in the advantage", 1e-6, gt=0)
     filter_zero_variance: bool = _f("drop groups whose rewards are all equal from the loss", False)
+    resample_zero_variance: bool = _f(
+        "DAPO's dynamic sampling: a question on which every trained member's rewards are all equal (no gradient "
+        "for anyone) is replaced by a fresh question from the data stream, rolled out and rewarded like the rest, "
+        "until none is left or resample_max_rounds rounds ran (metrics: resampled_groups, resample_rounds, "
+        "zero_variance_left)",
+        False,
+    )
+    resample_max_rounds: int = _f(
+        "algo.resample_zero_variance: the most rounds of replacements per step (each rolls out its replacements "
+        "once for every member; what is still zero-variance after them trains with zero advantage)",
+        3,
+        ge=1,
+    )
+    overlong_penalty: int = _f(
+        "DAPO's overlong reward shaping: L_cache, the last tokens of rollout.max_new_tokens over which a penalty "
+        "added to the reward falls linearly from 0 to -1 (a response cut at the budget gets -1); 0 = off",
+        0,
+        ge=0,
+    )
+    overlong_penalty_factor: float = _f("weight of the overlong penalty (algo.overlong_penalty)", 1.0, ge=0)
+    mask_truncated: bool = _f(
+        "DAPO's overlong filtering: responses cut at rollout.max_new_tokens (no end token) are left out of the "
+        "loss (their group's advantages are computed with them)",
+        False,
+    )
     updates_per_batch: int = _f("optimizer passes over each rollout batch", 1, ge=1)
-    rollout_is: Literal["none", "token_truncated"] = _f(
-        "off-policy correction for the engine/trainer probability gap: none | token_truncated (policy-gradient "
-        "term times min(pi_train / pi_rollout, rollout_is_cap) per token)",
+    rollout_is: Literal["none", "token_truncated", "token_mask", "sequence_truncated", "sequence_mask"] = _f(
+        "off-policy correction for the engine/trainer probability gap, r = pi_train / pi_rollout: none | "
+        "token_truncated (each token's loss times min(r, rollout_is_cap)) | token_mask (times r, or 0 where r > "
+        "the cap) | sequence_truncated (each sequence's tokens times min(R, cap), R the product of its tokens' r) "
+        "| sequence_mask (times R, or 0 where R > the cap: TRL's default, cap 3)",
         "none",
     )
-    rollout_is_cap: float = _f("truncation C of the importance weight (algo.rollout_is)", 2.0, ge=1)
+    rollout_is_cap: float = _f(
+        "the cap C of the importance weight (algo.rollout_is): truncated at C, or masked above C", 2.0, ge=1
+    )
     rollout_is_max_abs_dlogp: float = _f(
         "with algo.rollout_is: stop the run (exit 3, naming the member) when a step's rollouts, each the first "
         "after a weight sync, differ from the policy by more than this mean |log pi_train - log pi_rollout| per "
@@ -292,7 +355,12 @@ class TrainConfig:
     adam_beta1: float = _f("Adam beta1", 0.9, ge=0, lt=1)
     adam_beta2: float = _f("Adam beta2", 0.95, ge=0, lt=1)
     grad_clip: float = _f("max gradient norm; 0 = no clipping", 1.0, ge=0)
-    micro_batch_size: int = _f("responses per forward/backward (gradients are accumulated)", 8, ge=1)
+    micro_batch_size: int | Literal["auto"] = _f(
+        "responses per forward/backward (gradients are accumulated): a number, or auto = on CUDA the largest whose "
+        "planned peak fits the device's memory (vlm_corl.planning.micro_batch), elsewhere 8",
+        "auto",
+        ge=1,
+    )
     gradient_checkpointing: bool = _f("recompute activations to save memory", False)
     save_every: int = _f("checkpoint every N steps; 0 = only at the end", 50, ge=0)
     save_last: bool = _f(
@@ -301,6 +369,12 @@ class TrainConfig:
         True,
     )
     keep_last: int = _f("checkpoints kept; older ones are pruned", 2, ge=1)
+    async_checkpoint: bool | Literal["auto"] = _f(
+        "write checkpoints in the background: the step takes host copies, a thread writes the files while training "
+        "goes on, and the checkpoint counts (and older ones are pruned) only once every file is on disk: true | "
+        "false | auto (on CUDA; never under DeepSpeed)",
+        "auto",
+    )
     resume: bool | Literal["auto"] = _f("continue from the newest complete checkpoint: true | false | auto", False)
     overwrite: bool = _f(
         "clear a run already in output_dir when not resuming (otherwise such a run is an error)", False

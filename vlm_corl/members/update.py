@@ -23,11 +23,14 @@ from vlm_corl.members.batching import (
 from vlm_corl.members.rollout import Policy
 from vlm_corl.training.grpo import (
     aggregate_loss,
+    cispo_loss,
     clipped_surrogate,
+    gspo_surrogate,
     kl_penalty,
+    rollout_is_weights,
+    sapo_loss,
     selective_logprobs,
     token_stats,
-    truncated_is_weights,
 )
 
 if TYPE_CHECKING:
@@ -42,7 +45,7 @@ class Sequence:
     prompt_inputs: dict[str, torch.Tensor]
     token_ids: list[int]
     advantage: float
-    trained: bool = True  # False: its group was filtered out (algo.filter_zero_variance)
+    trained: bool = True  # False: left out of the loss (algo.filter_zero_variance, algo.mask_truncated)
     rollout_logprobs: list[float] | None = None  # the engine's per-token log-probs (algo.rollout_is)
 
 
@@ -192,7 +195,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     # micro-batch.
     loss_sum = clipped_tokens = torch.zeros((), dtype=torch.float64, device=member.device)
     grad_norm, skipped, compute = 0.0, 0, None  # compute: the dtype of the logits the loss saw
-    mismatch = dict.fromkeys(("tokens", "abs_dlogp", "kl", "capped", "nonfinite"), 0.0)
+    mismatch = dict.fromkeys(MISMATCH_SUMS, 0.0)
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
         for i, (mb, old_logp) in enumerate(zip(micro, old)):
@@ -233,9 +236,28 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     return stats
 
 
+def sequence_length(seq: Sequence) -> int:
+    """Prompt plus response tokens: what one row of a micro-batch holds before padding."""
+    return seq.prompt_inputs["input_ids"].shape[-1] + len(seq.token_ids)
+
+
+def length_sorted(work: list[Sequence]) -> list[Sequence]:
+    """`work` ordered so that micro-batches cut from it hold sequences of like length (less padding): groups
+    (the responses sharing one prompt, kept together so that a micro-batch runs their prompt once) by their
+    longest sequence, and each group's responses by length. The loss is the same in any order (every
+    micro-batch's share is normalised by the whole batch's totals); only the padding, and so the time, differ."""
+    groups: dict[int, list[Sequence]] = {}
+    for seq in work:
+        groups.setdefault(id(seq.prompt_inputs), []).append(seq)
+    ordered = sorted(groups.values(), key=lambda group: max(map(sequence_length, group)))  # stable: ties keep order
+    return [seq for group in ordered for seq in sorted(group, key=sequence_length)]
+
+
 def _micro_batches(member, work: list[Sequence], any_seq: Sequence, size: int) -> tuple[list[list[Sequence]], int]:
-    """`work` in micro-batches of `size`, and how many of them are real: under DeepSpeed every rank of the
-    member runs as many passes, so ranks with fewer get zero-loss fillers (a copy of `any_seq`)."""
+    """`work` in micro-batches of `size` (sorted by length: `length_sorted`), and how many of them are real:
+    under DeepSpeed every rank of the member runs as many passes, so ranks with fewer get zero-loss fillers (a
+    copy of `any_seq`)."""
+    work = length_sorted(work)
     micro = [work[i : i + size] for i in range(0, len(work), size)]
     real = len(micro)
     return micro + [[replace(any_seq, advantage=0.0)]] * (member.micro_batch_count(real) - real), real
@@ -259,12 +281,15 @@ def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy
     logp, mask, compute = _logprobs(member, mb, policy)
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = torch.tensor([s.advantage for s in mb], device=logp.device)
-    token_loss, clipped = clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
+    token_loss, clipped = policy_token_loss(logp, old_logp, adv, mask, algo)
     sums = {}
-    if algo.rollout_is == "token_truncated":
+    if algo.rollout_is != "none":
         # The rollout engine sampled from its own copy of the policy (other kernels, precision): weigh each
-        # token's policy-gradient term by min(pi_train / pi_rollout, C), pi_train at rollout time.
-        weights, sums = truncated_is_weights(old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap)
+        # token's policy-gradient term by pi_train / pi_rollout (per token or per sequence, truncated or masked
+        # at C), pi_train at rollout time.
+        weights, sums = rollout_is_weights(
+            old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap, algo.rollout_is
+        )
         token_loss = token_loss * weights
     if algo.kl_beta > 0:
         with torch.no_grad():
@@ -274,6 +299,19 @@ def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy
     return loss, clipped, mask, sums, compute
 
 
+def policy_token_loss(logp, old_logp, adv, mask, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (B, T) policy loss of algo.policy_loss (`grpo.py`'s functions) and where its clip was active."""
+    if algo.policy_loss == "grpo":
+        return clipped_surrogate(logp, old_logp, adv, algo.clip_low, algo.clip_high)
+    if algo.policy_loss == "gspo":
+        return gspo_surrogate(logp, old_logp, adv, mask, algo.gspo_clip_low, algo.gspo_clip_high)
+    if algo.policy_loss == "cispo":
+        return cispo_loss(logp, old_logp, adv, algo.cispo_max_weight)
+    if algo.policy_loss == "sapo":
+        return sapo_loss(logp, old_logp, adv, algo.sapo_tau_pos, algo.sapo_tau_neg)
+    raise ValueError(f"unknown algo.policy_loss {algo.policy_loss!r}")
+
+
 def _rollout_logp(mb: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
     """(B, T) the engine's log-probs of each sequence's tokens, 0 on padding; NaN where the engine gave none."""
     t = mask.shape[1]
@@ -281,15 +319,21 @@ def _rollout_logp(mb: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
     return torch.tensor([r + [0.0] * (t - len(r)) for r in rows], dtype=torch.float32, device=mask.device)
 
 
+# what `grpo.rollout_is_weights` sums over a micro-batch, added up over a member's batch
+MISMATCH_SUMS = ("tokens", "abs_dlogp", "kl", "capped", "nonfinite", "seqs", "capped_seqs")
+
+
 def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
-    """Per-token means of the engine/trainer gap (from truncated_is_weights' sums over a member's batch), as
-    logged in metrics.jsonl: mean |delta log p|, KL(pi_rollout || pi_train) estimate, share of capped tokens,
-    and the count of tokens whose engine log-prob was not finite (excluded from the loss)."""
+    """The engine/trainer gap (from rollout_is_weights' sums over a member's batch), as logged in metrics.jsonl:
+    per token, mean |delta log p|, KL(pi_rollout || pi_train) estimate and the share of tokens the cap truncated
+    or masked; the share of sequences it touched (token modes: a token capped; sequence modes: the sequence's
+    weight over the cap); the count of tokens whose engine log-prob was not finite (excluded from the loss)."""
     n = max(sums["tokens"], 1.0)
     return {
         "is_abs_dlogp": sums["abs_dlogp"] / n,
         "is_kl": sums["kl"] / n,
         "is_capped_frac": sums["capped"] / n,
+        "is_capped_seq_frac": sums["capped_seqs"] / max(sums["seqs"], 1.0),
         "is_nonfinite_tokens": int(sums["nonfinite"]),
     }
 

@@ -1,5 +1,6 @@
-"""GRPO maths as pure tensor functions: group advantages, the clipped surrogate, KL estimators, loss aggregation,
-and the policy's per-token log-probs, entropy and self-certainty (chunked over rows for large vocabularies).
+"""GRPO maths as pure tensor functions: group advantages, the policy losses (GRPO's clipped surrogate, GSPO,
+CISPO, SAPO), the rollout importance weights, KL estimators, loss aggregation, and the policy's per-token
+log-probs, entropy and self-certainty (chunked over rows for large vocabularies). docs/method.md tables them.
 
 Shapes: G groups (one per prompt) of K responses; B = G*K sequences of T response tokens.
 Nothing here knows about models or members; `vlm_corl.members.update` feeds these functions.
@@ -7,6 +8,7 @@ Nothing here knows about models or members; `vlm_corl.members.update` feeds thes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +16,8 @@ from torch import Tensor
 
 SCALES = ("group", "batch", "none")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "drgrpo")
+POLICY_LOSSES = ("grpo", "gspo", "cispo", "sapo")
+ROLLOUT_IS = ("none", "token_truncated", "token_mask", "sequence_truncated", "sequence_mask")
 KL_ESTIMATORS = ("k1", "k3")
 
 
@@ -41,8 +45,10 @@ def nonzero_variance_groups(rewards: Tensor) -> Tensor:
 def clipped_surrogate(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_low: float, clip_high: float
 ) -> tuple[Tensor, Tensor]:
-    """PPO clipped policy-gradient loss per token, and where the clip was active.
+    """PPO clipped policy-gradient loss per token, and where the clip was active (algo.policy_loss=grpo).
 
+    loss_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A), r_t = pi_theta / pi_old of token t
+    (PPO, Schulman et al. 2017; GRPO, Shao et al. 2024, arXiv 2402.03300). A clipped token carries no gradient.
     logp, old_logp: (B, T) log-probs of the sampled tokens under the current / rollout policy.
     advantages: (B,) one advantage per sequence. Returns (loss (B, T), clipped (B, T) bool).
     The ratio is clipped to [1 - clip_low, 1 + clip_high] (asymmetric clipping, DAPO's clip-higher).
@@ -54,27 +60,119 @@ def clipped_surrogate(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def truncated_is_weights(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, dict]:
-    """Token-level truncated importance weights min(pi_train / pi_rollout, cap) for the gap between the policy
-    the rollout engine sampled from (vLLM kernels, other precision) and the trainer's own, and the mismatch.
+def gspo_surrogate(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """GSPO's clipped loss with one importance ratio per sequence (algo.policy_loss=gspo), on every token.
+
+    s_i = (pi_theta(y_i) / pi_old(y_i))^(1 / |y_i|) = exp(mean over y_i's tokens of log pi_theta - log pi_old),
+    loss_i = -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
+    (Group Sequence Policy Optimization, Zheng et al. 2025, arXiv 2507.18071, eq. 5-7; TRL's
+    importance_sampling_level="sequence"). The length-normalised (geometric-mean) ratio stays near 1 whatever
+    the length, so its clip range is small: the paper's is 3e-4 below and 4e-4 above. A clipped sequence carries
+    no gradient; an unclipped one gives each token the gradient -A_i s_i / |y_i| d log pi_theta.
+    mask: (B, T) 1 on response tokens (padding never enters s_i). Returns (loss (B, T): loss_i on each of
+    sequence i's positions, so `aggregate_loss` with seq_mean_token_mean gives the paper's 1/G sum_i loss_i;
+    clipped (B, T) bool: the sequence's clip was active).
+    """
+    m = mask.to(logp.dtype)
+    log_s = ((logp - old_logp) * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)  # (B,)
+    s = torch.exp(log_s)
+    unclipped = -advantages * s
+    clipped = -advantages * torch.clamp(s, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)  # (B,)
+    return loss.unsqueeze(-1).expand_as(logp), (clipped > unclipped).unsqueeze(-1).expand_as(logp)
+
+
+def cispo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, max_weight: float, min_weight: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """CISPO: the clipped importance weight, held constant, times the policy gradient (algo.policy_loss=cispo).
+
+    loss_t = -sg(clip(r_t, min_weight, max_weight)) A log pi_theta(y_t), r_t = pi_theta / pi_old
+    (MiniMax-M1, arXiv 2506.13585, eq. 4-5: there clip(r, 1 - eps_low, 1 + eps_high) with no lower bound in
+    practice; TRL's loss_type="cispo" caps at epsilon_high, 5 recommended after ScaleRL, arXiv 2510.13786).
+    Unlike the PPO clip, no token is dropped: a token whose ratio passed the cap still gets the gradient
+    -min(r_t, max_weight) A d log pi_theta. The loss's value is a log-likelihood, not comparable with the
+    surrogates' (only its gradient is). Returns (loss (B, T), clipped (B, T) bool: the weight was bounded).
+    """
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio.clamp(min=min_weight, max=max_weight)
+    return -weight * advantages.unsqueeze(-1) * logp, weight != ratio
+
+
+def sapo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float
+) -> tuple[Tensor, Tensor]:
+    """SAPO: a smooth sigmoid gate of the ratio in place of the hard clip (algo.policy_loss=sapo).
+
+    loss_t = -f(r_t) A, f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos if A > 0 else tau_neg
+    (Soft Adaptive Policy Optimization, Gao et al. 2025, Qwen, arXiv 2511.20347; as TRL's loss_type="sapo",
+    temperatures 1.0 and 1.05 by default there). Its gradient is -A 4 sigma (1 - sigma) r d log pi_theta: exactly
+    the policy gradient at r = 1, fading smoothly (never cut) as r leaves 1, faster for the larger temperature,
+    which the paper gives the negative advantages. Returns (loss (B, T), clipped (B, T): all False, nothing is
+    clipped).
+    """
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages.unsqueeze(-1)
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -gate * adv, torch.zeros_like(ratio, dtype=torch.bool)
+
+
+def rollout_is_weights(
+    train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float, mode: str = "token_truncated"
+) -> tuple[Tensor, dict]:
+    """Importance weights for the gap between the policy the rollout engine sampled from (vLLM kernels, other
+    precision) and the trainer's own (algo.rollout_is), and the mismatch figures.
+
+    With r_t = pi_train / pi_rollout of token t and the cap C:
+    - token_truncated: w_t = min(r_t, C) (truncated importance sampling, TIS: Yao et al. 2025, "Your efficient RL
+      framework secretly brings you off-policy RL training"; TRL's token_truncate);
+    - token_mask: w_t = r_t if r_t <= C else 0 (TRL's token_mask, verl's token-level masked IS);
+    - sequence_truncated: every token of sequence i gets min(R_i, C), R_i = prod_t r_t = exp(sum_t log r_t);
+    - sequence_mask: every token of sequence i gets R_i if R_i <= C else 0 (TRL's default, with C = 3).
+    R_i is the product of the token ratios, as in TRL's and verl's sequence modes: the ratio of the two
+    policies' probabilities of the whole sequence, which grows with the length (not GSPO's geometric mean).
 
     train_logp: (B, T) the trainer's log-probs of the sampled tokens at rollout time (detached);
     rollout_logp: (B, T) the engine's; mask: (B, T) 1 on response tokens. A token whose engine log-prob is not
-    finite gets weight 0 (excluded) and is counted. Returns (weights (B, T), sums over the finite tokens:
-    tokens, abs_dlogp (|log pi_train - log pi_rollout|), kl (k3 estimate of KL(pi_rollout || pi_train) from the
-    rollout's samples: r - 1 - log r with r = pi_train / pi_rollout), capped (tokens with r > cap), nonfinite).
+    finite gets weight 0 (excluded), and in the sequence modes its whole sequence (R_i is unknown); it is
+    counted. Returns (weights (B, T), sums: tokens (finite response tokens), abs_dlogp (|log pi_train -
+    log pi_rollout|) and kl (k3 estimate of KL(pi_rollout || pi_train): r - 1 - log r) over them, capped (those
+    tokens whose weight the cap changed: truncated or zeroed; in the sequence modes the tokens of the capped
+    sequences), nonfinite (tokens), seqs (sequences with a response token), capped_seqs (token modes: sequences
+    with a capped token; sequence modes: sequences with R_i > C)).
     """
     real = mask.bool()
     finite = torch.isfinite(rollout_logp) & real
     delta = torch.where(finite, train_logp - torch.where(finite, rollout_logp, 0.0), 0.0)
     ratio = delta.exp()
-    weights = torch.where(finite, ratio.clamp(max=cap), 0.0)
+    log_cap = math.log(cap)
+    if mode.startswith("token_"):
+        over = finite & (delta > log_cap)
+        kept = ratio.clamp(max=cap) if mode == "token_truncated" else torch.where(over, 0.0, ratio)
+        weights = torch.where(finite, kept, 0.0)
+        capped_seqs = over.any(dim=-1)
+    elif mode.startswith("sequence_"):
+        seq_delta = delta.sum(dim=-1, keepdim=True)  # (B, 1): log R_i over the finite tokens
+        usable = ~(real & ~finite).any(dim=-1, keepdim=True)  # no token of the sequence lacks an engine log-prob
+        above = seq_delta > log_cap
+        seq_ratio = seq_delta.exp()  # may overflow to inf: then above holds and inf never reaches the weights
+        kept = seq_ratio.clamp(max=cap) if mode == "sequence_truncated" else torch.where(above, 0.0, seq_ratio)
+        weights = torch.where(finite & usable, kept, 0.0)
+        over = finite & above & usable
+        capped_seqs = (above & usable).squeeze(-1) & real.any(dim=-1)
+    else:
+        raise ValueError(f"mode must be one of {ROLLOUT_IS[1:]}, got {mode!r}")
     sums = {
         "tokens": float(finite.sum()),
         "abs_dlogp": float(delta.abs().sum()),
         "kl": float(torch.where(finite, ratio - 1.0 - delta, 0.0).sum()),
-        "capped": float((finite & (ratio > cap)).sum()),
+        "capped": float(over.sum()),
         "nonfinite": float((real & ~finite).sum()),
+        "seqs": float(real.any(dim=-1).sum()),
+        "capped_seqs": float(capped_seqs.sum()),
     }
     return weights, sums
 

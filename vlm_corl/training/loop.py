@@ -55,6 +55,7 @@ from vlm_corl.training.checkpoint import (
 )
 from vlm_corl.training.collapse import describe as describe_collapse
 from vlm_corl.training.collapse import eval_drops
+from vlm_corl.training.dynamic_sampling import StepRollouts, resample, sub_shards
 from vlm_corl.training.grpo import group_advantages, nonzero_variance_groups
 from vlm_corl.training.guard import (
     CollapseStopped,
@@ -70,10 +71,11 @@ from vlm_corl.training.release import giving_back, launcher_stop_ignored, releas
 from vlm_corl.training.reward_funcs import (
     RewardFunction,
     add_function_rewards,
+    function_name,
     function_rewards,
     run_reward_functions,
 )
-from vlm_corl.training.rewards import CohortBatch
+from vlm_corl.training.rewards import CohortBatch, RewardOutput, add_overlong_penalty
 from vlm_corl.training.samples import SampleSettings, sample_rows, samples_due
 from vlm_corl.training.setup import CohortRun, start_run
 from vlm_corl.training.slots import (
@@ -83,6 +85,7 @@ from vlm_corl.training.slots import (
     teacher_decay,
 )
 from vlm_corl.training.summary import finish_run
+from vlm_corl.training.throughput import start_throughput
 
 log = logging.getLogger("vlm_corl")
 
@@ -123,13 +126,16 @@ class PhaseTimer:
 
 
 def sampling_params(
-    cfg: CohortConfig, slot_index: int, member_seed: int, step: int, first_position: int = 0
+    cfg: CohortConfig, slot_index: int, member_seed: int, step: int, first_position: int = 0, resample_round: int = 0
 ) -> SamplingParams:
     """A slot's sampling parameters at `step` for prompts from batch position `first_position` on; its seed
     is a pure function of (run, slot, step), so a resumed run samples exactly what the uninterrupted one
-    would have (engines derive each prompt's stream from the seed and the prompt's batch position)."""
+    would have (engines derive each prompt's stream from the seed and the prompt's batch position). A round of
+    dynamic sampling (`resample_round` >= 1) has seeds of its own, its prompts' positions those of its questions."""
     r = cfg.rollout
-    seed = (cfg.seed * 1_000_003 + (slot_index * 7919 + member_seed) * 104_729 + step) % (2**63)
+    seed = (cfg.seed * 1_000_003 + (slot_index * 7919 + member_seed) * 104_729 + step + (resample_round << 32)) % (
+        2**63
+    )
     return SamplingParams(
         n=r.n,
         temperature=r.temperature,
@@ -198,6 +204,10 @@ def _train_and_release(
     finally:
         with launcher_stop_ignored():
             renders.close()  # a raise mid-step leaves the next batch rendering in the background
+            if run.checkpoints is not None:
+                run.checkpoints.abandon()  # a failure: the write in flight ends (completed by a lone process)
+            if run.throughput is not None:
+                run.throughput.close()  # the GPU busy sampler's nvidia-smi
             release_run(run)
 
 
@@ -243,6 +253,7 @@ def train_steps(run: CohortRun, timer: PhaseTimer, renders: RenderAhead) -> dict
             eval_phase(run, 0)
         stop = run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
     teachers = {spec.id for spec in run.specs if spec.teacher}
+    run.throughput = start_throughput(run.world, cfg, run.specs, lambda: timer.phase)  # metrics rows: speed
     for step in bar:
         if stop is not None:  # asked for before the first step: none runs
             break
@@ -268,8 +279,10 @@ def train_steps(run: CohortRun, timer: PhaseTimer, renders: RenderAhead) -> dict
         if (step + 1) % cfg.logging.log_every == 0 and run.sink is not None:
             times = {f"time_{k}": v for k, v in timer.seconds.items()}
             times["time_step"] = time.perf_counter() - step_start  # everything but this write
-            run.sink.write([{**row, **times} for row in rows])
+            run.sink.write(run.throughput.fields([{**row, **times} for row in rows]))
         run.callbacks.fire("on_step_end", step + 1, step + 1, rows)
+        if run.checkpoints is not None:
+            run.checkpoints.poll()  # a background write done on every rank: the checkpoint is complete
         stop = run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
         run.nonfinite.observe(step + 1, run.updates, latest_checkpoint(run.run_dir), run.world.is_main)
         stopped = guard_phase(run, warnings)
@@ -282,6 +295,8 @@ def train_steps(run: CohortRun, timer: PhaseTimer, renders: RenderAhead) -> dict
                 run.callbacks.fire("on_save", step + 1, step + 1, latest_checkpoint(run.run_dir))
             break
     renders.close()
+    if run.checkpoints is not None:
+        run.checkpoints.wait()  # the last checkpoint is complete before the run reports it
     summary = finish_run(run, stopped, stop)
     run.callbacks.fire("on_train_end", cfg.train.max_steps if stop is None else stop["step"], summary)
     run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
@@ -318,19 +333,21 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
         exchanged = exchange(run.world, [ex.id for ex in batch], local, [s.id for s in run.specs])
         lengths = exchanged[3]
     with timer("reward"):
-        cohort = cohort_batch(run, batch, exchanged)
-        scored = run.reward_spec.fn(cohort, cfg.reward)
-        if run.reward_funcs:
-            values = function_rewards(
-                run.reward_funcs, cohort, batch, run.specs, trained_slots(run), run.world, step + 1
-            )
-            scored = add_function_rewards(scored, values, run.reward_funcs)
+        cohort, scored = reward_phase(run, batch, exchanged, step)
+    resampled = {}
+    if cfg.algo.resample_zero_variance:
+        with timer("resample"):
+            rolled = StepRollouts(renders.indices, batch, groups, exchanged, scored, rollout_s)
+            rolled, resampled = resample_phase(run, renders, step, rolled)
+        batch, groups, exchanged, scored = rolled.batch, rolled.groups, rolled.exchanged, rolled.scored
+        rollout_s = rolled.rollout_s
+        cohort, lengths = cohort_batch(run, batch, exchanged), exchanged[3]
     with timer("advantage"):
         advantages = [
             group_advantages(scored.rewards[n], cfg.algo.scale_rewards, cfg.algo.adv_eps) for n in range(len(run.specs))
         ]
     with timer("update"):
-        updates = update_phase(run, groups, advantages, scored.rewards, lengths, step)
+        updates = update_phase(run, groups, advantages, scored.rewards, lengths, step, truncated=exchanged[6])
     with timer("sync"):
         sync_phase(run)
     with timer("log"):
@@ -350,6 +367,8 @@ def step_phases(run: CohortRun, step: int, timer: PhaseTimer, renders: "RenderAh
             updates,
             rollout_s,
             memory,
+            truncated=exchanged[6],
+            resampled=resampled,
         )
         rows, warnings = metrics_rows(run, outcome)
         if samples_due(step + 1, cfg.logging.samples_every):
@@ -376,32 +395,102 @@ class RenderAhead:
 
     def __init__(self, run: CohortRun):
         self.run, self.pending = run, None  # pending: (example indices, future of their render_phase)
+        self.indices: list[int] = []  # the indices of the batch `prompts` gave last
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
 
     def prompts(self, indices: list[int], step: int) -> tuple[list[Example], list[list]]:
-        """This step's examples and prompts (`render_phase`), and the next step's started in the background."""
-        run, ready = self.run, None
+        """This step's examples and prompts (`render_phase`), and the next step's started in the background.
+        `self.indices`: the examples' indices (over-long ones replaced)."""
+        ready = None
         if self.pending is not None:
             upcoming, future = self.pending
             rendered = future.result()  # the renderers are not thread-safe: the background render ends first
             ready = rendered if upcoming == indices else None  # stale when the sampler skipped examples since
+        self.indices, batch, prompts = self._render(indices, ready)
+        self._ahead(step)
+        return batch, prompts
+
+    def replacements(
+        self, count: int, avoid: set[int], shards: dict[str, range], step: int
+    ) -> tuple[list[int], list[Example], list[list]]:
+        """`count` fresh examples for dynamic sampling, none of `avoid` (`LockstepSampler.draw`), their indices,
+        examples and prompts for the positions `shards` give each member (over-long ones replaced as in a batch);
+        the next step's batch then renders again in the background (the draws moved the stream on)."""
+        if self.pending is not None:
+            self.pending[1].result()  # the renderers are not thread-safe: the background render ends first
+        indices, batch, prompts = self._render(self.run.sampler.draw(count, avoid), None, shards)
+        self._ahead(step)
+        return indices, batch, prompts
+
+    def _render(
+        self, indices: list[int], ready: tuple | None, shards: dict[str, range] | None = None
+    ) -> tuple[list[int], list[Example], list[list]]:
+        """Render `indices` (or take `ready`, their background render) until no prompt is too long for a member:
+        such examples are agreed by every rank, never drawn again and replaced by the next of the stream."""
+        run = self.run
         while True:
             batch = [run.examples[i] for i in indices]
-            prompts, too_long = ready if ready is not None else render_phase(run, batch)
-            ready = None
+            if ready is None:  # (the batch's render is called as in the background: with the run's shards)
+                ready = render_phase(run, batch) if shards is None else render_phase(run, batch, shards)
+            (prompts, too_long), ready = ready, None
             dropped = _agree_too_long(run, [(indices[p], *rest) for p, *rest in too_long])
             if not dropped:
                 break
             indices = run.sampler.exclude(indices, dropped)
-        self.pending = None
+        return indices, batch, prompts
+
+    def _ahead(self, step: int) -> None:
+        """Start rendering the batch after `step` (0-based) in the background, if there is a next step."""
+        run, self.pending = self.run, None
         if step + 1 < run.cfg.train.max_steps:
             upcoming = run.sampler.peek_batch()
             self.pending = (upcoming, self.pool.submit(render_phase, run, [run.examples[i] for i in upcoming]))
-        return batch, prompts
 
     def close(self) -> None:
         """Wait for the background render and end its thread (again: nothing to do)."""
         self.pool.shutdown()
+
+
+def reward_phase(
+    run: CohortRun, batch: list[Example], exchanged: list[list], step: int
+) -> tuple[CohortBatch, RewardOutput]:
+    """The rewards of `batch` (the step's, or a round of dynamic sampling's) from its exchanged fields: the
+    mode's, plus the reward functions', plus DAPO's overlong penalty (algo.overlong_penalty)."""
+    cfg = run.cfg
+    cohort = cohort_batch(run, batch, exchanged)
+    scored = run.reward_spec.fn(cohort, cfg.reward)
+    if run.reward_funcs:
+        values = function_rewards(run.reward_funcs, cohort, batch, run.specs, trained_slots(run), run.world, step + 1)
+        scored = add_function_rewards(scored, values, run.reward_funcs)
+    if cfg.algo.overlong_penalty:
+        lengths = torch.tensor(exchanged[3], dtype=torch.float32)
+        a = cfg.algo
+        scored = add_overlong_penalty(
+            scored, lengths, cfg.rollout.max_new_tokens, a.overlong_penalty, a.overlong_penalty_factor
+        )
+    return cohort, scored
+
+
+def resample_phase(
+    run: CohortRun, renders: RenderAhead, step: int, rolled: StepRollouts
+) -> tuple[StepRollouts, dict[str, int]]:
+    """DAPO's dynamic sampling (algo.resample_zero_variance): the step's questions no trained member learns from
+    are replaced by fresh ones, round by round (`vlm_corl.training.dynamic_sampling`); returns the step's
+    rollouts and the metrics {resampled_groups, resample_rounds, zero_variance_left}."""
+
+    def again(positions: list[int], resample_round: int, avoid: set[int]) -> StepRollouts | None:
+        count = min(len(positions), run.sampler.available(avoid))
+        if count == 0:
+            return None
+        shards = sub_shards(run.shards, positions[:count])
+        indices, batch, prompts = renders.replacements(count, avoid, shards, step)
+        groups, seconds = rollout_phase(run, prompts, step, shards, resample_round)
+        local = extract_phase(run, groups, batch, shards)
+        exchanged = exchange(run.world, [ex.id for ex in batch], local, [s.id for s in run.specs])
+        return StepRollouts(indices, batch, groups, exchanged, reward_phase(run, batch, exchanged, step)[1], seconds)
+
+    owners = [_owner(s) for s in run.slots]
+    return resample(rolled, trained_slots(run), run.cfg.algo.resample_max_rounds, again, run.shards, owners)
 
 
 def trained_slots(run: CohortRun) -> list[bool]:
@@ -412,9 +501,9 @@ def trained_slots(run: CohortRun) -> list[bool]:
 
 def cohort_batch(run: CohortRun, batch: list[Example], exchanged: list[list]) -> CohortBatch:
     """What the reward sees of the step from the exchanged fields (answers, format flags, texts, lengths,
-    entropies, self-certainties; (N, B, K) each, `extract_phase`'s order): every slot's answers; gold answers
-    only for a reward that reads them (`gt`), intrinsic scores only for one that needs them."""
-    answers, formats, texts, _, entropy, certainty = exchanged
+    entropies, self-certainties, truncation flags; (N, B, K) each, `extract_phase`'s order): every slot's
+    answers; gold answers only for a reward that reads them (`gt`), intrinsic scores only for one that needs them."""
+    answers, formats, texts, _, entropy, certainty, _ = exchanged
     scores = {}
     if run.reward_spec.needs_scores:
         scores = {"entropy": torch.tensor(entropy).float(), "self_certainty": torch.tensor(certainty).float()}
@@ -441,6 +530,8 @@ def guard_phase(run: CohortRun, warnings: list[dict]) -> dict | None:
     first = run.world.all_gather(named)[0]
     if first is None:
         return None
+    if run.checkpoints is not None:
+        run.checkpoints.wait()  # a rollback or a stop names (and prunes) complete checkpoints only
     checkpoint = None
     if run.world.is_main:
         checkpoint = roll_back(run.run_dir, first["step"]) if action == "rollback" else latest_checkpoint(run.run_dir)
@@ -495,13 +586,17 @@ def categories(batch: list[Example], key: str | None) -> list[str | None]:
     # fmt: on
 
 
-def render_phase(run: CohortRun, batch: list[Example]) -> tuple[list[list], list[tuple[int, str, int]]]:
-    """Each hosted slot's prompts for its member's shard of the batch, and (batch position, member, tokens) of
-    those longer than rollout.max_prompt_tokens (their place in the prompts holds None)."""
+def render_phase(
+    run: CohortRun, batch: list[Example], shards: dict[str, range] | None = None
+) -> tuple[list[list], list[tuple[int, str, int]]]:
+    """Each hosted slot's prompts for its member's shard of the batch (`shards`: other positions, a round of
+    dynamic sampling's), and (batch position, member, tokens) of those longer than rollout.max_prompt_tokens
+    (their place in the prompts holds None)."""
+    shards = run.shards if shards is None else shards
     prompts, too_long = [], []
     for s in run.slots:
         mine = []
-        for p in run.shards[_owner(s)]:
+        for p in shards[_owner(s)]:
             try:
                 mine.append(s.renderer(batch[p]))
             except PromptTooLong as err:
@@ -531,32 +626,46 @@ def _agree_too_long(run: CohortRun, found: list[tuple[int, str, int]]) -> set[in
     return set(merged)
 
 
-def rollout_phase(run: CohortRun, prompts: list[list[Prompt]], step: int) -> tuple[list, dict[str, float]]:
+def rollout_phase(
+    run: CohortRun,
+    prompts: list[list[Prompt]],
+    step: int,
+    shards: dict[str, range] | None = None,
+    resample_round: int = 0,
+) -> tuple[list, dict[str, float]]:
     """Each hosted slot samples K responses per prompt of its shard; returns its groups and rollout seconds.
 
     Samples are a pure function of (run seed, slot, step, batch position, k), so splitting the batch over
-    more ranks draws the same responses."""
+    more ranks draws the same responses. A round of dynamic sampling gives its questions' `shards` and its
+    `resample_round` (its own seeds); a slot with no question there samples nothing."""
     groups, seconds = [], {}
     for s, slot_prompts in zip(run.slots, prompts):
         t0 = time.perf_counter()
-        params = sampling_params(run.cfg, s.index, s.member.cfg.seed, step, run.shards[_owner(s)].start)
-        groups.append(s.engine.generate(slot_prompts, params))
+        if shards is None:
+            params = sampling_params(run.cfg, s.index, s.member.cfg.seed, step, run.shards[_owner(s)].start)
+        else:
+            start = shards[_owner(s)].start
+            params = sampling_params(run.cfg, s.index, s.member.cfg.seed, step, start, resample_round)
+        groups.append(s.engine.generate(slot_prompts, params) if slot_prompts else [])
         seconds[s.id] = time.perf_counter() - t0
     return groups, seconds
 
 
 def extract_phase(
-    run: CohortRun, groups: list[list[RolloutGroup]], batch: list[Example]
+    run: CohortRun, groups: list[list[RolloutGroup]], batch: list[Example], shards: dict[str, range] | None = None
 ) -> dict[str, dict[int, tuple]]:
     """This process's rows for the exchange: {slot id: {batch position: (answers, format flags, texts,
-    lengths, mean entropies, mean self-certainties)}}, K each; answers read in the member's prompt style."""
+    lengths, mean entropies, mean self-certainties, truncated)}}, K each; answers read in the member's prompt
+    style; truncated: the response hit rollout.max_new_tokens without an end (the engine's finish_reason
+    "length"). `shards`: the positions of a round of dynamic sampling."""
+    shards = run.shards if shards is None else shards
     style = run.cfg.reward.answer_style
     scores = intrinsic_scores(run, groups) if run.reward_spec.needs_scores else None
     local = {}
     for n, (s, gs) in enumerate(zip(run.slots, groups)):
         read = s.member.prompt_style if style == "auto" else style
         rows = {}
-        for j, (p, g) in enumerate(zip(run.shards[_owner(s)], gs)):
+        for j, (p, g) in enumerate(zip(shards[_owner(s)], gs)):
             k = len(g.responses)
             rows[p] = (
                 [extract_answer(r.text, read, batch[p].choices) for r in g.responses],
@@ -565,6 +674,7 @@ def extract_phase(
                 [len(r.token_ids) for r in g.responses],
                 scores[n]["entropy"][j].tolist() if scores else [0.0] * k,
                 scores[n]["self_certainty"][j].tolist() if scores else [0.0] * k,
+                [r.finish_reason == "length" for r in g.responses],
             )
         local[s.id] = rows
     return local
@@ -577,9 +687,11 @@ def update_phase(
     rewards: torch.Tensor,
     lengths: list[list[list[int]]],
     step: int,
+    truncated: list | None = None,
 ) -> dict:
     """Each hosted trainable member takes one optimizer step on its shard of all its slots' sequences
     (gradients summed over its ranks). An EMA teacher (co_rewarding_2) then moves toward its student.
+    truncated: (N, B, K) responses cut at the length budget, left out of the loss with algo.mask_truncated.
     Returns {member id: update stats}."""
     cfg, updates = run.cfg, {}
     # Every engine sleeps for the update (vLLM sleep mode; sync_phase wakes them), a frozen peer's too, at level 1
@@ -590,16 +702,25 @@ def update_phase(
         if not m.cfg.trainable:
             continue
         mine = [n for n, s in enumerate(run.slots) if s.member is m]
+        masked = truncated if truncated is not None and cfg.algo.mask_truncated else None
         seqs = [
             seq
             for n in mine
             for seq in _sequences(
-                groups[n], run.shards[m.id], advantages[run.slots[n].index], rewards[run.slots[n].index], cfg
+                groups[n],
+                run.shards[m.id],
+                advantages[run.slots[n].index],
+                rewards[run.slots[n].index],
+                cfg,
+                None if masked is None else masked[run.slots[n].index],
             )
         ]
         trained = [n for n, spec in enumerate(run.specs) if spec.member_id == m.id and not spec.teacher]
         totals = batch_totals(
-            [lengths[n] for n in trained], [rewards[n] for n in trained], cfg.algo.filter_zero_variance
+            [lengths[n] for n in trained],
+            [rewards[n] for n in trained],
+            cfg.algo.filter_zero_variance,
+            None if masked is None else [masked[n] for n in trained],
         )
         # Even when every group was filtered out the member takes its (zero-gradient) optimizer step, exactly as
         # when every advantage is zero: the schedule and Adam's moments advance the same way in both cases.
@@ -624,21 +745,29 @@ def sync_phase(run: CohortRun) -> None:
 
 
 def batch_totals(
-    lengths: list[list[list[int]]], rewards: list[torch.Tensor], filter_zero_variance: bool
+    lengths: list[list[list[int]]],
+    rewards: list[torch.Tensor],
+    filter_zero_variance: bool,
+    masked: list[list[list[bool]]] | None = None,
 ) -> tuple[int, int]:
     """(response tokens, responses) a member trains on over the whole batch, all its ranks and slots: the
-    loss normaliser, so that the ranks' shares add up to the full-batch loss. lengths, rewards: (B, K) each."""
+    loss normaliser, so that the ranks' shares add up to the full-batch loss. lengths, rewards: (B, K) each;
+    masked: (B, K) each, responses left out of the loss (algo.mask_truncated)."""
     tokens = seqs = 0
-    for lens, r in zip(lengths, rewards):
+    for n, (lens, r) in enumerate(zip(lengths, rewards)):
         keep = nonzero_variance_groups(r) if filter_zero_variance else torch.ones(len(lens), dtype=torch.bool)
-        tokens += sum(sum(row) for row, k in zip(lens, keep.tolist()) if k)
-        seqs += sum(len(row) for row, k in zip(lens, keep.tolist()) if k)
+        for b, (row, k) in enumerate(zip(lens, keep.tolist())):
+            kept = [t for i, t in enumerate(row) if k and (masked is None or not masked[n][b][i])]
+            tokens, seqs = tokens + sum(kept), seqs + len(kept)
     return tokens, seqs
 
 
-def _sequences(groups, positions: range, advantages: torch.Tensor, rewards: torch.Tensor, cfg) -> list[Sequence]:
+def _sequences(
+    groups, positions: range, advantages: torch.Tensor, rewards: torch.Tensor, cfg, masked: list | None = None
+) -> list[Sequence]:
     """One slot's sequences at its batch `positions` (those of zero-variance groups marked untrained when
-    algo.filter_zero_variance). advantages, rewards: (B, K) over the whole batch."""
+    algo.filter_zero_variance, and those `masked`, (B, K), with algo.mask_truncated). advantages, rewards:
+    (B, K) over the whole batch."""
     keep = (
         nonzero_variance_groups(rewards)
         if cfg.algo.filter_zero_variance
@@ -649,7 +778,7 @@ def _sequences(groups, positions: range, advantages: torch.Tensor, rewards: torc
             g.prompt.inputs,
             r.token_ids,
             float(advantages[p, k]),
-            trained=bool(keep[p]),
+            trained=bool(keep[p]) and not (masked is not None and masked[p][k]),
             rollout_logprobs=r.token_logprobs,
         )
         for p, g in zip(positions, groups)
@@ -663,6 +792,15 @@ def intrinsic_scores(run: CohortRun, groups: list[list[RolloutGroup]]) -> list[d
     per_slot = []
     for s, gs in zip(run.slots, groups):
         responses = [r for g in gs for r in g.responses]
+        if not responses and not s.member.partitioned:  # no question of a resampling round on this rank
+            per_slot.append({})
+            continue
+        if not responses:  # its ranks' scoring passes are collectives: this rank would have none to run
+            raise NotImplementedError(
+                f"member {s.member.id!r} (ZeRO-3, partitioned) has no question of this round of dynamic sampling "
+                "on this rank to score for the intrinsic reward: algo.resample_zero_variance does not support "
+                "this layout yet; turn it off or place the member on one rank"
+            )
         if all(r.entropy_sum is not None for r in responses):
             stats = {k: torch.tensor([r.mean(k) for r in responses]) for k in ("entropy", "self_certainty")}
         else:
@@ -701,7 +839,13 @@ def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:
     state = {"sampler": run.sampler.state_dict(), "members": required, "rows": rows, "replicas": replicas}
     state["config"] = config_to_dict(run.cfg)  # what the checkpoint means: a resume compares its own with it
     state["data"] = run.data  # what it trained on, by content: a resume compares it (checkpoint.check_resumed_data)
-    save_checkpoint(run.world, run.run_dir, step, [(m, writers[m.id]) for m in models], state, run.cfg.train.keep_last)
+    # the reward functions (reward.custom's and the API's, which config.yaml cannot hold): the model card names them
+    state["reward_functions"] = [{"function": function_name(f.fn), "weight": f.weight} for f in run.reward_funcs]
+    written = [(m, writers[m.id]) for m in models]
+    if run.checkpoints is not None:  # train.async_checkpoint: host copies now, the files in the background
+        run.checkpoints.save(step, written, state)
+    else:
+        save_checkpoint(run.world, run.run_dir, step, written, state, run.cfg.train.keep_last)
 
 
 def _check_replicas(run: CohortRun, models) -> dict[str, dict[int, float]]:
@@ -827,6 +971,17 @@ class StepOutcome:
     updates: dict  # member id -> update stats
     rollout_s: dict  # slot id -> seconds
     memory: dict = field(default_factory=dict)  # slot id -> {prompt_cache_mb, peak_gb_<phase> (CUDA)}
+    truncated: list | None = None  # (N, B, K) responses cut at rollout.max_new_tokens
+    resampled: dict = field(default_factory=dict)  # algo.resample_zero_variance's counts (cohort-wide)
+
+
+def overlong_metrics(algo, truncated: list, n: int) -> dict:
+    """With algo.overlong_penalty or algo.mask_truncated: slot n's share of responses cut at the length budget
+    (`truncated_frac`; with mask_truncated, those are the responses left out of the loss)."""
+    if not (algo.overlong_penalty or algo.mask_truncated):
+        return {}
+    flags = [t for group in truncated[n] for t in group]
+    return {"truncated_frac": sum(flags) / max(len(flags), 1)}
 
 
 def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]]:
@@ -855,6 +1010,9 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
         row.update({k: stats.get(k) for k in UPDATE_KEYS})
         row.update({k: v for k, v in stats.items() if k.startswith("is_")})  # algo.rollout_is mismatch
         row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
+        if o.truncated is not None:
+            row.update(overlong_metrics(run.cfg.algo, o.truncated, n))
+        row.update(o.resampled)
         row.update(o.memory.get(s.id, {}))
         rows.append(row)
     return rows, run.collapse.flag(rows)

@@ -4,7 +4,8 @@ The one contract, for `CohortTrainer(reward_funcs=[...])` and the YAML `reward.c
 
     fn(*, member, prompts, completions, answers, peer_answers, **columns) -> list[float | None]
 
-called once per trained member and step, with one entry per completion of that member, question by question
+called once per trained member and step (and once more per round of dynamic sampling, algo.resample_zero_variance,
+on that round's fresh questions alone), with one entry per completion of that member, question by question
 (question b's K responses at b*K ... b*K + K-1):
 - `member`: the member's id (a slot id under the two-view and EMA-teacher layouts);
 - `prompts`: the question as this member saw it (its view's wording);

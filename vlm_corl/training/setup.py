@@ -30,7 +30,8 @@ from vlm_corl.errors import UserError
 from vlm_corl.members.deepspeed_update import GroupMPU, attach_deepspeed, zero_stage
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.members.state_files import corrupt_file
-from vlm_corl.planning.check import check_disk, check_launch, write_plan
+from vlm_corl.planning.check import check_disk, check_launch, resolve_micro_batch, write_plan
+from vlm_corl.training.async_checkpoint import BackgroundCheckpoints, resolve_async
 from vlm_corl.training.checkpoint import (
     check_resumed_data,
     data_fingerprint,
@@ -46,6 +47,7 @@ from vlm_corl.training.numerics import NonFiniteTracker
 from vlm_corl.training.reward_funcs import RewardFunction, check_run_columns
 from vlm_corl.training.rewards import RewardSpec, resolve_reward
 from vlm_corl.training.slots import Slot, SlotSpec, build_slots, check_views, slot_specs
+from vlm_corl.training.throughput import Throughput
 from vlm_corl.training.trackers import start_trackers
 
 log = logging.getLogger("vlm_corl")
@@ -81,6 +83,8 @@ class CohortRun:
     reward_funcs: list = field(default_factory=list)  # reward functions (vlm_corl.training.reward_funcs), likewise
     prompt_styles: dict = field(default_factory=dict)  # member id -> its answer instruction (render.PROMPT_STYLES)
     data: dict = field(default_factory=dict)  # the training data by content (checkpoint.data_fingerprint)
+    checkpoints: BackgroundCheckpoints | None = None  # train.async_checkpoint on: the writes in the background
+    throughput: Throughput | None = None  # the speed fields of metrics rows (set when the steps start)
 
 
 def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) -> CohortRun:
@@ -90,6 +94,7 @@ def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) ->
     placement = place_members(cfg.members, world.size)
     reward_spec = resolve_reward(cfg.reward)
     _check_engine_layout(cfg, placement, reward_spec)  # before any collective that a bad layout would hang
+    cfg = resolve_micro_batch(cfg, world.device, world.size, world.is_main)  # train.micro_batch_size: auto
     plan = check_launch(cfg, world.device, world.size, world.is_main)  # every rank: all stop alike
     build_groups(world, placement, every=cfg.train.deepspeed is not None)
     run_dir = Path(cfg.output_dir)
@@ -156,8 +161,18 @@ def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) ->
     return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
                      reward_spec, start, collapse, data_report, eval_history, read_best(run_dir),
                      category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
-                     nonfinite=nonfinite, prompt_styles=styles, data=data)
+                     nonfinite=nonfinite, prompt_styles=styles, data=data,
+                     checkpoints=background_checkpoints(cfg, world))
     # fmt: on
+
+
+def background_checkpoints(cfg: CohortConfig, world: World) -> BackgroundCheckpoints | None:
+    """The run's background checkpoint writer where `train.async_checkpoint` resolves on (`resolve_async`)."""
+    if not resolve_async(cfg.train.async_checkpoint, world.device.type, cfg.train.deepspeed is not None):
+        return None
+    if world.is_main:
+        log.info("checkpoints are written in the background (train.async_checkpoint)")
+    return BackgroundCheckpoints(world, Path(cfg.output_dir), cfg.train.keep_last)
 
 
 def category_key(cfg: CohortConfig, examples: list[Example], log_it: bool = False) -> str | None:

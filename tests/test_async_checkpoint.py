@@ -1,0 +1,223 @@
+"""Checkpoints written in the background (`train.async_checkpoint`, vlm_corl.training.async_checkpoint).
+
+- when the background write is on (auto: CUDA without DeepSpeed);
+- a background checkpoint holds the same files and tensors as one written at the step, old ones pruned alike;
+- a full disk during a background write is named, the partial checkpoint removed, the previous one kept;
+- a process SIGKILLed during a background write resumes from the previous checkpoint, bit-identical to a run
+  never killed;
+- two processes (torchrun, gloo), each writing its member in the background, give the checkpoints and rows of one
+  process writing at the step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import yaml
+from cohort_helpers import cohort, metrics, trained_fields, weights
+
+from vlm_corl.config import config_from_dict
+from vlm_corl.train import main
+from vlm_corl.training.async_checkpoint import resolve_async
+from vlm_corl.training.checkpoint import latest_checkpoint, load_cohort_state
+from vlm_corl.training.loop import run_cohort
+
+ROOT = Path(__file__).resolve().parents[1]
+REWARD = {"mode": "none", "custom": "reward_fixtures:shorter_is_better"}  # a tiny random member gets gradients
+
+
+def test_when_checkpoints_are_written_in_the_background():
+    assert resolve_async("auto", "cuda", deepspeed=False) is True
+    assert resolve_async("auto", "cpu", deepspeed=False) is False  # the host copy costs about the write there
+    assert resolve_async(True, "cpu", deepspeed=False) is True
+    assert resolve_async(False, "cuda", deepspeed=False) is False
+    assert resolve_async("auto", "cuda", deepspeed=True) is False  # DeepSpeed's engine writes its partitions
+    assert resolve_async(True, "cuda", deepspeed=True) is False
+    from vlm_corl.config.schema import TrainConfig
+
+    assert TrainConfig().async_checkpoint == "auto"
+
+
+def _trainer_state(directory: Path) -> dict:
+    return torch.load(directory / "trainer_state.pt", weights_only=True)
+
+
+def test_a_background_checkpoint_holds_what_one_written_at_the_step_holds(tiny_zoo, tmp_path, monkeypatch):
+    members = [("qwen", tiny_zoo["qwen2_vl"]), ("llama", tiny_zoo["mllama"])]
+    real_save, writers = torch.save, set()
+
+    def save(obj, f, *args, **kwargs):
+        writers.add(threading.current_thread().name)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    runs = {}
+    for background in (False, True):
+        writers.clear()
+        cfg = cohort(tmp_path / str(background), members, reward=REWARD)
+        cfg["train"].update(max_steps=4, save_every=1, keep_last=2, async_checkpoint=background)
+        summary = run_cohort(config_from_dict(cfg))
+        runs[background] = Path(cfg["output_dir"])
+        assert summary["checkpoint"] == str(runs[background] / "checkpoints" / "step-4")
+        # the trainer states of steps 1-4 were written by the background thread, and only there
+        expected = {"MainThread"} | ({f"checkpoint-{s}" for s in range(1, 5)} if background else set())
+        assert writers == expected
+    sync, background = runs[False], runs[True]
+    # pruned alike once the new one was complete; no temporary directory left behind
+    assert sorted(p.name for p in (background / "checkpoints").iterdir()) == ["step-3", "step-4"]
+    assert sorted(p.name for p in (sync / "checkpoints").iterdir()) == ["step-3", "step-4"]
+    for step in (3, 4):
+        a, b = sync / "checkpoints" / f"step-{step}", background / "checkpoints" / f"step-{step}"
+        assert sorted(p.relative_to(a) for p in a.rglob("*")) == sorted(p.relative_to(b) for p in b.rglob("*"))
+        for mid, _ in members:
+            wa, wb = weights(a / mid), weights(b / mid)
+            assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), mid
+            sa, sb = _trainer_state(a / mid), _trainer_state(b / mid)
+            assert sa["scheduler"] == sb["scheduler"] and sa["scheduler"]["last_epoch"] == step
+            for pa, pb in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values(), strict=True):
+                assert all(torch.equal(pa[k], pb[k]) for k in pa)
+        ca, cb = load_cohort_state(a), load_cohort_state(b)
+        assert ca["step"] == cb["step"] == step and ca["sampler"] == cb["sampler"]
+        assert trained_fields(ca["rows"]) == trained_fields(cb["rows"])
+        assert torch.equal(ca["rng"][0]["torch"], cb["rng"][0]["torch"])
+    assert trained_fields(metrics(sync)) == trained_fields(metrics(background))
+
+
+def test_a_full_disk_during_a_background_write_keeps_the_previous_checkpoint(tiny_zoo, tmp_path, capsys):
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward=REWARD)
+    cfg["train"].update(max_steps=3, save_every=1, async_checkpoint=True)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    real_save, threads = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        if threading.current_thread().name == "checkpoint-2":  # the second checkpoint's writer meets a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+    try:
+        code = main(["--config", str(path)])
+    finally:
+        torch.save = real_save
+    err = capsys.readouterr().err
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert "checkpoint-1" in threads  # the trainer state was written by the background thread
+    assert code == 2, err
+    assert f"the disk holding {checkpoints} filled while checkpoint step 2 was written" in err
+    assert f"the previous checkpoint {checkpoints / 'step-1'} is intact" in err and "Traceback" not in err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1"]  # the partial one removed
+    assert main(["--config", str(path), "train.resume=true"]) == 0, capsys.readouterr().err
+    assert latest_checkpoint(tmp_path / "run") == checkpoints / "step-3"
+
+
+# Run as `python KILLER CONFIG [overrides]`: the trainer, SIGKILLed by itself when the background thread writing
+# checkpoint step 4 starts its trainer state (the member's weights already on disk, the checkpoint incomplete).
+KILLER = """
+import os, runpy, signal, sys, threading
+import torch
+real_save = torch.save
+def save(obj, f, *args, **kwargs):
+    if threading.current_thread().name == "checkpoint-4":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *args, **kwargs)
+torch.save = save
+sys.argv = ["vlm_corl.train", "--config", *sys.argv[1:]]
+runpy.run_module("vlm_corl.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tiny_zoo, tmp_path):
+    members = [("qwen", tiny_zoo["qwen2_vl"])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+
+    def config(run: Path) -> str:
+        cfg = cohort(run, members, reward=REWARD)
+        cfg["train"].update(max_steps=6, save_every=2, keep_last=5, async_checkpoint=True)
+        path = run.with_suffix(".yaml")
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+
+    def train(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    done = train("-m", "vlm_corl.train", "--config", config(full))
+    assert done.returncode == 0, done.stderr[-3000:]
+    died = train(str(killer), config(killed))
+    assert died.returncode == -9, died.stderr[-3000:]
+    checkpoints = killed / "run" / "checkpoints"
+    # killed inside the write of step 4: its member's weights are on disk, the checkpoint is not complete
+    assert (checkpoints / ".tmp-step-4" / "qwen" / "model.safetensors").is_file()
+    assert not (checkpoints / ".tmp-step-4" / "qwen" / "trainer_state.pt").exists()
+    assert not (checkpoints / "step-4").exists()
+    assert latest_checkpoint(killed / "run") == checkpoints / "step-2"
+    resumed = train("-m", "vlm_corl.train", "--config", config(killed), "train.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-4", "step-6"]
+
+    a, b = full / "run" / "checkpoints" / "step-6" / "qwen", checkpoints / "step-6" / "qwen"
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "weights differ after the resume"
+    sa, sb = _trainer_state(a), _trainer_state(b)
+    assert sa["scheduler"] == sb["scheduler"]
+    for pa, pb in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values(), strict=True):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert trained_fields(metrics(full / "run")) == trained_fields(metrics(killed / "run"))
+
+
+def test_host_copies_do_not_follow_the_live_tensors():
+    """The snapshot is a copy: an optimizer's in-place update after it leaves it as it was."""
+    from vlm_corl.members.state_files import host_copy
+
+    live = {"state": {0: {"exp_avg": torch.ones(3), "step": torch.tensor(1.0)}}, "groups": [(1, 2)]}
+    copied = host_copy(live)
+    live["state"][0]["exp_avg"].add_(1)
+    assert torch.equal(copied["state"][0]["exp_avg"], torch.ones(3)) and copied["groups"] == [(1, 2)]
+
+
+def test_two_processes_write_in_the_background_what_one_writes_at_the_step(tiny_zoo, tmp_path):
+    """Each rank writes its member in its own thread; the checkpoint is made complete by every rank together
+    (the end-of-step poll, the next save, the run's end): the same checkpoints and rows as one process writing
+    at the step."""
+    members = [("qwen", tiny_zoo["qwen2_vl"]), ("llama", tiny_zoo["mllama"])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    runs = {}
+    for name, procs, background in (("one", 1, False), ("two", 2, True)):
+        cfg = cohort(tmp_path / name, members, reward=REWARD)
+        cfg["train"].update(max_steps=3, save_every=1, keep_last=2, async_checkpoint=background)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] if procs > 1 else []
+        done = subprocess.run(
+            [sys.executable, *launcher, "-m", "vlm_corl.train", "--config", str(path)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[name] = Path(cfg["output_dir"])
+    one, two = runs["one"], runs["two"]
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    assert trained_fields(metrics(one)) == trained_fields(metrics(two))
+    for mid, _ in members:
+        wa, wb = weights(one / "checkpoints" / "step-3" / mid), weights(two / "checkpoints" / "step-3" / mid)
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), mid
+        sa, sb = (
+            _trainer_state(one / "checkpoints" / "step-3" / mid),
+            _trainer_state(two / "checkpoints" / "step-3" / mid),
+        )
+        for pa, pb in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values(), strict=True):
+            assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert len(load_cohort_state(two / "checkpoints" / "step-3")["rng"]) == 2  # both ranks' RNG states
