@@ -217,3 +217,15 @@ def test_a_model_whose_static_layers_transformers_would_not_make_full_falls_back
     steps = []
     _rollout(member, prompts, SamplingParams(n=2, max_new_tokens=3), "on", monkeypatch, steps)
     assert not steps[0].static and static_decode.fallback_reasons == ["qwen2: static cache layers Sliding, StaticLayer"]
+
+
+def test_rollout_hf_static_cache_reaches_the_hf_engine(tiny_zoo):
+    """The config switch (rollout.hf_static_cache) is what make_engine gives the HF engine; without a rollout
+    config (evaluation, benchmarks) the engine decides: auto."""
+    from vlm_corl.config.schema import RolloutConfig
+    from vlm_corl.members.engines import make_engine
+
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
+    assert make_engine("hf", member, RolloutConfig(hf_static_cache="off")).static_cache == "off"
+    assert make_engine("hf", member, RolloutConfig(hf_static_cache="on")).static_cache == "on"
+    assert make_engine("hf", member).static_cache == "auto"

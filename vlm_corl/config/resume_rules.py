@@ -84,6 +84,7 @@ RULES: dict[str, Rule] = {
     "rollout.max_prompt_tokens": _free("sampling"),
     "rollout.dtype": _free("compute precision"),
     "rollout.stop": _free("sampling"),
+    "rollout.hf_static_cache": _free("engine kernels: the same tokens and log-probs"),
     "rollout.vllm.gpu_memory_utilization": _free("engine memory"),
     "rollout.vllm.tensor_parallel_size": _free("engine layout"),
     "rollout.vllm.enforce_eager": _free("engine kernels"),

@@ -195,6 +195,11 @@ class RolloutConfig:
     """Sampling of K responses per prompt per member."""
 
     engine: Literal["hf", "vllm"] = _f("rollout engine: hf (transformers generate) | vllm", "hf")
+    hf_static_cache: Literal["auto", "on", "off"] = _f(
+        "the HF engine's decoding steps over a static KV cache, captured as CUDA graphs on CUDA "
+        "(members/static_decode.py; the same tokens and log-probs): auto (on CUDA) | on | off (today's loop)",
+        "auto",
+    )
     n: int = _f(
         "K samples per prompt (paper: 4 for VLMs, 8 for text)",
         4,

@@ -52,7 +52,7 @@ def make_engine(
     if name == "hf":
         from vlm_corl.members.engines.hf import HFEngine
 
-        return HFEngine(member)
+        return HFEngine(member, rollout.hf_static_cache if rollout is not None else "auto")
     if name == "vllm":
         from vlm_corl.members.engines.vllm import VLLMEngine
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 class HFEngine:
     """Rollout engine over the forward pass of a loaded member (see `vlm_corl.members.member.Member`);
-    `static_cache`: auto (on CUDA) | on | off (a config field for it is to come: docs/speed.md)."""
+    `static_cache`: auto (on CUDA) | on | off (rollout.hf_static_cache)."""
 
     def __init__(self, member, static_cache: str = "auto"):
         self.member, self.static_cache = member, static_cache
