@@ -22,7 +22,7 @@ import reward_fixtures
 from cohort_helpers import cohort, write_jsonl
 from PIL import Image
 
-from vlm_corl.config import ConfigError
+from vlm_corl.config import ConfigError, config_from_dict
 from vlm_corl.config.schema import DatasetConfig
 from vlm_corl.data.loaders import DataError, load_examples
 from vlm_corl.data.python_data import register_dataset
@@ -130,39 +130,32 @@ def test_a_null_image_among_text_records_is_skipped_and_counted(tmp_path, caplog
     assert "1 record(s) of " in caplog.text
 
 
-def test_rows_without_their_image_are_skipped_counted_and_warned(caplog):
+def test_rows_that_lost_their_image_are_skipped_counted_and_warned_text_rows_stay(caplog):
     rows = [{"question": f"what colour? {i}", "image": picture()} for i in range(6)]
-    rows[1]["image"] = None  # null
-    rows[3]["image"] = []  # an empty list
-    del rows[4]["image"]  # absent
+    rows[1]["image"] = None  # null: the record lost its image
+    rows[3]["image"] = []  # an empty list: a text-only question beside image ones (a mixed dataset)
+    del rows[4]["image"]  # absent: the same
     with caplog.at_level(logging.WARNING, logger="vlm_corl"):
         data = load_python(rows)
-    assert [ex.id for ex in data.examples] == ["train_dataset-000000", "train_dataset-000002", "train_dataset-000005"]
-    assert data.report.skipped == {"no_image": 3}
-    assert data.report.samples["no_image"] == [
-        "train_dataset-000001: its 'image' field is None",
-        "train_dataset-000003: no image, in data whose records have images",
-        "train_dataset-000004: no image, in data whose records have images",
-    ]
-    assert (
-        "3 record(s) of train_dataset have no image (a null image field, or none in data whose records have "
-        "images): dropped" in caplog.text
-    )
+    kept = ["train_dataset-000000", "train_dataset-000002", "train_dataset-000003", "train_dataset-000004"]
+    assert [ex.id for ex in data.examples] == [*kept, "train_dataset-000005"]
+    assert data.report.skipped == {"no_image": 1}
+    assert data.report.samples["no_image"] == ["train_dataset-000001: its 'image' field is None"]
+    assert "1 record(s) of train_dataset have lost their image (a null image field): dropped" in caplog.text
 
 
-def test_a_text_row_before_the_first_image_is_dropped_too_and_its_place_refilled_up_to_the_limit(tmp_path):
+def test_a_null_image_is_dropped_and_its_place_refilled_up_to_the_limit(tmp_path):
     (tmp_path / "red.png").write_bytes(png())
     rows = [{"id": "t0", "question": "text?"}, {"id": "t1", "question": "text too?", "image": None}]
     rows += [{"id": f"i{i}", "question": f"colour {i}?", "image": "red.png"} for i in range(4)]
     data = load_examples("jsonl", write_jsonl(tmp_path / "train.jsonl", rows), limit=3)
-    assert [ex.id for ex in data.examples] == ["i0", "i1", "i2"]
-    assert data.report.skipped == {"no_image": 2}
-    # an unreadable image is evidence of image data too: the text-only record is not kept in its stead
+    assert [ex.id for ex in data.examples] == ["t0", "i0", "i1"]
+    assert data.report.skipped == {"no_image": 1}
     rows = [{"id": "t0", "question": "text?"}, {"id": "gone", "question": "colour?", "image": "gone.png"}]
     rows += [{"id": "i0", "question": "colour?", "image": "red.png"}]
     data = load_examples("jsonl", write_jsonl(tmp_path / "mixed.jsonl", rows))
-    assert [ex.id for ex in data.examples] == ["i0"]
-    assert data.report.skipped == {"no_image": 1, "missing_image": 1}
+    assert [ex.id for ex in data.examples] == ["t0", "i0"]
+    assert data.report.skipped == {"missing_image": 1}
 
 
 def test_text_only_data_is_not_affected(tmp_path, caplog):
@@ -189,13 +182,10 @@ def test_a_vision_cohort_given_rows_without_images_skips_and_counts_them_in_the_
     from vlm_corl import CohortTrainer
 
     summary = CohortTrainer(cfg, train_dataset=rows, reward_funcs=reward_fixtures.constant).train()
-    assert summary["data"]["kept"] == 4 and summary["data"]["skipped"] == {"no_image": 2}
+    assert summary["data"]["kept"] == 5 and summary["data"]["skipped"] == {"no_image": 1}  # row 5: a text question
     written = json.loads((tmp_path / "run" / "summary.json").read_text())["data"]
-    assert written["skipped"] == {"no_image": 2}
-    assert written["skipped_examples"]["no_image"] == [
-        "train_dataset-000002: its 'image' field is None",
-        "train_dataset-000005: no image, in data whose records have images",
-    ]
+    assert written["skipped"] == {"no_image": 1}
+    assert written["skipped_examples"]["no_image"] == ["train_dataset-000002: its 'image' field is None"]
 
 
 def test_a_vision_cohort_given_a_misnamed_image_column_is_refused_before_any_model_loads(tiny_zoo, tmp_path):
@@ -207,6 +197,22 @@ def test_a_vision_cohort_given_a_misnamed_image_column_is_refused_before_any_mod
     with pytest.raises(DataError, match="but column 'img' holds pictures"):
         trainer.train()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_vision_cohort_given_data_without_any_picture_is_warned(tiny_zoo, tmp_path, caplog):
+    """An image column absent from every row and no picture elsewhere: text data, legitimate (VL models can
+    train on text), but also what a dropped image column looks like: said at start, before any model loads."""
+    from vlm_corl.training.setup import _check_members_read_the_data
+
+    cfg = config_from_dict(api_config(tiny_zoo, tmp_path, loader="easyvqa", limit=4))
+    text = load_python([{"question": f"what colour? {i}"} for i in range(4)]).examples
+    with caplog.at_level(logging.WARNING, logger="vlm_corl"):
+        _check_members_read_the_data(cfg, text, None)
+    assert "no training example has an image, and every member reads images" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vlm_corl"):
+        _check_members_read_the_data(cfg, load_python([{"question": "q", "image": picture()}]).examples, None)
+    assert "no training example has an image" not in caplog.text
 
 
 # ---- 2. streams -----------------------------------------------------------------------------------------

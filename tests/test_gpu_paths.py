@@ -314,12 +314,16 @@ def test_zero_adam_state_exists_before_any_engine_and_the_first_step_is_unchange
     )
 
 
-def test_adamw_is_fused_on_cuda(tiny_zoo):
-    """One kernel per step without foreach's full-size temporaries (CUDA; the kernel itself runs on a GPU)."""
+def test_adamw_is_fused_on_cuda(tiny_zoo, monkeypatch):
+    """One kernel per step without foreach's full-size temporaries (CUDA; the kernel itself runs on a GPU): the
+    optimizer is built with what `adamw_fused` decides for the member's device and its trained parameters (the
+    decision itself: tests/test_update_speed.py)."""
     m = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen3"])))
     m.device = CUDA0  # the parameters stay on the CPU, where torch has a fused AdamW too
+    asked = []
+    monkeypatch.setattr(member_module, "adamw_fused", lambda device, ds, params: asked.append((device, ds)) or True)
     m.setup_optimizer(TrainConfig(), 4)
-    assert m.optimizer.defaults["fused"] is True
+    assert asked == [(CUDA0, False)] and m.optimizer.defaults["fused"] is True
 
 
 def test_zero3_members_load_on_the_host(tiny_zoo, monkeypatch):

@@ -132,7 +132,7 @@ def messy_jsonl(tmp_path):
             "choices": ["yes", "no"],
             "paraphrases": ["Is it the same picture?"],
         },
-        {"id": 3, "problem": "A question without its image", "answer": None},
+        {"id": 3, "problem": "A text-only question", "answer": None},
         {"question": "No id here", "image": str(elsewhere)},
         {"id": "g5", "question": "Also red?", "image": "images/red.png", "metadata": {"k": 1}},
         {"id": "missing", "question": "q", "image": "images/nope.png"},
@@ -156,18 +156,18 @@ def test_jsonl_keeps_good_records_and_counts_every_bad_one(messy_jsonl):
     result = load_examples("jsonl", messy_jsonl)
     by_id = {ex.id: ex for ex in result.examples}
     root = messy_jsonl.parent
-    assert list(by_id) == ["g1", "g2", f"{root.name}-train-000003", "g5"]
+    assert list(by_id) == ["g1", "g2", "3", f"{root.name}-train-000003", "g5"]
     assert by_id["g1"].images == (str(root / "images/red.png"),) and by_id["g1"].metadata == {"type": "colour"}
     g2 = by_id["g2"]
     assert (g2.question, g2.answer, g2.choices) == ("Same picture?", "2", ("yes", "no"))
     assert g2.question_for("paraphrase:1") == "Is it the same picture?" and len(g2.images) == 2
+    assert by_id["3"].images == () and by_id["3"].answer is None
     assert by_id[f"{root.name}-train-000003"].images == (str(root / "abs.png"),)
     assert by_id["g5"].metadata == {"metadata": {"k": 1}} and by_id["g5"].source == root.name
 
     report = result.report
-    assert report.kept == 4
+    assert report.kept == 5
     assert report.skipped == {
-        "no_image": 1,  # the data has images: a record without one is dropped, not asked without its picture
         "missing_image": 1,
         "corrupt_image": 2,
         "zero_size_image": 1,
@@ -188,8 +188,7 @@ def test_jsonl_keeps_good_records_and_counts_every_bad_one(messy_jsonl):
     assert report.samples["undecodable_line"][0].startswith("line 12: ")
     assert report.samples["duplicate_id"] == ["g1: id already used by an earlier record"]
     summary = report.summary()
-    assert summary.splitlines()[0] == f"jsonl[train] {messy_jsonl}: kept 4, skipped 13"
-    assert report.samples["no_image"] == ["3: no image, in data whose records have images"]
+    assert summary.splitlines()[0] == f"jsonl[train] {messy_jsonl}: kept 5, skipped 12"
     assert "  missing_image: 1 (e.g. missing: " in summary
     assert json.loads(json.dumps(report.as_dict()))["skipped"]["bad_record"] == 2
 
@@ -290,8 +289,7 @@ def test_hf_save_to_disk_with_image_columns(hf_dataset, tmp_path):
 
     hf_dataset.save_to_disk(tmp_path / "single")  # a lone Dataset, list-of-images column
     result = load_examples("hf", tmp_path / "single", fields={"images": "extra"})
-    assert [len(ex.images) for ex in result.examples] == [1]  # the empty lists: no image, dropped and counted
-    assert result.report.skipped == {"no_image": 2, "empty_question": 1}
+    assert [len(ex.images) for ex in result.examples] == [0, 1, 0]
 
 
 def test_hf_parquet_files_and_path_images(hf_dataset, tmp_path):

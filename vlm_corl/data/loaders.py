@@ -11,11 +11,10 @@ checks to every loader's records (empty question, duplicate id, images that do n
 record it drops, by reason, in a `LoadReport`.
 
 Images are never dropped silently. A record whose image field is null (or "", or an Image value with neither
-bytes nor path) has lost its image: it is dropped and counted ("no_image"). Data in which any record has an
-image, or names one that does not load, is image data: a record of it without an image (the field absent, or an
-empty list) is dropped as "no_image" too, as a question about a picture cannot be asked without it. No record
-with an image at all is a DataError naming the columns when the image field is null in every record, or when
-pictures sit in a column no field reads (a misnamed image column). A source with no known end (a stream: the
+bytes nor path) has lost its image: it is dropped and counted ("no_image"). A record without the field (or with
+an empty list) is a text-only question, kept beside image ones (a dataset may mix them). No record with an image
+at all is a DataError naming the columns when the image field is null in every record, or when pictures sit in
+a column no field reads (a misnamed image column). A source with no known end (a stream: the
 loader returns a `Stream`) is read lazily, only up to `limit`, and refused without one.
 
 Built-in loaders: "jsonl" (JSONL + image folder), "hf" (a Hugging Face dataset on local disk), "easyvqa" (the
@@ -232,8 +231,8 @@ def load_examples(
         _refuse_misnamed_images(examples, where, loader)
     if report.skipped.get("no_image"):
         log.warning(
-            "%d record(s) of %s have no image (a null image field, or none in data whose records have images): "
-            "dropped, as a question about a picture cannot be asked without it; e.g. %s",
+            "%d record(s) of %s have lost their image (a null image field): dropped, as a question about a picture "
+            "cannot be asked without it; e.g. %s",
             report.skipped["no_image"],
             where,
             "; ".join(report.samples["no_image"][:2]),
@@ -245,45 +244,22 @@ def load_examples(
 
 def _checked(items: Iterable[Example | Skip], report: LoadReport, limit: int | None) -> list[Example]:
     """The examples of `items` that pass every check, in order, at most `limit`; every dropped one counted in
-    `report`. Once the data shows images (a record has one, or names one that does not load), an example without
-    an image is dropped as "no_image", those kept before that too. A `Stream` is read for at most
-    STREAM_READS_PER_EXAMPLE x `limit` records."""
+    `report`. A `Stream` is read for at most STREAM_READS_PER_EXAMPLE x `limit` records."""
     examples: list[Example] = []
     kept_ids: set[str] = set()
     image_problems: dict[ImageSource, BadImage | None] = {}
-    has_images = False
     stream = items if isinstance(items, Stream) else None
     most = None if stream is None or limit is None else max(STREAM_MIN_READS, STREAM_READS_PER_EXAMPLE * limit)
-
-    def images_seen() -> None:  # the data has images: the examples kept without one are dropped after all
-        nonlocal has_images, examples
-        if has_images:
-            return
-        has_images = True
-        for ex in examples:
-            if not ex.images:
-                report.skip("no_image", f"{ex.id}: no image, in data whose records have images")
-                kept_ids.discard(ex.id)
-        examples = [ex for ex in examples if ex.images]
-
     for item in items:
         if isinstance(item, Skip):
             report.skip(item.reason, item.detail)
-            if item.reason in IMAGE_REASONS:
-                images_seen()
             if item.reason == "no_image":
                 report.no_image_columns.update(item.columns)
         else:
             problem = _problem(item, kept_ids, image_problems)
-            if problem is None and not item.images and has_images:
-                problem = ("no_image", "no image, in data whose records have images")
             if problem is not None:
                 report.skip(problem[0], f"{item.id}: {problem[1]}")
-                if problem[0] in IMAGE_REASONS:
-                    images_seen()
             else:
-                if item.images:
-                    images_seen()
                 examples.append(item)
                 kept_ids.add(item.id)
                 if len(examples) == limit:

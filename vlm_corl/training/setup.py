@@ -298,11 +298,15 @@ def _check_members_read_the_data(cfg: CohortConfig, examples, resume_from: Path 
                 ],
                 ["members"],
             )
-    for i, m in enumerate(cfg.members):
-        check_modality(
-            member_family(m, resume_from / m.id if resume_from else m.model),
-            examples,
-            f"members[{i}] ({m.id!r}, {m.model})",
+    families = [member_family(m, resume_from / m.id if resume_from else m.model) for m in cfg.members]
+    for i, (m, family) in enumerate(zip(cfg.members, families)):
+        check_modality(family, examples, f"members[{i}] ({m.id!r}, {m.model})")
+    if all(f.modality == "vision" for f in families) and not any(ex.images for ex in examples):
+        # text questions for vision members are legitimate, but data whose image column went unread looks alike
+        log.warning(
+            "no training example has an image, and every member reads images: the cohort trains on text alone; if "
+            "the data has pictures, name their column (data.train.options fields={'images': ...}, or the Python "
+            "API's columns={'image': ...})"
         )
 
 
