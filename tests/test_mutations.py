@@ -137,7 +137,9 @@ def test_every_rank_runs_the_busiest_ranks_number_of_micro_batches(threaded_all_
         def on_rank(world):
             seq = Sequence({"input_ids": torch.ones(1, 3)}, [1], 1.0)  # a prompt's length: micro-batches sort by it
             work = [seq] * counts[world.rank]
-            micro, real = _micro_batches(SimpleNamespace(micro_batch_count=_lockstep(world)), work, seq, 2)
+            micro, real = _micro_batches(
+                SimpleNamespace(micro_batch_count=_lockstep(world), device=torch.device("cpu")), work, seq, 2
+            )
             return len(micro), real, [s.advantage for mb in micro[real:] for s in mb]
 
         return on_ranks(2, on_rank)

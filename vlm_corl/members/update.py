@@ -254,10 +254,13 @@ def length_sorted(work: list[Sequence]) -> list[Sequence]:
 
 
 def _micro_batches(member, work: list[Sequence], any_seq: Sequence, size: int) -> tuple[list[list[Sequence]], int]:
-    """`work` in micro-batches of `size` (sorted by length: `length_sorted`), and how many of them are real:
-    under DeepSpeed every rank of the member runs as many passes, so ranks with fewer get zero-loss fillers (a
-    copy of `any_seq`)."""
-    work = length_sorted(work)
+    """`work` in micro-batches of `size` (on CUDA sorted by length: `length_sorted`), and how many of them are
+    real: under DeepSpeed every rank of the member runs as many passes, so ranks with fewer get zero-loss fillers
+    (a copy of `any_seq`)."""
+    if member.device.type == "cuda":
+        # Less padding is what a GPU's update time follows. On the CPU the order is kept: the same sums in the
+        # same order as before, so CPU runs (the demo's published table, one process against its ranks) repeat.
+        work = length_sorted(work)
     micro = [work[i : i + size] for i in range(0, len(work), size)]
     real = len(micro)
     return micro + [[replace(any_seq, advantage=0.0)]] * (member.micro_batch_count(real) - real), real
