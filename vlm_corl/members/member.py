@@ -379,13 +379,7 @@ class Member:
             if self.peft is not None:
                 self.peft.save_pretrained(directory, state_dict=adapter, safe_serialization=True)
             else:
-                model.should_save_on_this_rank = lambda is_main_process: is_main_process  # as in `save_weights`
-                try:
-                    model.save_pretrained(directory, safe_serialization=True, state_dict=weights)
-                finally:
-                    del model.should_save_on_this_rank
-                if dtype is not None:
-                    _record_dtype(Path(directory) / "config.json", dtype)
+                _write_model(model, directory, weights, dtype)
             files.save_pretrained(directory)
             if trainer is not None:
                 torch.save(trainer, Path(directory) / TRAINER_STATE)
@@ -411,16 +405,7 @@ class Member:
             state = {name: _saved(t, dtype) for name, t in self.full_weights() if write}
         if not write:
             return
-        model = self.model if self.streams_weights else self.generation_module
-        # transformers 5 writes only on world rank 0 once torch.distributed is up (`should_save_on_this_rank`);
-        # a member's writer is its own first rank, so that decision is ours (the instance attribute wins).
-        model.should_save_on_this_rank = lambda is_main_process: is_main_process
-        try:
-            model.save_pretrained(directory, safe_serialization=True, state_dict=state)
-        finally:
-            del model.should_save_on_this_rank
-        if dtype is not None:
-            _record_dtype(Path(directory) / "config.json", dtype)
+        _write_model(self.model if self.streams_weights else self.generation_module, directory, state, dtype)
         (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
 
     def sum_over_ranks(self, value: float | dict[str, float]) -> float | dict[str, float]:
@@ -470,6 +455,20 @@ def adamw_fused(device: torch.device, deepspeed: bool, params: Iterable[torch.Te
     if device.type != "cuda" or deepspeed:
         return False
     return all(p.is_floating_point() and p.device.type in ("cuda", "meta") for p in params)
+
+
+def _write_model(model, directory: Path, state: dict | None, dtype: torch.dtype | None) -> None:
+    """`model.save_pretrained` into `directory` (weights from `state` where given), by whichever rank calls it,
+    with the saved `dtype` recorded in config.json. transformers 5 writes only on world rank 0 once
+    torch.distributed is up (`should_save_on_this_rank`); a member's writer is its own first rank, so that
+    decision is ours (the instance attribute wins)."""
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+    finally:
+        del model.should_save_on_this_rank
+    if dtype is not None:
+        _record_dtype(Path(directory) / "config.json", dtype)
 
 
 def _saved(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
