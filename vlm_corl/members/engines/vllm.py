@@ -81,41 +81,65 @@ class VLLMEngine:
         **llm_kwargs,
     ):
         rollout = rollout or RolloutConfig()
-        settings = rollout.vllm
         if member.is_vision:
             patch_for_vllm_cpu(member.model.config)
         os.environ.update(VLLM_ENVIRONMENT)
-        from vllm import LLM
-
-        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self.member = member
+        self._set_up_sleep(rollout.vllm)
+        llm_kwargs.update(self._set_up_adapters(rollout.vllm))
+        self._sleep_level = rollout.vllm.sleep_level if member.cfg.trainable and self._adapters is None else 1
+        self._tied_head = _tied_head(member.model)
+        vision = _vision_arguments(member, max_images_per_prompt, max_image_pixels)
+        self._llm = self._build_llm(rollout, share, vision, llm_kwargs)
+        _refuse_rewritten_classes(member)
+        self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
+        self._check_model_runner()
+        # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them. This
+        # first sync also finds, before any training, weights vLLM knows by other names.
+        try:
+            self.sync_weights()
+        except ValueError as err:
+            if not _unknown_names(err):
+                raise
+            raise _renamed_weights(member, err) from err
+
+    def _set_up_sleep(self, settings) -> None:
+        """Sleep mode's state, set before the engine is built: vLLM must be told at build time whether it may sleep
+        (`enable_sleep_mode`), and it can only where CUDA's virtual-memory allocator is (a CPU engine stays awake,
+        said once in the log rather than failing a cohort file written for a GPU)."""
         self._sleep = settings.enable_sleep_mode and sleep_mode_supported()
         if settings.enable_sleep_mode and not self._sleep:
             log.info(
                 "rollout.vllm.enable_sleep_mode: vLLM's sleep mode needs a CUDA device; member %s's engine "
                 "stays awake here",
-                member.id,
+                self.member.id,
             )
         self._asleep: set[str] = set()  # sleep-mode allocations released for the update
         self._discarded = False  # asleep at level 2 and not synced since: the weight memory holds no weights
-        # A LoRA member with lora_sync=adapter: vLLM serves its adapter over the base it loaded once (the base
-        # never changes, so it must survive sleep: level 1); each sync writes the adapter anew.
+
+    def _set_up_adapters(self, settings) -> dict:
+        """The adapter sync of a LoRA member with lora_sync=adapter (None otherwise) and the vllm.LLM arguments
+        it needs: vLLM must be built with LoRA support, at a rank its kernels are built for, to serve adapters.
+        vLLM serves the adapter over the base it loaded once (the base never changes, so it must survive sleep:
+        level 1); each sync writes the adapter anew."""
+        member = self.member
         self._adapters = AdapterSync(member) if member.peft is not None and settings.lora_sync == "adapter" else None
-        if self._adapters is not None:
-            llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(member.cfg.lora.r))
-        self._sleep_level = settings.sleep_level if member.cfg.trainable and self._adapters is None else 1
-        self._tied_head = _tied_head(member.model)
+        if self._adapters is None:
+            return {}
+        return {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_lora_rank(member.cfg.lora.r)}
+
+    def _build_llm(self, rollout: RolloutConfig, share: float, vision: dict, llm_kwargs: dict):
+        """The in-process vllm.LLM serving the member, built under the trainer's matmul precision; a build that
+        fails for a reason the user can act on (weights under other names, no room for the KV cache) is told as
+        such, with what to change."""
+        from vllm import LLM
+
+        member, settings = self.member, rollout.vllm
         budget = _memory_budget(settings, share)
-        vision = {}
-        if member.is_vision:
-            vision["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
-            if member.family.prepare_image is not None and max_image_pixels:
-                # Profile and read pictures at the trainer's cap, not the checkpoint's (12.8 M pixels, ~16k tokens
-                # for Qwen2.5-VL), which would reserve encoder memory for images that never come.
-                vision["mm_processor_kwargs"] = {"max_pixels": max_image_pixels}
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         try:
             with _trainer_matmul_precision():
-                self._llm = LLM(
+                return LLM(
                     model=str(member.cfg.model),
                     dtype=member.rollout_dtype,
                     trust_remote_code=member.cfg.trust_remote_code,
@@ -137,27 +161,20 @@ class VLLMEngine:
             if not _is_memory_error(err):
                 raise
             raise _no_room(member.id, rollout, budget, share, err) from err
-        _refuse_rewritten_classes(member)
+
+    def _check_model_runner(self) -> None:
+        """Record the model runner vLLM chose (summary.json) and refuse, at build rather than at the first rollout,
+        a member it cannot serve: V1 was asked for, but vLLM overrides the setting for features only V2 has, and
+        V2 fails a request with more logit-bias tokens than it takes."""
         runner, v2 = self._llm.collective_rpc(_model_runner)[0]
-        log.info("member %s: vLLM serves it with the model runner %s", member.id, runner)
+        log.info("member %s: vLLM serves it with the model runner %s", self.member.id, runner)
         MODEL_RUNNERS.add(runner)
-        self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
-        # V1 was asked for, but vLLM overrides the setting for features only V2 has: refuse here, not at the first
-        # rollout, a member V2 would fail.
         if v2 and len(self._bias or ()) > _V2_MAX_LOGIT_BIAS:
             raise UserError(
-                f"member {member.id!r}: rollouts must never sample {len(self._bias)} of its tokens (its family's "
+                f"member {self.member.id!r}: rollouts must never sample {len(self._bias)} of its tokens (its family's "
                 "control tokens; a generic member's are all its tokenizer's special tokens), and vLLM's model runner "
                 f"{runner} suppresses at most {_V2_MAX_LOGIT_BIAS} a request: roll this member out with engine: hf"
             )
-        # The member may hold weights other than its checkpoint's (resumed, warm-started): start from them. This
-        # first sync also finds, before any training, weights vLLM knows by other names.
-        try:
-            self.sync_weights()
-        except ValueError as err:
-            if not _unknown_names(err):
-                raise
-            raise _renamed_weights(member, err) from err
 
     def sync_weights(self) -> None:
         """Load the member's current weights into the engine (woken first). The weights stream tensor by
@@ -282,6 +299,19 @@ class VLLMEngine:
             logprobs=0 if exact else None,
             logit_bias=self._bias,
         )
+
+
+def _vision_arguments(member, max_images_per_prompt: int, max_image_pixels: int | None) -> dict:
+    """vllm.LLM's multimodal arguments for a vision member (none for a text one): its image budget a prompt, and
+    the picture size its processor profiles and reads."""
+    vision = {}
+    if member.is_vision:
+        vision["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
+        if member.family.prepare_image is not None and max_image_pixels:
+            # Profile and read pictures at the trainer's cap, not the checkpoint's (12.8 M pixels, ~16k tokens
+            # for Qwen2.5-VL), which would reserve encoder memory for images that never come.
+            vision["mm_processor_kwargs"] = {"max_pixels": max_image_pixels}
+    return vision
 
 
 # The ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks)
