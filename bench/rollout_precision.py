@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from vlm_corl.config import MemberConfig  # noqa: E402
 from vlm_corl.data.loaders import load_examples  # noqa: E402
-from vlm_corl.members.engines.hf import sample  # noqa: E402
+from vlm_corl.members.engines.hf import Decoding, Endings, sample  # noqa: E402
 from vlm_corl.members.member import load_member  # noqa: E402
 from vlm_corl.members.render import Renderer  # noqa: E402
 from vlm_corl.members.rollout import SamplingParams  # noqa: E402
@@ -68,7 +68,7 @@ def run(model, prompts, params, policy, eos, tok, mode, device, counter=None):
     with autocast, grad, counter if counter is not None else contextlib.nullcontext():
         # the plain decoding loop (static cache off), whose casts this counts; gpu_check's decode_sync times the
         # static one
-        tokens, _, _, _ = sample(model, [p.inputs for p in prompts], params, policy, eos, tok, "off")
+        tokens, _, _, _ = sample(model, [p.inputs for p in prompts], params, policy, Endings(eos, tok), Decoding("off"))
     return sum(len(t) for t in tokens)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,8 +68,8 @@ class HFEngine:
         with member.rollout_autocast(), torch.no_grad():
             try:
                 tokens, stopped, sums, token_logp = sample(
-                    model, [p.inputs for p in prompts], params, member.policy(params.temperature), member.eos_token_ids,
-                    tok, self.static_cache, self.buckets,
+                    model, [p.inputs for p in prompts], params, member.policy(params.temperature),
+                    Endings(member.eos_token_ids, tok), Decoding(self.static_cache, self.buckets),
                 )  # fmt: skip
             except NonFiniteLogits as err:
                 raise NonFiniteLogits(f"member {member.id!r}: {err}") from None
@@ -92,39 +93,53 @@ class HFEngine:
         return groups
 
 
+@dataclass(frozen=True)
+class Endings:
+    """What ends a response besides the length limit: the member's end-of-sequence ids, and its tokenizer, which
+    finds the stop strings of `SamplingParams.stop` in the tokens (only decoded when there are some)."""
+
+    eos_ids: list[int]
+    tokenizer: PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How `sample` runs its one-token steps, which changes no token: `static_cache` (auto | on | off) chooses the
+    steps (`static_decode.decode_steps`), over the static caches of `buckets` (an engine's, kept across rollouts;
+    a fresh set when None)."""
+
+    static_cache: str = "auto"
+    buckets: StaticBuckets | None = None
+
+
 def sample(
     model: torch.nn.Module,
     prompt_inputs: list[dict],
     params: SamplingParams,
     policy: Policy,
-    eos_ids: list[int],
-    tokenizer: PreTrainedTokenizerBase,
-    static_cache: str = "auto",
-    buckets: StaticBuckets | None = None,
+    endings: Endings,
+    decoding: Decoding | None = None,
 ) -> tuple[list[list[int]], list[bool], dict, list]:
     """Decode params.n responses per prompt; rows i*n .. i*n+n-1 belong to prompt i, from `policy` (its pad id,
-    suppressed tokens, M-RoPE flag; the temperature and the rest of the draw come from `params`);
-    `static_cache` (auto | on | off) chooses the decoding steps (`static_decode.decode_steps`), over the static
-    caches of `buckets` (an engine's, kept across rollouts; a fresh set when None).
+    suppressed tokens, M-RoPE flag; the temperature and the rest of the draw come from `params`), ended by
+    `endings`, with the decoding steps of `decoding` (default: `Decoding()`).
 
     Returns per row: its tokens (up to and including the eos or the token that completes a stop string),
     whether it stopped (eos or stop string, not the length limit), the sums over its tokens of the
     policy's statistics {"logprob": [...], "entropy": [...], "self_certainty": [...]}, and the policy's
     log-prob of each of its tokens.
     """
+    decoding = decoding or Decoding()
     prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], policy.pad_id, policy.mrope)
     rows, vocab = prefix.last_logits.shape
     device = prefix.last_logits.device
     limit = params.max_new_tokens
-    steps = decode_steps(model, prefix, limit, static_cache, policy.pad_id, buckets)
+    steps = decode_steps(model, prefix, limit, decoding.static_cache, policy.pad_id, decoding.buckets)
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
-    choose, eos = Chooser(params), torch.tensor(eos_ids, device=device)
+    choose, eos = Chooser(params), torch.tensor(endings.eos_ids, device=device)
     samplable = _samplable(vocab, policy.suppressed, device)  # (V',) token ids the policy can emit
-    stops = StopStrings(tokenizer, params.stop, device) if params.stop else None
-    tokens = torch.full((rows, limit), policy.pad_id, dtype=torch.long, device=device)
-    stats = {name: torch.zeros(rows, limit, device=device) for name in STATS}  # per token, summed at the end
-    # Each row's length: the length limit until it ends (an eos token, or a stop string found at a sync point).
-    lengths = torch.full((rows,), limit, dtype=torch.long, device=device)
+    stops = StopStrings(endings.tokenizer, params.stop, device) if params.stop else None
+    tokens, stats, lengths = _row_buffers(rows, limit, policy.pad_id, device)
     # The batch (indices into the R rows) and which of its rows still decode. A row that ends stays in the batch
     # until the next synchronisation (`sync_every`), where ended rows leave the batch and the cache (over a
     # static cache they stay to the end, fed the pad token: `steps.keeps_rows`); between two, the loop reads
@@ -136,11 +151,8 @@ def sample(
     every, synced = sync_every(device), 0
     logits = prefix.last_logits
     for t in range(limit):
-        scores, logp = _policy_scores(logits, samplable, params, choose.greedy)
-        probs = logp.exp()
-        choice = choose(scores, probs, uniforms[at, t]).clamp_(max=len(samplable) - 1)  # NaN: in range
-        next_tokens = samplable[choice]  # (A,)
-        for name, value in _chosen_token_stats(logp, probs, choice).items():
+        next_tokens, chosen = _choose_tokens(logits, samplable, params, choose, uniforms[at, t])
+        for name, value in chosen.items():
             stats[name][at, t] = value
         tokens[at, t] = next_tokens
         ended = alive & torch.isin(next_tokens, eos)
@@ -151,19 +163,52 @@ def sample(
             continue
         # a synchronisation: stop strings in the tokens since the last one, who is left
         if stops is not None:
-            stopped_at = stops.first_hits(tokens, active, lengths, synced, t)
-            lengths[active] = torch.minimum(lengths[active], stopped_at)
-            alive &= stopped_at > t + 1
+            alive &= stops.cut(tokens, active, lengths, synced, t)
         synced = t + 1
         if t + 1 == limit or not bool(alive.any()):
             break
         if not steps.keeps_rows and not bool(alive.all()):
-            keep = alive.nonzero().squeeze(1)
-            steps.select(keep)
-            active, alive, next_tokens = active[keep], alive[keep], next_tokens[keep]
+            active, alive, next_tokens = _drop_ended(steps, active, alive, next_tokens)
             at = active
         logits = steps.logits(next_tokens, alive, t)
-    within = torch.arange(limit, device=device) < lengths[:, None]  # (R, T): each row's own tokens
+    return _results(tokens, stats, lengths, endings.eos_ids, stops)
+
+
+def _row_buffers(rows: int, limit: int, pad_id: int, device) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """What `sample` writes per row: its tokens (pad past its end), the policy's statistics of each token (summed at
+    the end), and its length: the length limit until it ends (an eos token, or a stop string found at a sync
+    point)."""
+    tokens = torch.full((rows, limit), pad_id, dtype=torch.long, device=device)
+    stats = {name: torch.zeros(rows, limit, device=device) for name in STATS}
+    lengths = torch.full((rows,), limit, dtype=torch.long, device=device)
+    return tokens, stats, lengths
+
+
+def _choose_tokens(
+    logits: torch.Tensor, samplable: torch.Tensor, params: SamplingParams, choose: Chooser, u: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step's draw: the active rows' next tokens (A,) and the policy's statistics of them."""
+    scores, logp = _policy_scores(logits, samplable, params, choose.greedy)
+    probs = logp.exp()
+    choice = choose(scores, probs, u).clamp_(max=len(samplable) - 1)  # NaN: in range
+    return samplable[choice], _chosen_token_stats(logp, probs, choice)
+
+
+def _drop_ended(
+    steps, active: torch.Tensor, alive: torch.Tensor, next_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch without its ended rows, which leave the decoding steps' cache too (no work for them)."""
+    keep = alive.nonzero().squeeze(1)
+    steps.select(keep)
+    return active[keep], alive[keep], next_tokens[keep]
+
+
+def _results(
+    tokens: torch.Tensor, stats: dict, lengths: torch.Tensor, eos_ids: list[int], stops: StopStrings | None
+) -> tuple[list[list[int]], list[bool], dict, list]:
+    """`sample`'s answer from its row buffers, once the logits at every row's own tokens are found finite."""
+    limit = tokens.shape[1]
+    within = torch.arange(limit, device=tokens.device) < lengths[:, None]  # (R, T): each row's own tokens
     _check_finite(stats["entropy"], within)
     sums = {name: (value * within).sum(dim=1).tolist() for name, value in stats.items()}
     n_tokens = lengths.tolist()
@@ -312,6 +357,15 @@ class StopStrings:
                 if hits[a] > step + 1 and self._completes(history[a][: step + 1]):
                     hits[a] = step + 1
         return torch.tensor(hits, dtype=torch.long, device=tokens.device)
+
+    def cut(
+        self, tokens: torch.Tensor, active: torch.Tensor, lengths: torch.Tensor, start: int, t: int
+    ) -> torch.Tensor:
+        """Shorten each batch row's length (`lengths`, in place) to its first stop string in steps start..t; (A,)
+        whether the row may still decode past step t."""
+        stopped_at = self.first_hits(tokens, active, lengths, start, t)
+        lengths[active] = torch.minimum(lengths[active], stopped_at)
+        return stopped_at > t + 1
 
     def ends_in_last(self, row: list[int]) -> bool:
         """Whether the last token of `row` completes a stop string."""
