@@ -168,30 +168,34 @@ def family_for_model_type(model_type: str) -> Family:
     )
 
 
-def chat_template(
-    *,
-    turn_open: str,
-    turn_close: str,
-    image: str | None,
-    bos: bool = False,
-    assistant_role: str = "assistant",
-    default_system: str | None = None,
-    system_turn: bool = True,
-) -> str:
-    """A Jinja chat template for turn-based formats (ChatML, Llama-3, Gemma), written once for every family.
+@dataclass(frozen=True)
+class TurnFormat:
+    """How a turn-based chat format writes a turn: `turn_open` (containing ROLE where the role name goes), the
+    message, `turn_close`. `assistant_role` names the assistant's turns (Gemma's "model"). With system_turn=False
+    (Gemma) the format has no system turn: the system text is prefixed to the first user turn instead."""
 
-    turn_open contains ROLE where the role name goes. Message content is a string or a list of parts
-    ({"type": "text", "text": ...} / {"type": "image"}); each image part renders as `image` (text-only families
-    pass None, and an image part is an error). default_system is inserted when the conversation has no system
-    message. With system_turn=False (Gemma) the system text is prefixed to the first user turn instead.
+    turn_open: str
+    turn_close: str
+    assistant_role: str = "assistant"
+    system_turn: bool = True
+
+
+def chat_template(turns: TurnFormat, *, image: str | None, bos: bool = False, default_system: str | None = None) -> str:
+    """A Jinja chat template for turn-based formats (ChatML, Llama-3, Gemma: `turns`), written once for every
+    family.
+
+    Message content is a string or a list of parts ({"type": "text", "text": ...} / {"type": "image"}); each image
+    part renders as `image` (text-only families pass None, and an image part is an error). default_system is
+    inserted when the conversation has no system message.
     """
+    assistant_role = turns.assistant_role
 
     def open_(role_expr: str) -> str:
-        before, _, after = turn_open.partition("ROLE")
+        before, _, after = turns.turn_open.partition("ROLE")
         return "{{- " + " + ".join(x for x in (repr(before), role_expr, repr(after)) if x != "''") + " }}"
 
     content = _content_template(image)
-    close = "{{- " + repr(turn_close) + " }}"
+    close = "{{- " + repr(turns.turn_close) + " }}"
     role = "message['role']"
     if assistant_role != "assistant":
         role = f"('{assistant_role}' if message['role'] == 'assistant' else message['role'])"
@@ -206,7 +210,7 @@ def chat_template(
             + close
             + "{%- endif %}"
         )
-    if system_turn:
+    if turns.system_turn:
         parts += ["{%- for message in messages %}", open_(role)]
     else:
         # Hold the system text back and write it at the start of the next turn.

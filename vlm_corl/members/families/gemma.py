@@ -8,6 +8,7 @@ from vlm_corl.members.families.base import (
     VISION_DIMS,
     Family,
     SpecialTokens,
+    TurnFormat,
     chat_template,
     register,
     text_config_kwargs,
@@ -85,12 +86,9 @@ GEMMA3 = register(
         prompt_style="answer_tags",
         # Gemma has no system turn: the system text opens the first user turn; the assistant role is "model".
         chat_template=chat_template(
-            turn_open="<start_of_turn>ROLE\n",
-            turn_close="<end_of_turn>\n",
+            TurnFormat("<start_of_turn>ROLE\n", "<end_of_turn>\n", assistant_role="model", system_turn=False),
             image="<start_of_image>",
             bos=True,
-            assistant_role="model",
-            system_turn=False,
         ),
         tokens=GEMMA3_TOKENS,
         build_config=_gemma3_config,

@@ -8,6 +8,7 @@ from vlm_corl.members.families.base import (
     VISION_DIMS,
     Family,
     SpecialTokens,
+    TurnFormat,
     chat_template,
     register,
     text_config_kwargs,
@@ -41,7 +42,7 @@ LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
 def llama3_template(image: str | None) -> str:
     """The Llama-3 header format (<|start_header_id|>role<|end_header_id|>\\n\\n ... <|eot_id|>)."""
     return chat_template(
-        turn_open="<|start_header_id|>ROLE<|end_header_id|>\n\n", turn_close="<|eot_id|>", image=image, bos=True
+        TurnFormat("<|start_header_id|>ROLE<|end_header_id|>\n\n", "<|eot_id|>"), image=image, bos=True
     )
 
 

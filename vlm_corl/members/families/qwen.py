@@ -9,6 +9,7 @@ from vlm_corl.members.families.base import (
     VISION_DIMS,
     Family,
     SpecialTokens,
+    TurnFormat,
     chat_template,
     register,
     text_config_kwargs,
@@ -41,9 +42,7 @@ QWEN_VL_CONFIG_TOKENS = (
 
 def chatml_template(image: str | None, default_system: str | None = None) -> str:
     """ChatML (<|im_start|>role\\n ... <|im_end|>\\n), used by every Qwen family and by InternVL."""
-    return chat_template(
-        turn_open="<|im_start|>ROLE\n", turn_close="<|im_end|>\n", image=image, default_system=default_system
-    )
+    return chat_template(TurnFormat("<|im_start|>ROLE\n", "<|im_end|>\n"), image=image, default_system=default_system)
 
 
 def mrope_section(head_dim: int) -> list[int]:
