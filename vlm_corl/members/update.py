@@ -209,15 +209,7 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
             clipped_tokens = clipped_tokens + (clipped * mask).sum().double()
         grad_norm, applied = member.step(train.grad_clip, loss=loss_sum)
         skipped += not applied
-    summed = member.sum_over_ranks(
-        {
-            "loss": float(loss_sum),
-            "clipped": float(clipped_tokens),
-            "trained": len(work),
-            "tokens": sum(s.prompt_inputs["input_ids"].shape[-1] + len(s.token_ids) for s in work),
-            **{f"is_{k}": v for k, v in mismatch.items()},
-        }
-    )
+    summed = _rank_sums(member, loss_sum, clipped_tokens, work, mismatch)
     stats = {
         "loss": summed["loss"] / algo.updates_per_batch,
         "grad_norm": grad_norm,
@@ -234,6 +226,23 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     if algo.rollout_is != "none":
         stats.update(rollout_mismatch({k[3:]: v for k, v in summed.items() if k.startswith("is_")}))
     return stats
+
+
+def _rank_sums(
+    member, loss_sum: torch.Tensor, clipped_tokens: torch.Tensor, work: list[Sequence], mismatch: dict
+) -> dict:
+    """The update's sums over all the member's ranks, in one collective (the update's one host sync): the loss,
+    the clipped tokens, the sequences trained and their prompt and response tokens, and the off-policy mismatch
+    sums (keys "is_...")."""
+    return member.sum_over_ranks(
+        {
+            "loss": float(loss_sum),
+            "clipped": float(clipped_tokens),
+            "trained": len(work),
+            "tokens": sum(s.prompt_inputs["input_ids"].shape[-1] + len(s.token_ids) for s in work),
+            **{f"is_{k}": v for k, v in mismatch.items()},
+        }
+    )
 
 
 def sequence_length(seq: Sequence) -> int:
