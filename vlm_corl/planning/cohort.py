@@ -13,6 +13,10 @@ through all the rollouts of a step: `Item.held`). The peak is resident + the lar
 to its memory less a reserve for the CUDA context, communication buffers and allocator fragmentation
 (`RESERVE_*`). Beside the GPU plan: the host memory of every node (`host`) and the checkpoints' disk (`disk`).
 
+A plan reads each member's model once, at its start (`shapes.cohort_shapes`), and passes those `Shapes` down to
+the layout, the engines, host memory and disk (and to the plans `micro_batch_for`, `fixes` and `suggest` make
+of the same members), so no part of it reads a model directory again.
+
 Sequences count at their longest (rollout.max_prompt_tokens + max_new_tokens) and images at
 data.max_image_pixels: the plan is an upper bound over any data the config admits, and as close to a run's
 measured peak as those bounds are to what its data renders (the HF engine's KV cache and an update's
@@ -37,7 +41,7 @@ from vlm_corl.planning.disk import DiskPlan, checkpoint_disk
 from vlm_corl.planning.engines import TEACHER, EngineShare, SlotKV, engine_shares, slot_minimum
 from vlm_corl.planning.host import HostPlan, host_memory
 from vlm_corl.planning.layout import adapters, member_layout, rollout_bytes, zero_settings  # noqa: F401 (re-exported)
-from vlm_corl.planning.shapes import ModelShape, model_shape
+from vlm_corl.planning.shapes import ModelShape, Shapes, cohort_shapes
 
 RESERVE_BYTES = 1e9  # CUDA context and NCCL buffers, per GPU
 RESERVE_SHARE = 0.05  # allocator fragmentation: this share of the device stays out of the plan
@@ -179,6 +183,7 @@ class CohortPlan:
     engine_slots: list[dict] = field(default_factory=list)  # vLLM's KV cache per engine slot (`engines.SlotKV`)
     host: HostPlan | None = None  # host memory per node
     disk: DiskPlan | None = None  # the checkpoints' disk
+    shapes: Shapes = field(default_factory=dict, repr=False)  # the members' shapes it was planned with
 
     @property
     def fits(self) -> bool:
@@ -215,10 +220,11 @@ class CohortPlan:
 
 @dataclass(frozen=True)
 class _Launch:
-    """What a member's items depend on besides the member: the config, its ZeRO settings, the hardware, the
-    placement, and the vLLM engines (each rank's share, and each engine slot's smallest KV cache)."""
+    """What a member's items depend on besides the member: the config, the members' shapes, its ZeRO settings, the
+    hardware, the placement, and the vLLM engines (each rank's share, and each engine slot's smallest KV cache)."""
 
     cfg: CohortConfig
+    shapes: Shapes
     zero: dict
     hw: Hardware
     placement: dict[str, tuple[int, ...]]
@@ -226,18 +232,20 @@ class _Launch:
     slots: dict[int, SlotKV]
 
 
-def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
+def plan_cohort(cfg: CohortConfig, hardware: Hardware, shapes: Shapes | None = None) -> CohortPlan:
     """The memory plan of `cfg` launched on `hardware` (raises PlacementError if the members cannot be placed):
     every rank's GPU, every node's host memory and the checkpoints' disk. `train.micro_batch_size: auto` is
-    planned at what a launch on `hardware` resolves it to (`micro_batch_for`)."""
+    planned at what a launch on `hardware` resolves it to (`micro_batch_for`). `shapes`: the members' (None: read
+    here, once for the whole plan)."""
     if cfg.train.micro_batch_size == "auto":
-        size, plan = micro_batch_for(cfg, hardware)
-        return plan or plan_cohort(with_changes(cfg, {MICRO_BATCH: size}), hardware)
-    placement = place_members(cfg.members, hardware.processes)
-    serving = {m.id: rollout_bytes(cfg, m, hardware.cuda) for m in cfg.members}
-    shares = engine_shares(cfg, placement, hardware.device_bytes, hardware.cuda, lambda m: serving[m.id])
+        size, plan = micro_batch_for(cfg, hardware, shapes)
+        return plan or plan_cohort(with_changes(cfg, {MICRO_BATCH: size}), hardware, shapes)
+    placement = place_members(cfg.members, hardware.processes)  # a placement error before any model is read
+    shapes = cohort_shapes(cfg.members) if shapes is None else shapes
+    serving = {m.id: rollout_bytes(cfg, shapes[m.id], hardware.cuda) for m in cfg.members}
+    shares = engine_shares(cfg, shapes, placement, hardware.device_bytes, hardware.cuda, lambda m: serving[m.id])
     slots = slot_minimum(shares)
-    launch = _Launch(cfg, zero_settings(cfg), hardware, placement, shares, slots)
+    launch = _Launch(cfg, shapes, zero_settings(cfg), hardware, placement, shares, slots)
     ranks = []
     for rank in range(hardware.processes):
         plan = RankPlan(rank, [], [], hardware.usable_bytes, hardware.device_bytes)
@@ -248,9 +256,11 @@ def plan_cohort(cfg: CohortConfig, hardware: Hardware) -> CohortPlan:
                 plan.members.append(m.id)
                 _member_items(launch, m, rank, plan)
         ranks.append(plan)
-    out = CohortPlan(hardware, placement, ranks, engine_slots=[s.to_dict(shares) for s in slots.values()])
-    out.host = host_memory(cfg, placement, _zero2_room(launch, ranks), hardware.ranks_per_node, hardware.cuda)
-    out.disk = checkpoint_disk(cfg)
+    engine_slots = [s.to_dict(shares) for s in slots.values()]
+    out = CohortPlan(hardware, placement, ranks, engine_slots=engine_slots, shapes=shapes)
+    room = _zero2_room(launch, ranks)
+    out.host = host_memory(cfg, shapes, placement, room, hardware.ranks_per_node, hardware.cuda)
+    out.disk = checkpoint_disk(cfg, shapes)
     return out
 
 
@@ -264,8 +274,11 @@ def responses_per_rank(cfg: CohortConfig, processes: int) -> int:
     return -(-cfg.data.batch_size * cfg.rollout.n // fewest)
 
 
-def micro_batch_for(cfg: CohortConfig, hardware: Hardware) -> tuple[int, CohortPlan | None]:
-    """`train.micro_batch_size: auto` on `hardware`, and the plan at that size (None where none was made).
+def micro_batch_for(
+    cfg: CohortConfig, hardware: Hardware, shapes: Shapes | None = None
+) -> tuple[int, CohortPlan | None]:
+    """`train.micro_batch_size: auto` on `hardware`, and the plan at that size (None where none was made);
+    `shapes`: the members' (None: read here, once for every size tried).
 
     On CUDA: the largest power of two up to `responses_per_rank` (which is tried too; a larger micro-batch holds
     nothing more) whose plan fits every rank, tried from the largest down; 1 when none fits (the memory check
@@ -273,9 +286,10 @@ def micro_batch_for(cfg: CohortConfig, hardware: Hardware) -> tuple[int, CohortP
     if not hardware.cuda or layout_problems(cfg, hardware.processes):
         return CPU_MICRO_BATCH, None
     rows = responses_per_rank(cfg, hardware.processes)
+    shapes = cohort_shapes(cfg.members) if shapes is None else shapes
     plan = None
     for size in sorted({rows, *(2**i for i in range(rows.bit_length()) if 2**i <= rows)}, reverse=True):
-        plan = plan_cohort(with_changes(cfg, {MICRO_BATCH: size}), hardware)
+        plan = plan_cohort(with_changes(cfg, {MICRO_BATCH: size}), hardware, shapes)
         if plan.fits:
             return size, plan
     return 1, plan
@@ -301,8 +315,8 @@ def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -
     """Add member `m`'s items on `rank` to `plan` (and what cannot work to its problems)."""
     cfg, hw = launch.cfg, launch.hw
     ranks = launch.placement[m.id]
-    shape = model_shape(str(m.model))
-    layout = member_layout(cfg, m, len(ranks), launch.zero, hw.cuda)
+    shape = launch.shapes[m.id]
+    layout = member_layout(cfg, m, shape, len(ranks), launch.zero, hw.cuda)
     r = cfg.rollout
     prompts = len(shard(cfg.data.batch_size, ranks, rank))
 
@@ -370,8 +384,8 @@ def _vllm_items(launch: _Launch, share: EngineShare, plan: RankPlan, add) -> Non
     cache is the smallest of the engine's slot over the ranks (vLLM's launcher takes the minimum).
 
     With sleep mode the engine sleeps only for the update: it wakes at the sync after it and stays awake through
-    the next step's rollouts and in-loop evaluation (`training.loop.update_phase` / `sync_phase`), so its weights
-    and KV cache (CuMem allocations outside PyTorch's) are held while every other member on the rank rolls out
+    the next step's rollouts and in-loop evaluation (`training/update_phase.py`: update_phase, sync_phase), so its
+    weights and KV cache (CuMem allocations outside PyTorch's) are held while every other member on the rank rolls out
     (`Item.held`); only its profiled activations come and go with its own generate."""
     v, hw = launch.cfg.rollout.vllm, launch.hw
     slot = launch.slots[share.slot]
@@ -445,8 +459,9 @@ def layout_problems(cfg: CohortConfig, processes: int) -> list[str]:
     return problems
 
 
-def fits_after(cfg: CohortConfig, hardware: Hardware) -> CohortPlan | None:
-    """The plan of `cfg` on `hardware`, or None when the layout cannot launch there (`layout_problems`)."""
+def fits_after(cfg: CohortConfig, hardware: Hardware, shapes: Shapes | None = None) -> CohortPlan | None:
+    """The plan of `cfg` on `hardware`, or None when the layout cannot launch there (`layout_problems`);
+    `shapes`: its members' (None: read here)."""
     if layout_problems(cfg, hardware.processes):
         return None
-    return plan_cohort(cfg, hardware)
+    return plan_cohort(cfg, hardware, shapes)

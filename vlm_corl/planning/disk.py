@@ -24,7 +24,7 @@ from vlm_corl.config.schema import CohortConfig, MemberConfig, has_teachers
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.engines import TEACHER
 from vlm_corl.planning.layout import adapters, loaded_bytes
-from vlm_corl.planning.shapes import model_shape
+from vlm_corl.planning.shapes import ModelShape, Shapes, cohort_shapes
 
 SMALL_FILES_BYTES = 50e6  # per model directory: tokenizer.json (~10 MB for a 150k vocabulary), processor, config
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -83,9 +83,8 @@ def checkpoints_written(cfg: CohortConfig) -> int:
     return every + (1 if t.save_last and not (t.save_every and t.max_steps % t.save_every == 0) else 0)
 
 
-def member_checkpoint(cfg: CohortConfig, m: MemberConfig) -> dict[str, float]:
-    """Bytes of member `m`'s files in one checkpoint, by part (see the module docstring)."""
-    shape = model_shape(str(m.model))
+def member_checkpoint(cfg: CohortConfig, m: MemberConfig, shape: ModelShape) -> dict[str, float]:
+    """Bytes of member `m`'s (of `shape`) files in one checkpoint, by part (see the module docstring)."""
     p = float(shape.params)
     loaded = loaded_bytes(m, shape)
     masters = MASTER_BYTES if cfg.train.deepspeed else 0  # DeepSpeed saves its fp32 partitions
@@ -112,14 +111,15 @@ def small_files_bytes(model: str) -> float:
     return float(sum(f.stat().st_size for f in files if not f.name.endswith(WEIGHT_SUFFIXES)) + 1_000_000)
 
 
-def checkpoint_disk(cfg: CohortConfig) -> DiskPlan:
-    """The checkpoints' disk of `cfg`."""
+def checkpoint_disk(cfg: CohortConfig, shapes: Shapes | None = None) -> DiskPlan:
+    """The checkpoints' disk of `cfg`; `shapes`: the plan's (None: read here, for a disk check without a plan)."""
+    shapes = cohort_shapes(cfg.members) if shapes is None else shapes
     members = {}
     for m in cfg.members:
-        members[m.id] = member_checkpoint(cfg, m)
+        members[m.id] = member_checkpoint(cfg, m, shapes[m.id])
         if has_teachers(cfg):
             members[m.id + TEACHER] = {
-                "weights": MASTER_BYTES * float(model_shape(str(m.model)).params),
+                "weights": MASTER_BYTES * float(shapes[m.id].params),
                 "small_files": small_files_bytes(str(m.model)),
             }
     best = 0.0

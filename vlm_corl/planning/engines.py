@@ -16,7 +16,7 @@ from vlm_corl.config.schema import CohortConfig, MemberConfig, has_teachers
 from vlm_corl.distributed.world import shard
 from vlm_corl.members.memory import GB
 from vlm_corl.planning import estimates as est
-from vlm_corl.planning.shapes import model_shape
+from vlm_corl.planning.shapes import Shapes
 
 TEACHER = ".teacher"  # an EMA teacher's engine name: its student's id and this suffix
 
@@ -59,10 +59,16 @@ class SlotKV:
 
 
 def engine_shares(
-    cfg: CohortConfig, placement: dict, device_bytes: float, cuda: bool, dtype_of: Callable[[MemberConfig], int]
+    cfg: CohortConfig,
+    shapes: Shapes,
+    placement: dict,
+    device_bytes: float,
+    cuda: bool,
+    dtype_of: Callable[[MemberConfig], int],
 ) -> dict:
     """{(rank, slot): EngineShare} of every vLLM engine the launch builds (`vllm_engines_by_rank`) on cards of
-    `device_bytes`; `dtype_of(member)`: bytes per parameter of its engine's weights (the rollout dtype)."""
+    `device_bytes`; `shapes`: the plan's; `dtype_of(member)`: bytes per parameter of its engine's weights (the
+    rollout dtype)."""
     v, r = cfg.rollout.vllm, cfg.rollout
     built = vllm_engines_by_rank(cfg, placement, has_teachers(cfg))
     members = {m.id: m for m in cfg.members}
@@ -71,7 +77,7 @@ def engine_shares(
     for rank, engines in built.items():
         for slot, name in enumerate(engines):
             m = members[name.removesuffix(TEACHER)]
-            shape = model_shape(str(m.model))
+            shape = shapes[m.id]
             dtype = dtype_of(m)
             share = v.gpu_memory_utilization * device_bytes / len(engines)
             weights = dtype * shape.params

@@ -49,12 +49,13 @@ def fixes(cfg: CohortConfig, plan: CohortPlan) -> list[dict]:
     wider launch, when it needs one), saves_gb, peak_gb, fits}. First each change alone (a family of changes,
     such as the micro-batch's halvings, by its mildest that fits, else its strongest); then, when none fits
     alone, the ones that help taken together; then the narrowest wider launch that fits, under ZeRO-3 with
-    those changes. Those that fit come first."""
+    those changes. Those that fit come first. Every change is planned with `plan.shapes` (its members' models,
+    already read)."""
     hw, worst = plan.hardware, plan.worst
     before = worst.peak
 
     def planned(label: str, changes: dict, target: Hardware) -> dict | None:
-        after = fits_after(with_changes(cfg, changes), target)
+        after = fits_after(with_changes(cfg, changes), target, plan.shapes)
         if after is None:
             return None
         peak = after.peak_of(worst.rank) if target is hw else max(r.peak for r in after.ranks)

@@ -25,7 +25,7 @@ from vlm_corl.config.schema import CohortConfig, has_teachers, slots_per_member
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.engines import TEACHER
 from vlm_corl.planning.layout import rollout_bytes, trained_params, zero_settings
-from vlm_corl.planning.shapes import model_shape
+from vlm_corl.planning.shapes import ModelShape, Shapes
 
 # A trainer process's own host memory: Python with torch, transformers, DeepSpeed and the trainer imported is
 # 0.9 GB of RSS on a CPU-only host (measured here); a CUDA process adds its context's host side and the CUDA
@@ -88,9 +88,12 @@ class HostPlan:
         )
 
 
-def host_memory(cfg: CohortConfig, placement: dict, gpu_free: dict, ranks_per_node: int, cuda: bool) -> HostPlan:
-    """The host plan of `cfg` placed as `placement`, `ranks_per_node` consecutive ranks a node (0: one node);
-    `gpu_free[rank][member]`: GPU bytes free for a ZeRO-2 member's flat copy of its weights when it starts."""
+def host_memory(
+    cfg: CohortConfig, shapes: Shapes, placement: dict, gpu_free: dict, ranks_per_node: int, cuda: bool
+) -> HostPlan:
+    """The host plan of `cfg` (its members of `shapes`, the plan's) placed as `placement`, `ranks_per_node`
+    consecutive ranks a node (0: one node); `gpu_free[rank][member]`: GPU bytes free for a ZeRO-2 member's flat
+    copy of its weights when it starts."""
     zero = zero_settings(cfg)
     ranks = sorted({r for rs in placement.values() for r in rs})
     out = []
@@ -99,33 +102,34 @@ def host_memory(cfg: CohortConfig, placement: dict, gpu_free: dict, ranks_per_no
         staged = 0.0
         for m in (m for m in cfg.members if rank in placement[m.id] and m.trainable and zero):
             offloaded = sum(v for k, v in host.training.items() if k.startswith("offload"))
-            staged = max(staged, offloaded + _staging_bytes(zero, m, gpu_free.get(rank, {}).get(m.id, 0.0)))
-            offload = _offload_bytes(zero, m, len(placement[m.id]))
+            free = gpu_free.get(rank, {}).get(m.id, 0.0)
+            staged = max(staged, offloaded + _staging_bytes(zero, m, shapes[m.id], free))
+            offload = _offload_bytes(zero, m, shapes[m.id], len(placement[m.id]))
             if offload:
                 host.training[f"offload {m.id}"] = offload
         if staged:
             host.init["staging"] = staged
         host.training["prompt_caches"] = renderers(cfg, placement, rank) * cfg.data.prompt_cache_mb * (1 << 20)
-        backups = _sleep_backups(cfg, placement, rank) if cuda else 0.0  # vLLM sleeps on CUDA only
+        backups = _sleep_backups(cfg, shapes, placement, rank) if cuda else 0.0  # vLLM sleeps on CUDA only
         if backups:
             host.training["vllm_sleep_backups"] = backups
         out.append(host)
     return HostPlan(out, ranks_per_node or len(ranks))
 
 
-def _offload_bytes(zero: dict, m, ranks: int) -> float:
+def _offload_bytes(zero: dict, m, shape: ModelShape, ranks: int) -> float:
     """A trained member's state in host memory under CPU offload, per rank (`zero`: its zero_optimization)."""
-    out = OFFLOAD_OPTIMIZER_BYTES * trained_params(m) / ranks if "offload_optimizer" in zero else 0.0
+    out = OFFLOAD_OPTIMIZER_BYTES * trained_params(m, shape) / ranks if "offload_optimizer" in zero else 0.0
     if zero.get("stage") == 3 and "offload_param" in zero:
-        out += OFFLOAD_PARAM_BYTES * model_shape(str(m.model)).params / ranks
+        out += OFFLOAD_PARAM_BYTES * shape.params / ranks
     return out
 
 
-def _staging_bytes(zero: dict, m, gpu_free: float) -> float:
+def _staging_bytes(zero: dict, m, shape: ModelShape, gpu_free: float) -> float:
     """A trained DeepSpeed member's host staging at start-up (see the module docstring)."""
     if zero.get("stage", 2) == 3:
-        return ZERO3_STAGING_BYTES * float(model_shape(str(m.model)).params)
-    trained = trained_params(m)
+        return ZERO3_STAGING_BYTES * float(shape.params)
+    trained = trained_params(m, shape)
     return ZERO2_HOST_FLATTEN_BYTES * trained if gpu_free < 4 * trained else 0.0
 
 
@@ -135,7 +139,7 @@ def renderers(cfg: CohortConfig, placement: dict, rank: int) -> int:
     return slots_per_member(cfg) * sum(rank in placement[m.id] for m in cfg.members)
 
 
-def _sleep_backups(cfg: CohortConfig, placement: dict, rank: int) -> float:
+def _sleep_backups(cfg: CohortConfig, shapes: Shapes, placement: dict, rank: int) -> float:
     """Pinned host backups of the weights of the engines on `rank` that sleep at level 1."""
     if not cfg.rollout.vllm.enable_sleep_mode:
         return 0.0
@@ -145,5 +149,5 @@ def _sleep_backups(cfg: CohortConfig, placement: dict, rank: int) -> float:
         m = members[name.removesuffix(TEACHER)]
         adapter_sync = m.lora is not None and cfg.rollout.vllm.lora_sync == "adapter"
         if name.endswith(TEACHER) or not m.trainable or adapter_sync or cfg.rollout.vllm.sleep_level == 1:
-            out += rollout_bytes(cfg, m, True) * model_shape(str(m.model)).params
+            out += rollout_bytes(cfg, shapes[m.id], True) * shapes[m.id].params
     return out

@@ -1,6 +1,7 @@
 """A member's layout as the planner reads it from the config: the ZeRO settings, the states layout
 (`vlm_corl.members.memory.Layout`), the trained parameters and the bytes per parameter of each dtype it is
-loaded, served and saved in. Shared by the GPU plan (`cohort`), its vLLM engines, host memory and disk."""
+loaded, served and saved in. Shared by the GPU plan (`cohort`), its vLLM engines, host memory and disk; each takes
+the member's `ModelShape` from the plan's `Shapes`, read once at its start."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.config.schema import CohortConfig, MemberConfig, has_teachers
 from vlm_corl.members.memory import Layout
 from vlm_corl.members.precision import rollout_dtype
-from vlm_corl.planning.shapes import DTYPE_BYTES, ModelShape, adapter_count, model_shape
+from vlm_corl.planning.shapes import DTYPE_BYTES, ModelShape, adapter_count
 
 
 def zero_settings(cfg: CohortConfig) -> dict:
@@ -23,9 +24,10 @@ def zero_settings(cfg: CohortConfig) -> dict:
     return json.loads(Path(cfg.train.deepspeed).read_text()).get("zero_optimization", {"stage": 2})
 
 
-def member_layout(cfg: CohortConfig, member: MemberConfig, ranks: int, zero: dict, cuda: bool) -> Layout:
-    """The states layout (`vlm_corl.members.memory.Layout`) of `member` on `ranks` ranks."""
-    shape = model_shape(str(member.model))
+def member_layout(
+    cfg: CohortConfig, member: MemberConfig, shape: ModelShape, ranks: int, zero: dict, cuda: bool
+) -> Layout:
+    """The states layout (`vlm_corl.members.memory.Layout`) of `member` (of `shape`) on `ranks` ranks."""
     stage = zero.get("stage", 2) if zero and member.trainable else None
     return Layout(
         trainable=member.trainable,
@@ -34,7 +36,7 @@ def member_layout(cfg: CohortConfig, member: MemberConfig, ranks: int, zero: dic
         engine=member_engine(cfg, member),
         offload_optimizer=stage is not None and "offload_optimizer" in zero,
         offload_params=stage == 3 and "offload_param" in zero,
-        rollout_bytes=rollout_bytes(cfg, member, cuda),
+        rollout_bytes=rollout_bytes(cfg, shape, cuda),
         frozen_bytes=loaded_bytes(member, shape),
         kl_reference=cfg.algo.kl_beta > 0 and member.trainable,
         ema_teacher=has_teachers(cfg) and member.trainable,
@@ -51,14 +53,14 @@ def adapters(member: MemberConfig) -> int:
     return adapter_count(str(member.model), lora.r, targets, lora.vision)
 
 
-def trained_params(member: MemberConfig) -> float:
-    """Parameters `member` trains: all of them, or a LoRA member's adapters."""
-    return float(adapters(member) or model_shape(str(member.model)).params)
+def trained_params(member: MemberConfig, shape: ModelShape) -> float:
+    """Parameters `member` (of `shape`) trains: all of them, or a LoRA member's adapters."""
+    return float(adapters(member) or shape.params)
 
 
-def rollout_bytes(cfg: CohortConfig, member: MemberConfig, cuda: bool) -> int:
-    """Bytes per parameter of `member`'s rollout dtype (rollout.dtype; auto: bf16 on CUDA, else the checkpoint's)."""
-    shape = model_shape(str(member.model))
+def rollout_bytes(cfg: CohortConfig, shape: ModelShape, cuda: bool) -> int:
+    """Bytes per parameter of the rollout dtype of a member of `shape` (rollout.dtype; auto: bf16 on CUDA, else the
+    checkpoint's)."""
     device = torch.device("cuda" if cuda else "cpu")
     checkpoint = {4: torch.float32, 2: torch.bfloat16}[shape.checkpoint_bytes]
     return torch.empty(0, dtype=rollout_dtype(cfg.rollout.dtype, device, checkpoint)).element_size()

@@ -13,9 +13,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from vlm_corl.errors import UserError
 from vlm_corl.members.lora import VISION_TOWERS, adapter_parameters
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from vlm_corl.config.schema import MemberConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -168,6 +174,22 @@ def model_shape(model_dir: str) -> ModelShape:
             processor_dir=model_dir if _generic_with_processor(model_dir, config.model_type) else "",
         )
     return ModelShape(**fields)
+
+
+Shapes = dict[str, ModelShape]  # member id -> its model's shape, one plan's (`cohort_shapes`)
+
+
+def cohort_shapes(members: Iterable[MemberConfig]) -> Shapes:
+    """{member id: ModelShape}, each distinct model directory read once: a plan builds it at its start and passes
+    it down, so no sub-planner reads a model again (members sharing a model share its shape)."""
+    by_dir: dict[str, ModelShape] = {}
+    out: Shapes = {}
+    for m in members:
+        model = str(m.model)
+        if model not in by_dir:
+            by_dir[model] = model_shape(model)
+        out[m.id] = by_dir[model]
+    return out
 
 
 def _own_code(model_dir: str) -> bool:

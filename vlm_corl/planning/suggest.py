@@ -18,7 +18,7 @@ from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.config.schema import CohortConfig
 from vlm_corl.planning.cohort import CohortPlan, Hardware, fits_after, with_changes
 from vlm_corl.planning.fixes import ZERO_PRESETS, preset_path, yaml_value
-from vlm_corl.planning.shapes import model_shape
+from vlm_corl.planning.shapes import Shapes
 
 MAX_SPLITS = 5000  # rank splits tried at most (compositions of the ranks over the members)
 
@@ -79,12 +79,12 @@ def rank_splits(n_members: int, processes: int) -> list[list[list[int]] | None]:
 
 
 def step_cost(cfg: CohortConfig, plan: CohortPlan, zero: tuple[int, bool], checkpointing: bool) -> float:
-    """The relative step time of the module docstring's model."""
+    """The relative step time of the module docstring's model (the members' sizes: `plan.shapes`)."""
     groups: dict[tuple[int, ...], float] = {}
     for m in cfg.members:
         if m.trainable:
             ranks = plan.placement[m.id]
-            groups[ranks] = groups.get(ranks, 0.0) + model_shape(str(m.model)).params / len(ranks)
+            groups[ranks] = groups.get(ranks, 0.0) + plan.shapes[m.id].params / len(ranks)
     factor = (4 / 3 if checkpointing else 1.0) * (1.1 if zero[0] == 3 else 1.0) * (2.0 if zero[1] else 1.0)
     return max(groups.values(), default=0.0) * factor
 
@@ -96,6 +96,7 @@ def suggest(cfg: CohortConfig, hardware: Hardware) -> Suggestion | None:
     while micro[-1] != "auto" and micro[-1] > 1:  # auto: each layout's plan takes the largest that fits
         micro.append(micro[-1] // 2)
     vllm = hardware.cuda and any(member_engine(cfg, m) == "vllm" for m in cfg.members)
+    shapes: Shapes | None = None  # the members' models, read by the first layout planned and passed to the rest
     best: tuple | None = None
     for split in rank_splits(len(cfg.members), hardware.processes):
         for (deepspeed, zero), gc, mb, sleep in itertools.product(zeros, (False, True), micro, (False, True)):
@@ -113,8 +114,11 @@ def suggest(cfg: CohortConfig, hardware: Hardware) -> Suggestion | None:
             )
             if vllm:
                 changes["rollout.vllm.enable_sleep_mode"] = sleep
-            plan = fits_after(with_changes(cfg, changes), hardware)
-            if plan is None or not plan.fits:
+            plan = fits_after(with_changes(cfg, changes), hardware, shapes)
+            if plan is None:
+                continue
+            shapes = plan.shapes
+            if not plan.fits:
                 continue
             cost = step_cost(cfg, plan, zero, gc)
             key = (

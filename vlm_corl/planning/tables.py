@@ -18,7 +18,7 @@ from vlm_corl.config.engine_layout import VLLM_UNSUPPORTED, model_type
 from vlm_corl.config.loading import config_from_dict
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.cohort import Hardware, plan_cohort
-from vlm_corl.planning.shapes import model_shape
+from vlm_corl.planning.shapes import Shapes, model_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "models"
@@ -41,6 +41,7 @@ TABLE_COLUMNS = {
     "ZeRO-3, G=8, HF": (8, "zero3.json", "hf"),
     "ZeRO-3 + offload, G=8, HF": (8, "zero3_offload.json", "hf"),
 }
+ALONE = "m"  # a table cell's one member
 # What a table cell assumes besides its column (the README says so above the table).
 TABLE_SETTINGS = {
     "data": {"batch_size": 16},
@@ -51,15 +52,16 @@ TABLE_SETTINGS = {
 }  # fmt: skip
 
 
-def table_cell(model_dir: Path, ranks: int, preset: str | None, engine: str) -> str:
-    """One member alone on `ranks` 80 GB cards: its states and its peak per rank, ": no" where it does not fit."""
+def table_cell(model_dir: Path, ranks: int, preset: str | None, engine: str, shapes: Shapes | None = None) -> str:
+    """One member alone on `ranks` 80 GB cards: its states and its peak per rank, ": no" where it does not fit;
+    `shapes`: {ALONE: its shape}, read once for its row (None: read here)."""
     if engine == "vllm" and model_type(model_dir) in VLLM_UNSUPPORTED:
         return "n/a (no vLLM)"
     settings = {k: dict(v) for k, v in TABLE_SETTINGS.items()}
     settings["rollout"]["engine"] = engine
     settings["train"]["deepspeed"] = str(ROOT / "configs" / "deepspeed" / preset) if preset else None
-    cfg = config_from_dict({"members": [{"id": "m", "model": str(model_dir)}], **settings})
-    plan = plan_cohort(cfg, Hardware(ranks, CARD))
+    cfg = config_from_dict({"members": [{"id": ALONE, "model": str(model_dir)}], **settings})
+    plan = plan_cohort(cfg, Hardware(ranks, CARD), shapes)
     rank = plan.ranks[0]
     states = rank.states_bytes()
     return f"{states / GB:.1f} / {rank.peak / GB:.1f} GB" + ("" if plan.fits else ": no")
@@ -72,8 +74,9 @@ def readme_table(models_dir: Path = MODELS) -> str:
     published = json.loads((models_dir / "models.json").read_text())
     lines = ["| member (parameters) | " + " | ".join(TABLE_COLUMNS) + " |", "|---" * (len(TABLE_COLUMNS) + 1) + "|"]
     for name, label in TABLE_MODELS.items():
-        params = model_shape(str(models_dir / name)).params
-        cells = [table_cell(models_dir / name, *column) for column in TABLE_COLUMNS.values()]
+        shape = model_shape(str(models_dir / name))  # the row's member, read once for its every cell
+        cells = [table_cell(models_dir / name, *column, {ALONE: shape}) for column in TABLE_COLUMNS.values()]
+        params = shape.params
         lines.append(f"| {label} ({params / 1e9:.2f} B, `{published[name]['repo']}`) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -152,7 +152,7 @@ def start_throughput(
         return Throughput({}, None)
     import torch
 
-    from vlm_corl.planning.shapes import model_shape
+    from vlm_corl.planning.shapes import cohort_shapes
 
     name = torch.cuda.get_device_name(world.device)
     found = peak_bf16_flops(name)
@@ -163,7 +163,8 @@ def start_throughput(
             peak = found[1] / 1e12
             log.info("update_mfu: against %s's bf16 dense peak, %.0f TFLOP/s per device (%s)", name, peak, found[0])
     members = {m.id: m for m in cfg.members if m.trainable}
-    counts = {mid: (float(model_shape(str(m.model)).params), m.lora is not None) for mid, m in members.items()}
+    shapes = cohort_shapes(members.values())  # each trained member's model read once
+    counts = {mid: (float(shapes[mid].params), m.lora is not None) for mid, m in members.items()}
     # by the row's slot: a member's update stats are on its trained slot's row
     parameters = {s.id: counts[s.member_id] for s in specs if s.member_id in members and not s.teacher}
     busy = None
