@@ -195,40 +195,13 @@ def load_examples(
     """
     if limit is not None and limit < 1:
         raise DataError(f"limit must be at least 1, or None for every record (got {limit})")
-    fn = LOADERS.get(loader)
-    try:
-        inspect.signature(fn).bind(path, split, **options)
-    except TypeError as err:
-        accepted = [p for p in list(inspect.signature(fn).parameters)[2:]]
-        raise DataError(
-            f"the {loader!r} loader does not take these options {sorted(options)} ({err}); it accepts "
-            f"{accepted or 'no options'} (data.train.options)"
-        ) from err
-    items = fn(path, split, **options)
-    if isinstance(items, Stream) and limit is None:
-        from vlm_corl.config.parse import ConfigError  # the data layer does not import the config package
-
-        setting = items.limit_setting
-        raise ConfigError(
-            [
-                f"{setting}: {items.what} is a stream with no known end, read only up to {setting}, which is "
-                f"not set (it would be read forever): set {setting} to the number of examples to use"
-            ],
-            [setting],
-        )
+    items = _read(loader, path, split, options)
+    _refuse_endless_stream(items, limit)
     report = LoadReport(loader, None if path is None else os.fspath(path), split)
     examples = _checked(items, report, limit)
     report.kept = len(examples)
     where = report.path or str(options.get("source") or loader)  # the Python API's: train_dataset, eval_dataset
-    if not examples and report.skipped.get("no_image"):
-        raise DataError(_no_image_at_all(report, where, loader))
-    if not examples:
-        raise DataError(
-            f"no usable example in {report.path or loader} (split {split!r}):\n{report.summary()}\n"
-            f"Check the path, the split and the field names (see vlm_corl.data.loaders)."
-        )
-    if not any(ex.images for ex in examples) and not report.skipped.keys() & IMAGE_REASONS:
-        _refuse_misnamed_images(examples, where, loader)
+    _refuse_unusable(examples, report, where)
     if report.skipped.get("no_image"):
         log.warning(
             "%d record(s) of %s have lost their image (a null image field): dropped, as a question about a picture "
@@ -240,6 +213,51 @@ def load_examples(
     if report.skipped:
         log.warning("dropped records while loading data:\n%s", report.summary())
     return LoadResult(examples, report)
+
+
+def _read(loader: str, path: str | os.PathLike | None, split: str, options: dict[str, Any]) -> Iterable[Example | Skip]:
+    """The records of the named loader, its options checked first against its signature: an option it does not take
+    is the user's mistake (data.train.options), told with the options it accepts, not a TypeError from inside."""
+    fn = LOADERS.get(loader)
+    try:
+        inspect.signature(fn).bind(path, split, **options)
+    except TypeError as err:
+        accepted = [p for p in list(inspect.signature(fn).parameters)[2:]]
+        raise DataError(
+            f"the {loader!r} loader does not take these options {sorted(options)} ({err}); it accepts "
+            f"{accepted or 'no options'} (data.train.options)"
+        ) from err
+    return fn(path, split, **options)
+
+
+def _refuse_endless_stream(items: Iterable[Example | Skip], limit: int | None) -> None:
+    """Refuse a `Stream` without `limit` (`ConfigError` naming the loader's limit setting): it would be read
+    forever."""
+    if isinstance(items, Stream) and limit is None:
+        from vlm_corl.config.parse import ConfigError  # the data layer does not import the config package
+
+        setting = items.limit_setting
+        raise ConfigError(
+            [
+                f"{setting}: {items.what} is a stream with no known end, read only up to {setting}, which is "
+                f"not set (it would be read forever): set {setting} to the number of examples to use"
+            ],
+            [setting],
+        )
+
+
+def _refuse_unusable(examples: list[Example], report: LoadReport, where: str) -> None:
+    """`DataError` when no record survived (a tailored message when records were dropped for a null image), or
+    when no record has an image but a column holds pictures (`_refuse_misnamed_images`)."""
+    if not examples and report.skipped.get("no_image"):
+        raise DataError(_no_image_at_all(report, where, report.loader))
+    if not examples:
+        raise DataError(
+            f"no usable example in {report.path or report.loader} (split {report.split!r}):\n{report.summary()}\n"
+            f"Check the path, the split and the field names (see vlm_corl.data.loaders)."
+        )
+    if not any(ex.images for ex in examples) and not report.skipped.keys() & IMAGE_REASONS:
+        _refuse_misnamed_images(examples, where, report.loader)
 
 
 def _checked(items: Iterable[Example | Skip], report: LoadReport, limit: int | None) -> list[Example]:
