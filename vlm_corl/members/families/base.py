@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal
 import transformers
 from transformers import GenerationConfig, PreTrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from vlm_corl.members.families.tokenizer import build_tokenizer
+from vlm_corl.members.families.tokenizer import TokenizerSpec, tokenizer_from_spec
 from vlm_corl.registry import FAMILIES
 
 SIZES = ("tiny", "small")
@@ -96,14 +96,16 @@ class Family:
     def build_tokenizer(self) -> PreTrainedTokenizerFast:
         """The zoo tokenizer: the shared offline BPE plus this family's control tokens and chat template."""
         t = self.tokens
-        return build_tokenizer(
-            list(t.tokens),
-            bos=t.bos,
-            eos=t.eos[0],
-            pad=t.pad,
-            named_tokens=dict(t.named),
-            chat_template=self.chat_template,
-            ordinary_tokens=self.ordinary_tokens,
+        return tokenizer_from_spec(
+            TokenizerSpec(
+                list(t.tokens),
+                bos=t.bos,
+                eos=t.eos[0],
+                pad=t.pad,
+                named_tokens=dict(t.named),
+                chat_template=self.chat_template,
+                ordinary_tokens=self.ordinary_tokens,
+            )
         )
 
     def released_name(self, name: str) -> str:

@@ -8,6 +8,7 @@ special tokens after the learned vocabulary, in the order the family lists them.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -39,6 +40,26 @@ def _trained_bpe(vocab_size: int) -> str:
     return tok.to_str()
 
 
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a zoo tokenizer holds beyond the shared BPE (`tokenizer_from_spec`): `special_tokens` appended in order,
+    then FORMAT_TOKENS, then the family's `ordinary_tokens` (single, decoded pieces its released tokenizer has,
+    e.g. Gemma's runs of newlines).
+
+    `bos`/`eos`/`pad` must be among `special_tokens`. `named_tokens` become attributes that processors read
+    (e.g. {"image_token": "<|image_pad|>"} gives `tokenizer.image_token` and `tokenizer.image_token_id`) and are
+    saved in tokenizer_config.json. `vocab_size` is the learned BPE's."""
+
+    special_tokens: list[str]
+    bos: str | None
+    eos: str
+    pad: str
+    named_tokens: dict[str, str] | None = None
+    chat_template: str | None = None
+    vocab_size: int = BASE_VOCAB_SIZE
+    ordinary_tokens: tuple[str, ...] = ()
+
+
 def build_tokenizer(
     special_tokens: list[str],
     *,
@@ -47,33 +68,34 @@ def build_tokenizer(
     pad: str,
     named_tokens: dict[str, str] | None = None,
     chat_template: str | None = None,
-    vocab_size: int = BASE_VOCAB_SIZE,
-    ordinary_tokens: tuple[str, ...] = (),
 ) -> PreTrainedTokenizerFast:
-    """A left-padding fast tokenizer: the shared BPE plus `special_tokens` appended in order, then FORMAT_TOKENS,
-    then the family's `ordinary_tokens` (single, decoded pieces its released tokenizer has, e.g. Gemma's runs
-    of newlines).
+    """`tokenizer_from_spec` of a tokenizer with no ordinary tokens over the shared BPE of BASE_VOCAB_SIZE (the
+    zoo's generic architectures: ChatML turn tokens and the specials a processor names); see `TokenizerSpec`."""
+    return tokenizer_from_spec(TokenizerSpec(special_tokens, bos, eos, pad, named_tokens, chat_template))
 
-    `bos`/`eos`/`pad` must be among `special_tokens`. `named_tokens` become attributes that processors read
-    (e.g. {"image_token": "<|image_pad|>"} gives `tokenizer.image_token` and `tokenizer.image_token_id`) and are
-    saved in tokenizer_config.json. No BOS/EOS is added on encode: chat templates write them, so rendering with
+
+def tokenizer_from_spec(spec: TokenizerSpec) -> PreTrainedTokenizerFast:
+    """A left-padding fast tokenizer: the shared BPE plus the spec's tokens (`TokenizerSpec`).
+
+    No BOS/EOS is added on encode: chat templates write them, so rendering with
     `apply_chat_template(..., tokenize=False)` and then tokenizing never doubles them.
     """
-    tok = Tokenizer.from_str(_trained_bpe(vocab_size))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in FORMAT_TOKENS + tuple(ordinary_tokens)])
-    named = dict(named_tokens or {})
+    tok = Tokenizer.from_str(_trained_bpe(spec.vocab_size))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.special_tokens])
+    ordinary = FORMAT_TOKENS + tuple(spec.ordinary_tokens)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ordinary])
+    named = dict(spec.named_tokens or {})
     # Control tokens that are not named attributes are "extra" specials so decode(skip_special_tokens=True) drops them.
-    named_values = {bos, eos, pad, *named.values()}
-    extra = [t for t in special_tokens if t not in named_values]
+    named_values = {spec.bos, spec.eos, spec.pad, *named.values()}
+    extra = [t for t in spec.special_tokens if t not in named_values]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=pad,
+        bos_token=spec.bos,
+        eos_token=spec.eos,
+        pad_token=spec.pad,
         extra_special_tokens=extra,
         model_specific_special_tokens=named,
-        chat_template=chat_template,
+        chat_template=spec.chat_template,
         padding_side="left",  # decoder-only batched generation; a constructor argument survives save_pretrained
         clean_up_tokenization_spaces=False,
     )
