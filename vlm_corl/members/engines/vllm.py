@@ -87,6 +87,8 @@ class VLLMEngine:
         self.member = member
         self._set_up_sleep(rollout.vllm)
         llm_kwargs.update(self._set_up_adapters(rollout.vllm))
+        # rollout.vllm.sleep_level for a trained member's full weights, which every sync rewrites; level 1 for any
+        # other engine (class doc: an adapter is served over the base vLLM loaded once).
         self._sleep_level = rollout.vllm.sleep_level if member.cfg.trainable and self._adapters is None else 1
         self._tied_head = _tied_head(member.model)
         vision = _vision_arguments(member, max_images_per_prompt, max_image_pixels)
