@@ -108,14 +108,14 @@ def members_check(ctx: Context) -> dict:
     start = time.perf_counter()
     models = ctx.work / "models"
     if ctx.size == "real":
-        from vlm_corl.zoo import build_real
+        from vlm_corl.models.zoo import build_real
 
         built = {k: build_real(name, models, device="cuda") for k, name in REAL.items()}
         paths = {k: str(path) for k, (path, _) in built.items()}
         params = {k: n for k, (_, n) in built.items()}
     else:
+        from vlm_corl.models.zoo import build_zoo
         from vlm_corl.planning.shapes import parameter_count
-        from vlm_corl.zoo import build_zoo
 
         zoo = build_zoo(models / "zoo", list(TINY.values()), size="tiny")
         paths = {k: str(zoo[family]) for k, family in TINY.items()}

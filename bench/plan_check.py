@@ -188,7 +188,9 @@ def worker(cfg_path: str, out: str) -> None:
 
     from vlm_corl.config import load_config
     from vlm_corl.planning.cohort import STATES, Hardware, plan_cohort
-    from vlm_corl.training.loop import PhaseTimer, RenderAhead, step_phases
+    from vlm_corl.training.loop import step_phases
+    from vlm_corl.training.phase_timer import PhaseTimer
+    from vlm_corl.training.render_ahead import RenderAhead
     from vlm_corl.training.setup import start_run
 
     cfg = load_config(cfg_path)
@@ -246,14 +248,15 @@ def activation_estimates(run, prompt_tokens: int) -> dict[str, float]:
     """{member: the plan's activation and logits estimate} at this step's real shapes: its longest prompt
     (`prompt_tokens`), the responses' length, each member's images' patches (fp32, no checkpointing)."""
     from vlm_corl.planning import estimates as est
-    from vlm_corl.planning.shapes import model_shape
+    from vlm_corl.planning.shapes import cohort_shapes
 
     cfg, out = run.cfg, {}
+    shapes = cohort_shapes(m.cfg for m in run.members)  # each model read once, as a plan does
     for m in run.members:
-        shape = model_shape(str(m.cfg.model))
+        shape = shapes[m.id]
         micro = cfg.train.micro_batch_size
         tokens = micro * (prompt_tokens + cfg.rollout.max_new_tokens)
-        acts = est.activation_bytes(shape, tokens, micro * est_patches(m, run), 4, False)
+        acts = est.activation_bytes(shape, tokens, micro * est_patches(m, shape, run), 4, False)
         logits = est.logits_bytes(micro, cfg.rollout.max_new_tokens, shape.vocab, 4) - est.CHUNK_BYTES
         out[m.id] = sum(acts.values()) + logits
     return out
@@ -272,12 +275,9 @@ def zero_step(rank_plan, peaks: dict[str, int]) -> dict[str, dict]:
     return out
 
 
-def est_patches(member, run) -> int:
-    """Vision-tower positions of the largest image the member was given this step: Qwen-VL's pixel_values rows
-    (one per patch), else the tower's fixed count (0 for text members)."""
-    from vlm_corl.planning.shapes import model_shape
-
-    shape = model_shape(str(member.cfg.model))
+def est_patches(member, shape, run) -> int:
+    """Vision-tower positions of the largest image the member (of `shape`) was given this step: Qwen-VL's
+    pixel_values rows (one per patch), else the tower's fixed count (0 for text members)."""
     if shape.fixed_patches or not shape.is_vision:
         return shape.fixed_patches
     rows = [p.inputs["pixel_values"].shape[0] for s in run.slots if s.member is member

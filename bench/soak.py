@@ -54,7 +54,7 @@ def soak(steps: int, window: int, save_every: int, work: Path) -> dict:
 
     import vlm_corl.training.loop as loop
     from vlm_corl.config import config_from_dict
-    from vlm_corl.zoo import build_zoo
+    from vlm_corl.models.zoo import build_zoo
 
     torch.set_num_threads(1)
     zoo = build_zoo(work / "zoo", ["qwen2_vl", "mllama"], size="tiny")

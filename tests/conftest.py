@@ -13,8 +13,8 @@ from fake_vllm import fake_vllm  # noqa: F401 (a fixture: the recording stand-in
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.members.member import load_member
-from vlm_corl.warmstart import warm_start
-from vlm_corl.zoo import build_zoo
+from vlm_corl.models.warmstart import Schedule, warm_start
+from vlm_corl.models.zoo import build_zoo
 
 # One torch thread: on a shared 2-core machine two threads collapse 20-30x as soon as another process is busy.
 torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def base_models(tiny_zoo, tmp_path_factory) -> dict[str, Path]:
     for family in ("qwen2_vl", "mllama"):
         torch.manual_seed(0)
         member = load_member(MemberConfig(id=family, model=str(tiny_zoo[family])))
-        warm_start(member, examples, steps=60, batch_size=16, lr=3e-3, seed=0)
+        warm_start(member, examples, Schedule(steps=60, batch_size=16, lr=3e-3, seed=0))
         member.save(out / family)
         paths[family] = out / family
     return paths

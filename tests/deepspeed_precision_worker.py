@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_corl.commands.train import exit_process
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig
 from vlm_corl.data.loaders import load_examples
@@ -28,7 +29,6 @@ from vlm_corl.members.deepspeed_update import GroupMPU, attach_deepspeed
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.update import Sequence, policy_update
-from vlm_corl.train import exit_process
 
 ROOT = Path(__file__).resolve().parents[1]
 

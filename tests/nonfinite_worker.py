@@ -8,7 +8,7 @@ import os
 import sys
 
 import vlm_corl.members.update as update
-from vlm_corl import train
+from vlm_corl.commands import train
 
 _original = update._micro_batch_loss
 _calls = {"n": 0}

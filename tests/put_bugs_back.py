@@ -25,7 +25,7 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     ),
     (
         "rank agreement",
-        "vlm_corl/training/loop.py",
+        "vlm_corl/training/render_ahead.py",
         "for part in run.world.all_gather(found) for i, member, tokens in part}",
         "for part in [found] for i, member, tokens in part}",
         "tests/test_long_prompts.py::test_the_ranks_of_a_member_agree_on_the_skipped_examples",
@@ -46,9 +46,9 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     ),
     (
         "schedule start/end",
-        "vlm_corl/training/loop.py",
-        "cfg.reward.teacher_decay_start, cfg.reward.teacher_decay_end)",
-        "cfg.reward.teacher_decay_end, cfg.reward.teacher_decay_start)",
+        "vlm_corl/training/update_phase.py",
+        "r.teacher_decay_start, r.teacher_decay_end)",
+        "r.teacher_decay_end, r.teacher_decay_start)",
         T + "test_the_ema_teacher_moves_by_the_decay_of_its_step",
     ),
     (
@@ -67,7 +67,7 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     ),
     (
         "wrong reference",
-        "vlm_corl/headroom.py",
+        "vlm_corl/training/headroom.py",
         "if label is None or not any(answers_equivalent(label, a) for a in answers):",
         "if label is None or not any(answers_equivalent(gold, a) for a in answers):",
         "tests/test_headroom.py::test_reachable_headroom_needs_a_sample_that_earns_the_label_not_gold",
@@ -123,9 +123,9 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     ),
     (
         "swapped call-site args",
-        "vlm_corl/training/loop.py",
-        "sampling_params(run.cfg, s.index, s.member.cfg.seed, step, run.shards[_owner(s)].start)",
-        "sampling_params(run.cfg, s.index, s.member.cfg.seed, run.shards[_owner(s)].start, step)",
+        "vlm_corl/training/rollout_phase.py",
+        "sampling_params(run.cfg, s.index, s.member.cfg.seed, step, run.shards[owner(s)].start)",
+        "sampling_params(run.cfg, s.index, s.member.cfg.seed, run.shards[owner(s)].start, step)",
         T + "test_the_ranks_of_a_member_sample_with_one_seed_from_their_shards_positions",
     ),
     (
@@ -137,7 +137,7 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     ),
     (
         "swapped call-site args",
-        "vlm_corl/training/loop.py",
+        "vlm_corl/training/step_metrics.py",
         "category_step_stats(n, o.cohort, o.scored, o.categories, o.gold, unanimous)",
         "category_step_stats(n, o.cohort, o.scored, o.gold, o.categories, unanimous)",
         T + "test_the_metrics_rows_read_categories_and_gold_in_their_places",
@@ -179,7 +179,7 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     ),
     (
         "over-long prompt replacements",
-        "vlm_corl/training/loop.py",
+        "vlm_corl/training/render_ahead.py",
         "            if not dropped:\n                break\n"
         "            indices = run.sampler.exclude(indices, dropped)",
         "            if dropped:\n"  # the replacements rendered but not checked in turn
@@ -193,7 +193,7 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     # the host plan of a GPU node
     (
         "GPU schedule",
-        "vlm_corl/training/loop.py",
+        "vlm_corl/training/update_phase.py",
         "if s.member.cfg.trainable or s.follows is not None:",
         "if s.member.cfg.trainable:",
         GPU + "test_an_ema_teacher_on_vllm_samples_from_the_ema_weights_pushed_at_the_sync",
@@ -207,7 +207,7 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     ),
     (
         "GPU schedule",
-        "vlm_corl/training/loop.py",
+        "vlm_corl/training/update_phase.py",
         "for engine in {id(s.engine): s.engine for s in run.slots}.values():",
         "for engine in {id(s.engine): s.engine for s in run.slots if s.member.cfg.trainable}.values():",
         GPU + "test_each_engine_sleeps_for_the_update_and_only_a_trained_members_is_pushed[frozen]",

@@ -247,7 +247,7 @@ def test_a_reward_function_failure_on_one_rank_stops_every_rank():
     failure in the same all_gather, so neither rank waits alone."""
     from vlm_corl import RewardFunctionFailed
     from vlm_corl.data.records import Example
-    from vlm_corl.training.reward_funcs import function_rewards, reward_functions
+    from vlm_corl.training.reward_funcs import Scorers, function_rewards, reward_functions
     from vlm_corl.training.rewards import CohortBatch
     from vlm_corl.training.slots import SlotSpec
 
@@ -259,7 +259,7 @@ def test_a_reward_function_failure_on_one_rank_stops_every_rank():
 
     def on_rank(world):
         try:
-            return function_rewards(funcs, batch, [Example("e", "?")], specs, [True, True], world, 2)
+            return function_rewards(funcs, batch, [Example("e", "?")], specs, Scorers([True, True], world), 2)
         except RewardFunctionFailed as err:
             return str(err)
 

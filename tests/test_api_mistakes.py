@@ -291,7 +291,7 @@ def _broken_generator(n):
 )
 def test_a_non_finite_or_unreadable_reward_is_an_error_naming_the_function_on_every_rank(value, said):
     from vlm_corl.data.records import Example
-    from vlm_corl.training.reward_funcs import function_rewards, reward_functions
+    from vlm_corl.training.reward_funcs import Scorers, function_rewards, reward_functions
     from vlm_corl.training.rewards import CohortBatch
     from vlm_corl.training.slots import SlotSpec
 
@@ -302,7 +302,7 @@ def test_a_non_finite_or_unreadable_reward_is_an_error_naming_the_function_on_ev
 
     def on_rank(world):
         try:
-            return function_rewards(funcs, batch, [Example("e", "?")], specs, [True, True], world, 3)
+            return function_rewards(funcs, batch, [Example("e", "?")], specs, Scorers([True, True], world), 3)
         except RewardFunctionFailed as err:
             return str(err)
 

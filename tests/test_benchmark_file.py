@@ -9,7 +9,7 @@ from cohort_helpers import cohort, write_jsonl
 from PIL import Image
 
 from vlm_corl import cli
-from vlm_corl.eval import main
+from vlm_corl.commands.eval import main
 from vlm_corl.evaluation.scoring import pass_at_k
 from vlm_corl.registry import BENCHMARKS
 

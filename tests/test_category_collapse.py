@@ -203,7 +203,7 @@ def test_rollback_sets_aside_the_checkpoints_from_the_first_flag_on(tmp_path):
 
 
 def test_the_report_draws_category_curves_with_the_flags(tmp_path):
-    from vlm_corl.report_md import RunData, category_lines, render_plots
+    from vlm_corl.reporting.markdown import RunData, category_lines, render_plots
 
     rows = reproduction()
     for i, row in enumerate(rows):

@@ -249,7 +249,7 @@ def test_the_trackers_bounded_rows_read_like_the_whole_history():
 
 
 def test_real_run_logs_collapse_diagnostics(base_models, tmp_path):
-    from vlm_corl.report_md import render_report
+    from vlm_corl.reporting.markdown import render_report
     from vlm_corl.training.loop import run_cohort
 
     members = [("qwen", base_models["qwen2_vl"]), ("llama", base_models["mllama"])]

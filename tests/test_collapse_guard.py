@@ -18,12 +18,12 @@ import pytest
 import torch
 import yaml
 
+from vlm_corl.commands.train import main
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import balance_by, load_examples
 from vlm_corl.members.member import load_member
-from vlm_corl.train import main
+from vlm_corl.models.warmstart import Schedule, warm_start
 from vlm_corl.training.guard import EXIT_STATUS
-from vlm_corl.warmstart import warm_start
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def pair(tiny_zoo, tmp_path_factory) -> dict:
     for name, (family, data, steps) in recipes.items():
         torch.manual_seed(0)
         member = load_member(MemberConfig(id=name, model=str(tiny_zoo[family])))
-        warm_start(member, data, steps=steps, batch_size=16, lr=3e-3, seed=0)
+        warm_start(member, data, Schedule(steps=steps, batch_size=16, lr=3e-3, seed=0))
         member.save(out / name)
     return {name: out / name for name in recipes}
 

@@ -18,13 +18,13 @@ import torch
 from cohort_helpers import ROOT, python_m
 from safetensors.torch import load_file
 
-from vlm_corl.demo import PINNED_KERNELS, SHIPPED_BASES, machine
+from vlm_corl.commands.demo import PINNED_KERNELS, SHIPPED_BASES, machine
 
 BUILD = """
 import sys
 from pathlib import Path
-from vlm_corl.base_models import build_base
-from vlm_corl.demo import base_recipes
+from vlm_corl.models.base_models import build_base
+from vlm_corl.commands.demo import base_recipes
 mid = sys.argv[1]
 build_base(mid, base_recipes({mid: ""}, None)[mid], Path(sys.argv[2]), 0)
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vlm_corl.demo import README_BLOCK, SHIPPED_BASES, config_members, load_seeds, readme_table
+from vlm_corl.commands.demo import README_BLOCK, SHIPPED_BASES, config_members, load_seeds, readme_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,8 +20,9 @@ from vlm_corl.config import ConfigError, config_from_dict
 from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.experiments import easyvqa_try
 from vlm_corl.experiments.easyvqa_design import Method
-from vlm_corl.training.loop import _sequences, batch_totals, run_cohort
+from vlm_corl.training.loop import run_cohort
 from vlm_corl.training.setup import load_training_examples
+from vlm_corl.training.update_phase import _sequences, batch_totals
 
 # ---- the config -----------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import torch
 
 from text_corl.data import MATH500_DIR
 from vlm_corl import cli
-from vlm_corl.eval import main
+from vlm_corl.commands.eval import main
 
 MATH500 = MATH500_DIR
 

@@ -20,7 +20,7 @@ from vlm_corl.experiments import easyvqa_design as design
 from vlm_corl.experiments import easyvqa_try
 from vlm_corl.experiments.easyvqa import constant_share, finished, save_result
 from vlm_corl.experiments.easyvqa_data import asked_type
-from vlm_corl.warmstart import mixed_by
+from vlm_corl.models.warmstart import mixed_by
 
 
 def test_t_interval_by_hand():

@@ -17,14 +17,14 @@ import reward_fixtures
 from cohort_helpers import cohort
 
 from vlm_corl import CohortTrainer
+from vlm_corl.commands.export import main as export
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import RewardMode
 from vlm_corl.evaluation.scoring import EASYVQA, benchmark_examples, evaluate_dir, evaluate_member
-from vlm_corl.export import main as export
 from vlm_corl.members.member import load_member
 from vlm_corl.members.prompt_format import member_config
 from vlm_corl.members.render import PROMPT_STYLES
-from vlm_corl.model_card import reward_line
+from vlm_corl.reporting.model_card import reward_line
 
 
 def test_the_export_carries_its_card_and_prompt_format_and_scores_as_the_checkpoint(tiny_zoo, tmp_path, capsys):

@@ -17,10 +17,7 @@ import torch
 import transformers
 from cohort_helpers import ENV, ROOT, assert_ready_decode_mask_changes_nothing
 
-from vlm_corl import coverage
 from vlm_corl.config.schema import MemberConfig
-from vlm_corl.coverage import architectures
-from vlm_corl.coverage import tested_architectures as architectures_tested_here  # not test_*: pytest would collect it
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.data.records import Example
 from vlm_corl.members.batching import ready_decode_mask
@@ -30,8 +27,13 @@ from vlm_corl.members.families.generic import TESTED_GENERIC, auto_class_for, en
 from vlm_corl.members.member import MemberLoadError, load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
+from vlm_corl.models import coverage
+from vlm_corl.models.arch import ArchUnavailable, build_arch
+from vlm_corl.models.coverage import architectures
+from vlm_corl.models.coverage import (
+    tested_architectures as architectures_tested_here,  # not test_*: pytest would collect it
+)
 from vlm_corl.registry import FAMILIES
-from vlm_corl.zoo_arch import ArchUnavailable, build_arch
 
 # The architectures with no registered family that docs/models.md marks tested: vision, then text.
 GENERIC_VISION = tuple(a for a in TESTED_GENERIC if auto_class_for(a)[0] == "vision")
@@ -250,7 +252,7 @@ def test_corl_plan_reads_a_gpt2_style_config(tmp_path, capsys):
     the planner reads them through the config's standard names, its own where there is none."""
     import yaml
 
-    from vlm_corl.plan import main as plan_main
+    from vlm_corl.commands.plan import main as plan_main
     from vlm_corl.planning.shapes import model_shape
 
     build_arch("gpt2", tmp_path / "gpt2")

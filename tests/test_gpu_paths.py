@@ -202,17 +202,17 @@ def test_the_commands_load_models_on_the_local_gpu(tiny_zoo, tmp_path, monkeypat
     from vlm_corl.members import member as members  # the commands import load_member after parsing
 
     if command == "eval":
-        from vlm_corl import eval as cmd
+        from vlm_corl.commands import eval as cmd
 
         monkeypatch.setattr(members, "load_member", record)
         argv = ["--models", model, "--benchmarks", "easyvqa", "--limit", "3", "--out", str(tmp_path)]
     elif command == "warmstart":
-        from vlm_corl import warmstart as cmd
+        from vlm_corl.commands import warmstart as cmd
 
         monkeypatch.setattr(members, "load_member", record)
         argv = ["--model", model, "--out", str(tmp_path / "w"), "--limit", "3", "--steps", "1"]
     else:
-        from vlm_corl import probe as cmd
+        from vlm_corl.commands import probe as cmd
         from vlm_corl.evaluation import scoring
 
         monkeypatch.setattr(scoring, "load_member", record)

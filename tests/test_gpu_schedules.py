@@ -17,7 +17,7 @@ from fake_vllm import FakeLLM
 
 from vlm_corl.config import config_from_dict
 from vlm_corl.members.engines.hf import HFEngine
-from vlm_corl.training import loop
+from vlm_corl.training import update_phase
 from vlm_corl.training.loop import run_cohort
 from vlm_corl.training.reward_funcs import RewardFunction
 
@@ -138,13 +138,13 @@ def recording_vllm(fake_vllm, monkeypatch):
     monkeypatch.setattr(VLLMEngine, "_check_prompt_ids", lambda self, prompts, outputs: None)
     monkeypatch.setattr(sys.modules["vllm"], "LLM", RecordingLLM)
     RecordingLLM.timeline = []
-    real = loop.policy_update
+    real = update_phase.policy_update
 
     def update(member, *args, **kwargs):
         RecordingLLM.timeline.append((member.id, "update"))
         return real(member, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "policy_update", update)
+    monkeypatch.setattr(update_phase, "policy_update", update)
     return RecordingLLM.timeline
 
 

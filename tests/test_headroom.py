@@ -1,12 +1,12 @@
-"""Label headroom (vlm_corl.headroom): by-hand cases of every topology, the algebra (self_vote 0, ring sums to 0),
-the vote threshold reaching the labels, the confidence prediction, and the ranking of candidate cohorts."""
+"""Label headroom (vlm_corl.training.headroom): by-hand cases of every topology, the algebra (self_vote 0, ring
+sums to 0), the vote threshold reaching the labels, the confidence prediction, and the ranking of candidate cohorts."""
 
 import random
 
 import pytest
 
 from vlm_corl.config.schema import RewardConfig
-from vlm_corl.headroom import (
+from vlm_corl.training.headroom import (
     cohort_headroom,
     cohort_labels,
     cohort_report,

@@ -38,7 +38,7 @@ def test_core_never_imports_text_corl():
 
 # the core: the loop, members, distribution, data, evaluation, configs; the tools (commands) build on it
 CORE = ("training", "members", "distributed", "data", "evaluation", "config", "registry.py", "errors.py", "cli.py")
-TOOLS = ("zoo", "warmstart", "demo", "probe", "headroom", "report", "report_md", "experiments", "train", "eval")
+TOOLS = ("commands", "models", "reporting", "experiments", "train", "api")
 
 
 def test_core_never_imports_the_tools():
@@ -152,3 +152,115 @@ def test_the_cycle_check_sees_a_function_level_cycle():
     graph = _import_graph()
     graph["vlm_corl.members.rollout"] = graph["vlm_corl.members.rollout"] | {"vlm_corl.members.engines"}
     assert any({"vlm_corl.members.engines", "vlm_corl.members.rollout"} <= set(c) for c in _cycles(graph))
+
+
+# The package root holds the core's front door and ground only; every other module lives in the room whose job
+# it is (docs/layout.md): commands/, reporting/, models/, training/, ... A new file here fails this test.
+ROOT_MODULES = {"__init__.py", "api.py", "cli.py", "errors.py", "registry.py", "versions.py", "train.py"}
+
+
+def test_the_package_root_holds_only_its_own_modules():
+    found = {p.name for p in (ROOT / "vlm_corl").glob("*.py")}
+    assert found == ROOT_MODULES, (
+        f"modules at the package root that docs/layout.md does not place: {sorted(found - ROOT_MODULES)}"
+        f" (missing: {sorted(ROOT_MODULES - found)}); put a new module in the room whose job it is"
+    )
+
+
+# The rooms' layers, top to bottom (docs/layout.md); a room imports only rooms of its own layer or below
+LAYERS = (
+    ("train", "commands", "experiments"),
+    ("__init__", "api"),
+    ("reporting",),
+    ("training",),
+    ("planning",),
+    ("evaluation", "models"),
+    ("members",),
+    ("distributed",),
+    ("data",),
+    ("config",),
+    ("registry", "cli", "versions", "errors"),
+)
+# The imports that run back up a layer today, each for a reason; a new one fails the test below
+UPWARD = {
+    ("config", "distributed"),  # loading: the launch's world size, to check a layout while the config is read
+    ("config", "members"),  # loading: a DeepSpeed file and an adapter's files checked while the config is read
+    ("config", "training"),  # loading: reward mode and tracker names checked against their registries
+    ("members", "training"),  # update: the policy loss, one pure function of training/grpo.py
+}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    layer = {room: depth for depth, rooms in enumerate(LAYERS) for room in rooms}
+    found: dict[tuple[str, str], list[str]] = {}
+    for source, targets in graph.items():
+        for target in targets:
+            a, b = _room(source), _room(target)
+            if layer[b] < layer[a]:  # a lower depth is a higher layer
+                found.setdefault((a, b), []).append(f"{source} -> {target}")
+    return found
+
+
+def test_imports_run_down_the_layers_but_for_the_known_few():
+    graph = _import_graph()
+    rooms = {_room(m) for m in graph}
+    assert rooms == {r for rs in LAYERS for r in rs}, "a room without a layer: add it to LAYERS and docs/layout.md"
+    upward = _upward(graph)
+    assert set(upward) <= UPWARD, {k: v for k, v in upward.items() if k not in UPWARD}
+    assert len(UPWARD) <= 4
+
+
+def test_the_layer_check_sees_a_new_upward_import():
+    graph = _import_graph()
+    graph["vlm_corl.members.render"] = graph["vlm_corl.members.render"] | {"vlm_corl.reporting.html"}
+    assert ("members", "reporting") in _upward(graph)
+
+
+# A function of the core reads in one screen: at most 60 lines (its def to its last line) and 6 parameters (self
+# and cls not counted). The commands' `main`s (argument parsing) and the experiment scripts are not the core.
+MAX_LINES, MAX_PARAMS = 60, 6
+OVER_THE_LIMITS = {  # function: why it may
+    "vlm_corl/api.py:CohortTrainer.__init__": "the public API's keyword arguments, one each, as TRL's trainers take",
+}
+
+
+def _over_the_limits(path: Path) -> list[str]:
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+                count = len([p for p in params if p.arg not in ("self", "cls")])
+                lines = child.end_lineno - min([child.lineno] + [d.lineno for d in child.decorator_list]) + 1
+                if lines > MAX_LINES or count > MAX_PARAMS:
+                    found.append(f"{path.relative_to(ROOT)}:{prefix}{child.name} ({lines} lines, {count} params)")
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_functions_of_the_core_fit_a_screen():
+    core = [
+        p for p in _modules("vlm_corl") if p.relative_to(ROOT / "vlm_corl").parts[0] not in ("commands", "experiments")
+    ]
+    found = [f for p in core for f in _over_the_limits(p)]
+    assert {f.split(" (")[0] for f in found} <= set(OVER_THE_LIMITS), [
+        f for f in found if f.split(" (")[0] not in OVER_THE_LIMITS
+    ]
+
+
+def test_the_limits_check_sees_a_long_function(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    long = tmp_path / "long.py"
+    long.write_text("def f(a, b, c, d, e, f, g):\n" + "    x = 1\n" * 60)
+    assert _over_the_limits(long) == ["long.py:f (61 lines, 7 params)"]

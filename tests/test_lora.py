@@ -267,7 +267,7 @@ def test_a_failed_overwrite_leaves_the_old_export_as_it_was(lora_run, tmp_path, 
 
 
 def test_a_lora_checkpoint_evaluates_like_a_model(lora_run, tmp_path):
-    from vlm_corl import eval as evaluate
+    from vlm_corl.commands import eval as evaluate
 
     out = tmp_path / "eval"
     argv = ["--models", str(lora_run), "--benchmarks", "easyvqa", "--limit", "3", "--out", str(out)]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vlm_corl import cli
-from vlm_corl import eval as ev
+from vlm_corl.commands import eval as ev
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.images import load_image
 from vlm_corl.data.loaders import DataError, load_examples

@@ -36,20 +36,11 @@ from vlm_corl.members.member import Member, load_member
 from vlm_corl.members.update import Sequence, _micro_batch_loss, _micro_batches, response_token_stats
 from vlm_corl.planning import check
 from vlm_corl.registry import REWARDS
-from vlm_corl.training import loop
+from vlm_corl.training import update_phase as update_room
+from vlm_corl.training.checkpoint_phase import _check_replicas
 from vlm_corl.training.collapse import CollapseTracker
 from vlm_corl.training.guard import improved
-from vlm_corl.training.loop import (
-    StepOutcome,
-    _check_replicas,
-    _gather_step_facts,
-    guard_phase,
-    intrinsic_scores,
-    metrics_rows,
-    rollout_phase,
-    sampling_params,
-    update_phase,
-)
+from vlm_corl.training.loop import guard_phase
 from vlm_corl.training.numerics import (
     NonFiniteStopped,
     NonFiniteTracker,
@@ -57,9 +48,12 @@ from vlm_corl.training.numerics import (
     check_rollout_mismatch,
 )
 from vlm_corl.training.rewards import CohortBatch, RewardOutput
+from vlm_corl.training.rollout_phase import intrinsic_scores, rollout_phase, sampling_params
 from vlm_corl.training.samples import SampleSettings, sample_rows
 from vlm_corl.training.setup import load_training_examples
 from vlm_corl.training.slots import SlotSpec, build_slots, slot_specs
+from vlm_corl.training.step_metrics import StepOutcome, _gather_step_facts, metrics_rows
+from vlm_corl.training.update_phase import follow_students, update_phase
 
 CPU = torch.device("cpu")
 
@@ -151,7 +145,7 @@ def test_every_rank_runs_the_busiest_ranks_number_of_micro_batches(threaded_all_
 def test_a_partitioned_members_ranks_run_as_many_scoring_passes(threaded_all_reduce, monkeypatch):
     """The intrinsic rewards' scoring pass of a partitioned ZeRO-3 member: rank 0 scores 3 responses, rank 1
     scores 5, in micro-batches of 2 (2 and 3 forwards): both must run 3 forwards (ZeRO-3 gathers weights in every
-    one), rank 0 repeating a discarded one, and each keeps its own responses' statistics. Pins `loop.intrinsic_scores`
+    one), rank 0 repeating a discarded one, and each keeps its own responses' statistics. Pins `intrinsic_scores`
     (the bug: passes=None) and `update.response_token_stats` (the bug: `passes` ignored)."""
     forwards: dict[str, int] = {}
 
@@ -221,7 +215,7 @@ def test_a_collapse_stop_is_taken_by_every_rank(tmp_path):
 
 def test_replicas_that_differ_on_one_rank_stop_every_rank(tmp_path):
     """Two ranks of member a hold weights 1.0 and 1.5: both must refuse to checkpoint; equal weights pass on both
-    with every rank's checksum. Pins `loop._check_replicas` (the bug: each rank checking only its own checksum)."""
+    with every rank's checksum. Pins `_check_replicas` (the bug: each rank checking only its own checksum)."""
 
     def check(values):
         def on_rank(world):
@@ -238,7 +232,7 @@ def test_replicas_that_differ_on_one_rank_stop_every_rank(tmp_path):
 def test_every_rank_stops_on_any_members_numerical_fault():
     """Member a lives on rank 0, b on rank 1; only b's update skipped a non-finite step, only a's rollout engine is
     off its policy: after the log phase's gather every rank holds both members' facts, so both guards stop every
-    rank. Pins `loop._gather_step_facts` (the bug: a rank's guards reading only its own members' stats)."""
+    rank. Pins `step_metrics._gather_step_facts` (the bug: a rank's guards reading only its own members' stats)."""
     local = {
         0: {"a": {"is_abs_dlogp": 0.5, "nonfinite_skipped": 0}},
         1: {"b": {"is_abs_dlogp": 0.0, "nonfinite_skipped": 1}},
@@ -290,7 +284,7 @@ def test_every_rank_stops_when_one_ranks_disk_is_too_small(tmp_path, monkeypatch
 def _update_run(
     teacher: torch.nn.Module, student: list, trainable=None, max_steps: int = 11, filter_zero_variance=False
 ):
-    """What `loop.update_phase` reads of a run: an EMA teacher slot following `student` ((name, tensor) weights),
+    """What `update_phase` reads of a run: an EMA teacher slot following `student` ((name, tensor) weights),
     and optionally a trainable member "a" with one slot (index 0) whose update is recorded."""
     cfg = SimpleNamespace(
         train=SimpleNamespace(max_steps=max_steps),
@@ -315,11 +309,11 @@ def _update_run(
 @pytest.mark.parametrize("step, decay", [(0, 0.5), (5, 0.7), (10, 0.9)])
 def test_the_ema_teacher_moves_by_the_decay_of_its_step(step, decay):
     """reward.teacher_decay_start 0.5 at step 0, _end 0.9 at the last (10 of 11), 0.7 halfway (cosine): a teacher
-    at 0 following a student at 1 moves to 1 - decay. Pins the call in `loop.update_phase` (the bug: start and
+    at 0 following a student at 1 moves to 1 - decay. Pins the call in `follow_students` (the bug: start and
     end swapped there, which the schedule's own test cannot see)."""
     teacher = torch.nn.Linear(1, 1, bias=False)
     teacher.weight.data.fill_(0.0)
-    update_phase(_update_run(teacher, [("weight", torch.ones(1, 1))]), [], [], torch.zeros(0), [], step)
+    follow_students(_update_run(teacher, [("weight", torch.ones(1, 1))]), step)
     assert teacher.weight.item() == pytest.approx(1 - decay)
 
 
@@ -414,7 +408,7 @@ def test_the_micro_batch_loss_is_normalised_by_the_whole_batchs_tokens_and_respo
 def test_each_sequence_trains_on_its_advantage_and_its_groups_rewards_decide_the_filter():
     """Two examples, K = 2: rewards [1, 0] (advantages +-0.7) and [1, 1] (advantages 0, filtered out as a
     zero-variance group). The sequences carry the advantages, not the rewards, and the loss normaliser counts
-    the trained group's 3 + 4 tokens. Pins the call of `loop._sequences` in `loop.update_phase` (the bug:
+    the trained group's 3 + 4 tokens. Pins the call of `_sequences` in `update_phase` (the bug:
     advantages and rewards swapped, both (B, K) tensors)."""
     recorded = {}
 
@@ -439,8 +433,8 @@ def test_each_sequence_trains_on_its_advantage_and_its_groups_rewards_decide_the
     teacher = torch.nn.Linear(1, 1, bias=False)
     run = _update_run(teacher, [("weight", teacher.weight.detach())], trainable=member, filter_zero_variance=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loop, "policy_update", policy_update)
-        update_phase(run, groups, advantages, rewards, lengths, step=0)
+        mp.setattr(update_room, "policy_update", policy_update)
+        update_phase(run, groups, advantages, rewards, lengths)
     seqs = recorded["seqs"]
     assert [(s.advantage, s.trained, len(s.token_ids)) for s in seqs] == [
         (pytest.approx(0.7), True, 3),
@@ -454,7 +448,7 @@ def test_each_sequence_trains_on_its_advantage_and_its_groups_rewards_decide_the
 def test_the_ranks_of_a_member_sample_with_one_seed_from_their_shards_positions():
     """A batch of 4 over 2 ranks (positions 0-1 and 2-3) at step 5: both ranks sample with the (run, slot,
     step) seed, each from its first batch position, so splitting the batch draws the same responses. Pins the call
-    of `sampling_params` in `loop.rollout_phase` (the bug: step and first position swapped, both ints)."""
+    of `sampling_params` in `rollout_phase.rollout_phase` (the bug: step and first position swapped, both ints)."""
     cfg = SimpleNamespace(seed=3, rollout=RolloutConfig())
     seen = []
 
@@ -488,7 +482,7 @@ def test_each_slots_renderer_gets_the_prompt_limit_and_the_image_cap(tiny_zoo, t
 def test_the_metrics_rows_read_categories_and_gold_in_their_places():
     """One slot, two questions of categories color and shape, gold red and circle; its label is red on both, its
     answers red twice and square twice. The row's pseudo-label accuracy is 1/2 (red = red; red != circle),
-    its category stats are keyed by category, not by gold answer. Pins `loop.metrics_rows` (the bug: categories
+    its category stats are keyed by category, not by gold answer. Pins `step_metrics.metrics_rows` (the bug: categories
     and gold, both lists of strings, swapped into `category_metrics.category_step_stats`)."""
     batch = CohortBatch(
         ("a",), [[["red", "red"], ["square", "square"]]], [[["t"] * 2] * 2], [[[True] * 2] * 2], [None] * 2, [None] * 2

@@ -25,7 +25,7 @@ from vlm_corl.data.paraphrases import (
 from vlm_corl.data.records import Example
 from vlm_corl.members.member import load_member
 from vlm_corl.members.rollout import Response, RolloutGroup, SamplingParams
-from vlm_corl.zoo import build_zoo
+from vlm_corl.models.zoo import build_zoo
 
 SOURCE = "If $f(x) = \\frac{3x-2}{x-2}$, what is the value of $f(-2) +f(-1)+f(0)$? Express it as a common fraction."
 GOOD = "Let $f(x) = \\frac{3x-2}{x-2}$. Find $f(-2) +f(-1)+f(0)$, written as a common fraction."

@@ -13,11 +13,11 @@ import pytest
 import yaml
 from cohort_helpers import ROOT, cohort, python_m
 
+from vlm_corl.commands.plan import main as plan_main
+from vlm_corl.commands.plan import released_config
 from vlm_corl.config import ConfigError, config_from_dict, load_config, read_raw_config
 from vlm_corl.errors import UserError
 from vlm_corl.members.memory import GB, memory_size
-from vlm_corl.plan import main as plan_main
-from vlm_corl.plan import released_config
 from vlm_corl.planning import estimates as est
 from vlm_corl.planning.check import against_plan, check_launch
 from vlm_corl.planning.cohort import Hardware, plan_cohort, with_changes

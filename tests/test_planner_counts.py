@@ -17,9 +17,9 @@ import yaml
 from cohort_helpers import ROOT, cohort
 
 from vlm_corl import cli
+from vlm_corl.commands.plan import main as plan_main
 from vlm_corl.config import config_from_dict
 from vlm_corl.members.memory import GB
-from vlm_corl.plan import main as plan_main
 from vlm_corl.planning import estimates as est
 from vlm_corl.planning.check import existing_parent, held_bytes
 from vlm_corl.planning.cohort import Hardware, plan_cohort
@@ -357,7 +357,7 @@ def _tiny_run(tmp_path: Path, tiny_zoo, mode: str) -> Path:
 def test_train_stops_before_step_1_when_the_output_disk_cannot_hold_a_checkpoint(
     tiny_zoo, tmp_path, monkeypatch, capsys
 ):
-    from vlm_corl.train import main as train_main
+    from vlm_corl.commands.train import main as train_main
 
     path = _tiny_run(tmp_path, tiny_zoo, "auto")  # the default, on a CPU too
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - 1000, 1000))  # 1 kB free
@@ -456,8 +456,8 @@ def test_easy_vqa_renders_within_the_bounds_and_as_at_the_default_cap(model):
     from vlm_corl.members.families import detect_family
     from vlm_corl.members.member import LoadedModel, Member
     from vlm_corl.members.render import Renderer
+    from vlm_corl.models.zoo import real_processor
     from vlm_corl.planning.shapes import tower_positions
-    from vlm_corl.zoo import real_processor
 
     family, config = detect_family(model), AutoConfig.from_pretrained(model)
     tokenizer = family.build_tokenizer()

@@ -1,6 +1,6 @@
 """The update every training step runs (`update.policy_update`), on a real tiny Qwen2-VL member and sequences
-from a real HF rollout of rendered easy-vqa prompts (built as the loop builds them: `loop._sequences`,
-`loop.batch_totals`).
+from a real HF rollout of rendered easy-vqa prompts (built as the loop builds them: `update_phase._sequences`,
+`update_phase.batch_totals`).
 
 Each update starts from the same weights and a fresh optimizer; `member.step` is wrapped on the instance to
 snapshot the accumulated gradient (before clipping and the optimizer step) and the weights after the step,
@@ -24,7 +24,7 @@ from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import policy_update, response_logprobs
 from vlm_corl.training.grpo import group_advantages
-from vlm_corl.training.loop import _sequences, batch_totals
+from vlm_corl.training.update_phase import _sequences, batch_totals
 
 CONST_NORM = 8  # Dr.GRPO's constant normaliser (rollout.max_new_tokens)
 # Hand-chosen rewards of each slot's 3 groups x 3 responses; the middle group of slot 1 and the last of slot 2

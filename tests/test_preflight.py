@@ -18,8 +18,8 @@ import yaml
 from cohort_helpers import cohort
 
 from vlm_corl import versions
+from vlm_corl.commands.preflight import main
 from vlm_corl.members.engines.hf import HFEngine
-from vlm_corl.preflight import main
 from vlm_corl.training import slots
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +182,7 @@ def test_the_version_table_is_pyprojects_and_the_makefiles():
 
 def test_corl_lists_preflight():
     out = subprocess.run([sys.executable, "-m", "vlm_corl.commands", "--help"], capture_output=True, text=True)
-    assert "preflight" in out.stdout and "vlm_corl.preflight" in out.stdout
+    assert "preflight" in out.stdout and "vlm_corl.commands.preflight" in out.stdout
 
 
 # --- several processes (gloo): slow, `make test-scale` ---

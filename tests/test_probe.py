@@ -8,6 +8,7 @@ import math
 import pytest
 
 from vlm_corl import cli
+from vlm_corl.commands.probe import main, model_names, probe_parser
 from vlm_corl.evaluation.pairs import (
     COLLAPSE_WARNING,
     accuracy_sum,
@@ -19,7 +20,6 @@ from vlm_corl.evaluation.pairs import (
     probe,
     same_wrong_rate,
 )
-from vlm_corl.probe import main, model_names, probe_parser
 
 # Ten questions. A right on 1-6, B right on 1-4 and 7.
 #   both right 1-4 (4), A only 5-6 (2), B only 7 (1), both wrong 8-10 (3)

@@ -19,7 +19,7 @@ from vlm_corl.members.engines import make_engine
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
-from vlm_corl.zoo import build_real
+from vlm_corl.models.zoo import build_real
 
 ROOT = Path(__file__).resolve().parents[1]
 SHRINK = {

@@ -25,7 +25,7 @@ from cohort_helpers import ROOT, cohort
 from vlm_corl.api import CohortTrainer, RewardFunctionFailed
 from vlm_corl.config import config_from_dict
 from vlm_corl.distributed.world import CollectiveError
-from vlm_corl.training import loop, release
+from vlm_corl.training import loop, release, render_ahead
 from vlm_corl.training import setup as run_setup
 from vlm_corl.training import slots as slots_module
 from vlm_corl.training.callbacks import CallbackFailed
@@ -146,14 +146,14 @@ def test_a_run_a_callback_stops_leaves_nothing_alive_even_while_its_exception_is
 def test_a_render_in_flight_when_the_run_stops_ends_before_the_release(tiny_zoo, tmp_path, held, monkeypatch):
     """The next batch renders in the background while a step runs: a run stopped mid-step waits for it (the
     render holds the run) instead of leaving the thread to finish after the release."""
-    real = loop.render_phase
+    real = render_ahead.render_phase
 
     def slow_in_background(run, batch):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(0.5)
         return real(run, batch)
 
-    monkeypatch.setattr(loop, "render_phase", slow_in_background)
+    monkeypatch.setattr(render_ahead, "render_phase", slow_in_background)
     with pytest.raises(CallbackFailed):
         loop.run_cohort(config_from_dict(_config(tmp_path, tiny_zoo, "plain")), callbacks=[RaisesAtStep1(held)])
     _assert_given_back(held)

@@ -6,11 +6,13 @@ import json
 
 from cohort_helpers import write_jsonl
 
-from vlm_corl.report import main
-from vlm_corl.report_md import render_report
-from vlm_corl.run_plots import (
+from vlm_corl.commands.report import main
+from vlm_corl.reporting.markdown import render_report
+from vlm_corl.reporting.run_plots import (
     LEGEND_INSIDE,
+    Look,
     by_member,
+    draw_metric,
     first_last,
     moving_average,
     per_step,
@@ -116,7 +118,7 @@ def test_plot_api_one_line_per_method(tmp_path):
 
 
 def test_an_ema_teacher_draws_no_reward_line_but_keeps_its_colour_place(tmp_path):
-    from vlm_corl.run_plots import load_run
+    from vlm_corl.reporting.run_plots import load_run
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -136,7 +138,7 @@ def test_many_lines_share_one_legend_below_the_plots_few_keep_their_own():
     for n, shared in ((LEGEND_INSIDE + 16, True), (2, False)):
         lines = {f"m{i}: c": rows for i in range(n)}
         fig = side_by_side(
-            lines, ["agreement", "answer_acc"], lambda k, ax, lines=lines: plot_metric(lines, k, smooth=1, ax=ax)
+            lines, ["agreement", "answer_acc"], lambda k, ax, lines=lines: draw_metric(ax, lines, k, Look(smooth=1))
         )
         assert [ax.get_legend() is None for ax in fig.axes] == [shared, shared]
         assert len(fig.legends) == shared and (not shared or len(fig.legends[0].get_texts()) == n)

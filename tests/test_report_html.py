@@ -13,7 +13,7 @@ from browser import Browser, chromium_path
 from cohort_helpers import write_jsonl
 from test_report import synthetic_rows
 
-from vlm_corl.report import main
+from vlm_corl.commands.report import main
 
 if chromium_path() is None:
     if os.environ.get("VLM_CORL_REQUIRE_BROWSER"):

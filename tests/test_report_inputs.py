@@ -11,11 +11,11 @@ from cohort_helpers import write_jsonl
 from markdown_it import MarkdownIt
 from PIL import Image
 
-import vlm_corl.report_html as report_html
-from vlm_corl.report import main
-from vlm_corl.report_html import render_html
-from vlm_corl.report_md import render_report, render_samples
-from vlm_corl.run_plots import load_run
+import vlm_corl.reporting.html as report_html
+from vlm_corl.commands.report import main
+from vlm_corl.reporting.html import render_html
+from vlm_corl.reporting.markdown import render_report, render_samples
+from vlm_corl.reporting.run_plots import load_run
 
 HOSTILE = [
     "<answer>x</answer>",

@@ -8,8 +8,8 @@ from cohort_helpers import write_jsonl
 
 from text_corl.data import load_amc23, load_gpqa
 from vlm_corl import cli
+from vlm_corl.commands.eval import main
 from vlm_corl.data.loaders import load_examples
-from vlm_corl.eval import main
 
 
 def test_gsm8k_takes_the_number_after_the_hashes(tmp_path):

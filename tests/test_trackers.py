@@ -99,7 +99,7 @@ def test_wandb_offline_and_tensorboard_hold_both_members_series_and_samples_are_
     # ring: q's label is m's vote and the other way round, named when there is one
     q = rows[0]["members"]["q"]
     assert q["label_from"] == (["m"] if q["label"] is not None else [])
-    from vlm_corl.report_md import render_report
+    from vlm_corl.reporting.markdown import render_report
 
     render_report(run)
     page = (run / "samples.md").read_text()

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from cohort_helpers import cohort, write_jsonl
 
-from vlm_corl.train import main
+from vlm_corl.commands.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ KV_BYTES = 32 << 20  # on a CPU the utilisation share is of RAM: size the KV cac
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory) -> dict:
-    from vlm_corl.zoo import build_zoo
+    from vlm_corl.models.zoo import build_zoo
 
     return build_zoo(tmp_path_factory.mktemp("zoo"), families=["qwen2", "qwen3"], size="small")
 

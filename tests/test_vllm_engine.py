@@ -39,8 +39,8 @@ from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import response_logprobs
-from vlm_corl.zoo import build_zoo, member_dir
-from vlm_corl.zoo_arch import build_arch
+from vlm_corl.models.arch import build_arch
+from vlm_corl.models.zoo import build_zoo, member_dir
 
 pytestmark = [
     pytest.mark.slow,

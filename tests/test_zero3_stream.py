@@ -70,7 +70,7 @@ def test_a_partitioned_member_streams_what_a_full_copy_holds(tiny_zoo, tmp_path)
     reason="needs vllm and deepspeed: the vLLM lane (`make test-vllm`)",
 )
 def test_the_vllm_engine_of_a_partitioned_member_decodes_its_saved_weights(tmp_path):
-    from vlm_corl.zoo import build_zoo
+    from vlm_corl.models.zoo import build_zoo
 
     model = build_zoo(tmp_path / "zoo", families=["qwen2"], size="small")["qwen2"]
     for rank, result in enumerate(_run_worker(model, tmp_path / "out", "--vllm")):

@@ -18,11 +18,12 @@ from transformers import (
 )
 
 from vlm_corl import cli
+from vlm_corl.commands.zoo import main
 from vlm_corl.members.families import TEXT_DIMS, detect_family, family_for_model_type
 from vlm_corl.members.families.qwen import mrope_section
 from vlm_corl.members.families.tokenizer import BASE_VOCAB_SIZE, FORMAT_TOKENS, _trained_bpe
+from vlm_corl.models.zoo import build_member, member_dir
 from vlm_corl.registry import FAMILIES
-from vlm_corl.zoo import build_member, main, member_dir
 
 VISION_FAMILIES = shipped_families("vision")
 TEXT_FAMILIES = shipped_families("text")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_corl.commands.train import exit_process
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import AlgoConfig, RolloutConfig, TrainConfig, VllmConfig
 from vlm_corl.data.loaders import load_examples
@@ -29,7 +30,6 @@ from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
-from vlm_corl.train import exit_process
 from vlm_corl.training.slots import ema_update
 
 ROOT = Path(__file__).resolve().parents[1]

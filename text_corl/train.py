@@ -4,7 +4,7 @@ The same cohort loop as `vlm_corl.train`; text families, loaders and prompt styl
 (found by the core through entry points). Text cohorts usually set `rollout.n: 8` (the paper's text K).
 """
 
-from vlm_corl.train import exit_process, main
+from vlm_corl.commands.train import exit_process, main
 
 if __name__ == "__main__":
     exit_process(main(prog="python -m text_corl.train"))

@@ -1,7 +1,11 @@
 """Co-RL: label-free reinforcement learning of model cohorts (the shared cohort core + vision-language parts)."""
 
+import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.util as _importlib_util
 import os as _os
 import shutil as _shutil
+import sys as _sys
 
 __version__ = "0.1.0"
 
@@ -10,6 +14,48 @@ __version__ = "0.1.0"
 # NVIDIA driver the answer is known: the CPU. A user's DS_ACCELERATOR always wins.
 if _shutil.which("nvidia-smi") is None:
     _os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+# The commands' module names before they moved into commands/ and models/: `python -m vlm_corl.plan ...` in a
+# user's scripts and notes still runs the command (and `import vlm_corl.plan` gives the same module object).
+# vlm_corl.train is a file of its own (train.py): launch scripts name it most.
+MOVED = {
+    "vlm_corl.preflight": "vlm_corl.commands.preflight",
+    "vlm_corl.plan": "vlm_corl.commands.plan",
+    "vlm_corl.eval": "vlm_corl.commands.eval",
+    "vlm_corl.export": "vlm_corl.commands.export",
+    "vlm_corl.report": "vlm_corl.commands.report",
+    "vlm_corl.probe": "vlm_corl.commands.probe",
+    "vlm_corl.demo": "vlm_corl.commands.demo",
+    "vlm_corl.zoo": "vlm_corl.commands.zoo",
+    "vlm_corl.warmstart": "vlm_corl.commands.warmstart",
+    "vlm_corl.coverage": "vlm_corl.models.coverage",
+}
+
+
+class _MovedModules(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
+    """Finds an old name of MOVED: imported, it is the new module itself; run with -m, the new module's code
+    (runpy asks the loader for it)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in MOVED:
+            return None
+        spec = _importlib_util.spec_from_loader(name, self, origin=_importlib_util.find_spec(MOVED[name]).origin)
+        spec.has_location = True  # runpy gives the code this __file__ (the demo finds its shipped bases by it)
+        return spec
+
+    def create_module(self, spec):
+        return _importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module):
+        """Nothing to run: create_module returned the new module, already imported."""
+
+    def get_code(self, name):
+        return _importlib_util.find_spec(MOVED[name]).loader.get_code(MOVED[name])
+
+
+if not any(isinstance(finder, _MovedModules) for finder in _sys.meta_path):
+    _sys.meta_path.append(_MovedModules())
 
 
 __all__ = ["CohortTrainer", "CallbackFailed", "RewardFunctionFailed", "StopTraining", "__version__"]

@@ -6,7 +6,7 @@
 1. Base models (vlm_corl.experiments.easyvqa_design): one tiny member per zoo VLM family and four more
    qwen2_vl ones, each warm-started on its own labelled slice; each scored greedily on test and on validation
    (train from #35000), and sampled K times at the training temperature on validation: the probe's records.
-2. The probe (vlm_corl.headroom) ranks every candidate cohort by its `peers` label headroom and picks the
+2. The probe (vlm_corl.training.headroom) ranks every candidate cohort by its `peers` label headroom and picks the
    best cohort of three or more families; the methods follow from the pick (easyvqa_design.plan_methods).
 3. Every method's runs, per seed, on the unlabelled pool (every question type, balanced, of train
    [20000, 35000)); every trained member scored greedily on easy-vqa test, balanced over question types.
@@ -184,8 +184,8 @@ def make_base(mid: str, recipe, out: Path, budget: Budget, split: str) -> dict:
     (K answers per validation question at the training temperature, in every view it is asked in)."""
     import torch
 
-    from vlm_corl.base_models import build_base
     from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
+    from vlm_corl.models.base_models import build_base
 
     key = job_key(budget, split, "base")
     done = finished(out / "base.json", key)
@@ -217,7 +217,7 @@ def run_method(cfg_dict: dict, budget: Budget, split: str) -> dict:
 
     from vlm_corl.config import config_from_dict
     from vlm_corl.evaluation.scoring import EASYVQA, evaluate_dir
-    from vlm_corl.run_plots import first_last, read_jsonl
+    from vlm_corl.reporting.run_plots import first_last, read_jsonl
     from vlm_corl.training.loop import run_cohort
 
     path = Path(cfg_dict["output_dir"]) / "result.json"
@@ -284,9 +284,9 @@ def majority_class(split: str, eval_limit: int) -> dict[str, dict]:
 
 
 def probe_all(out: Path, bases: list[str]) -> dict:
-    """Every candidate cohort's probe (vlm_corl.headroom.rank_cohorts under `peers`), from the bases' sampled
+    """Every candidate cohort's probe (vlm_corl.training.headroom.rank_cohorts under `peers`), from the bases' sampled
     validation records."""
-    from vlm_corl.headroom import rank_cohorts
+    from vlm_corl.training.headroom import rank_cohorts
 
     records = {}
     for b in bases:

@@ -9,7 +9,7 @@ a checkpoint, and a member that keeps diverging stops the run with one message.
 - Load and rollout: `vlm_corl.members.finite` refuses a model directory whose weights hold a NaN or an
   infinity (naming the member and the tensor), and names the member whose forward pass gave non-finite logits
   while sampling.
-- Checkpoint: the replica checksum pass (`loop._check_replicas`) refuses to save non-finite weights.
+- Checkpoint: the replica checksum pass (`checkpoint_phase._check_replicas`) refuses to save non-finite weights.
 """
 
 from __future__ import annotations

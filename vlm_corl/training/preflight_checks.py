@@ -39,18 +39,14 @@ from vlm_corl.planning.check import check_disk, check_launch, held_bytes, resolv
 from vlm_corl.planning.cohort import CohortPlan, with_changes
 from vlm_corl.planning.disk import checkpoint_disk
 from vlm_corl.training.grpo import group_advantages
-from vlm_corl.training.loop import (
-    PhaseTimer,
-    extract_phase,
-    render_phase,
-    rollout_phase,
-    sync_phase,
-    update_phase,
-)
 from vlm_corl.training.numerics import RolloutMismatchStopped, check_rollout_mismatch
+from vlm_corl.training.phase_timer import PhaseTimer
 from vlm_corl.training.release import giving_back, release_run
+from vlm_corl.training.render_ahead import render_phase
+from vlm_corl.training.rollout_phase import extract_phase, rollout_phase
 from vlm_corl.training.setup import CohortRun, start_run
 from vlm_corl.training.slots import models_to_save
+from vlm_corl.training.update_phase import follow_students, sync_phase, update_phase
 
 log = logging.getLogger("vlm_corl")
 
@@ -333,24 +329,23 @@ def checkpoint_probe(run: CohortRun, member_id: str, work: Path) -> dict:
     return {"member": member_id, "seconds": round(seconds, 3), "bytes": written}
 
 
-def run_preflight(cfg: CohortConfig, max_new_tokens: int | None = None, collective_mb: int | None = None) -> dict:
-    """The preflight of `cfg` on this launch: every rank runs it; returns world rank 0's report (the other
-    ranks': their own), with `verdict` "ready" or "failed" and `failure` (phase, rank, member, error, fix,
-    exit_status) for the first failure. Nothing is left in output_dir but what it held before."""
+def install_report(cfg: CohortConfig) -> dict:
+    """The report's start: the installed versions of what `cfg` uses against those tested, and CUDA's."""
     from vlm_corl.versions import cuda_line, version_checks
 
-    began = time.perf_counter()
     needs = {"deepspeed"} if cfg.train.deepspeed else set()
     needs |= {"vllm"} if any(member_engine(cfg, m) == "vllm" for m in cfg.members) else set()
     needs |= {"peft"} if any(m.lora is not None for m in cfg.members) else set()
     versions = version_checks(needs)
-    report = {
-        "verdict": None,
-        "failure": None,
-        "versions": versions,
-        "cuda": cuda_line(),
-        "warnings": [v["line"] for v in versions if not v["ok"]],
-    }
+    warnings = [v["line"] for v in versions if not v["ok"]]
+    return {"verdict": None, "failure": None, "versions": versions, "cuda": cuda_line(), "warnings": warnings}
+
+
+def run_preflight(cfg: CohortConfig, max_new_tokens: int | None = None, collective_mb: int | None = None) -> dict:
+    """The preflight of `cfg` on this launch: every rank runs it; returns world rank 0's report (the other
+    ranks': their own), with `verdict` "ready" or "failed" and `failure` (phase, rank, member, error, fix,
+    exit_status) for the first failure. Nothing is left in output_dir but what it held before."""
+    began, report = time.perf_counter(), install_report(cfg)
     work = Path(cfg.output_dir) / ".preflight"
     with giving_back():
         world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)
@@ -421,7 +416,8 @@ def _steps(run: CohortRun, pf: Preflight, report: dict) -> None:
         rewards = half_right(exchanged[3])
         advantages = [group_advantages(r, cfg.algo.scale_rewards, cfg.algo.adv_eps) for r in rewards]
         with pf.phase("update" + suffix):  # every engine sleeps first (vLLM sleep mode)
-            updates = update_phase(run, groups, advantages, rewards, exchanged[3], step, truncated=exchanged[6])
+            updates = update_phase(run, groups, advantages, rewards, exchanged[3], exchanged[6])
+            follow_students(run, step)
         updates = _every_members(world, updates)
         for s in run.slots:
             responses = [r for g in groups[run.slots.index(s)] for r in g.responses]

@@ -275,24 +275,37 @@ def score_slot(
     return out
 
 
+@dataclass(frozen=True)
+class Scorers:
+    """Which rank scores which slot: each trained slot (`trained[i]`) by one rank, slot i by rank i mod the
+    world's size, so a function runs once per member and step."""
+
+    trained: Sequence[bool]
+    world: Any  # vlm_corl.distributed.world: its rank, size and all_gather
+
+    def scores(self, slot: int) -> bool:
+        """Whether this rank scores `slot`."""
+        return bool(self.trained[slot]) and slot % self.world.size == self.world.rank
+
+
 def function_rewards(
     funcs: Sequence[RewardFunction],
     batch: CohortBatch,
     examples: Sequence[Example],
     specs: Sequence[SlotSpec],
-    trained: Sequence[bool],
-    world,
+    scorers: Scorers,
     step: int,
 ) -> dict[str, torch.Tensor]:
     """{function name: (N, B, K) values, NaN where it abstained or for a slot that does not train}.
 
-    Each trained slot is scored by one rank (slot i by rank i mod world size), so a function runs once per
-    member and step; the ranks then exchange the values (one all_gather). A failure on any rank raises
-    RewardFunctionFailed on every rank with the same text."""
+    Each trained slot is scored by one rank (`scorers`), so a function runs once per member and step; the ranks
+    then exchange the values (one all_gather). A failure on any rank raises RewardFunctionFailed on every rank
+    with the same text."""
     n, b, k = batch.shape
+    world = scorers.world
     mine, failure = {}, None
     for i in range(n):
-        if trained[i] and i % world.size == world.rank and failure is None:
+        if scorers.scores(i) and failure is None:
             try:
                 mine[i] = score_slot(funcs, i, batch, examples, specs, step)
             except RewardFunctionFailed as err:

@@ -90,6 +90,49 @@ class CohortRun:
 def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) -> CohortRun:
     """Join the launch, place members on ranks, load data (and check `reward_funcs` against its columns) and this
     process's members, build their slots (engines, renderers), and restore the newest checkpoint if resuming."""
+    world, placement, reward_spec, cfg, plan = _join_launch(cfg)
+    run_dir = Path(cfg.output_dir)
+    resume_from, state = _resume_or_claim(cfg, run_dir, world)
+    check_disk(cfg, world, plan)  # output_dir (writable, cleared if overwritten) holds the checkpoints to come
+    examples, data_report = _load_data(cfg, resume_from)
+    check_run_columns(reward_funcs, examples, log_it=world.is_main)  # before any model loads, not at step 1
+    data = data_fingerprint(examples, cfg.data.train)  # the data by content: a resume on other data is refused
+    if state is not None:
+        check_resumed_data(state, run_dir, resume_from, data)  # before anything of the run is rewritten
+    world.barrier()  # every rank has looked at the run directory before anything new is written
+    if world.is_main:
+        _write_run_files(cfg, run_dir, data, plan, f"over {world.size} process(es): {describe(placement)}")
+    torch.manual_seed(cfg.seed)
+    sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
+    specs = slot_specs(cfg.members, reward_spec.layout)
+    lacking = check_views(examples, specs, cfg.data.view_fallback)
+    if lacking and world.is_main:
+        log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
+    _check_shards(cfg, placement)
+    members = load_hosted_members(cfg, world, placement, resume_from)
+    slots = build_slots(cfg, members, specs, max(len(ex.images) for ex in examples), resume_from)
+    gc.unfreeze()  # vLLM's engine froze the heap when built (gc.freeze): the run's objects would never be collected
+    shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
+    sink = _metrics_sink(cfg, run_dir) if world.is_main else None
+    start, history, eval_history = _restore(state, sampler, world, sink)
+    collapse = CollapseTracker(recent=cfg.logging.category_window - 1)
+    collapse.restore(history)  # the rows themselves are not kept: a long run's memory stays flat
+    nonfinite = NonFiniteTracker(cfg.train.max_nonfinite_steps)
+    nonfinite.restore(history)
+    if state is not None:
+        log.info("resumed from %s (step %d)", resume_from, start)
+    # fmt: off
+    return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
+                     reward_spec, start, collapse, data_report, eval_history, read_best(run_dir),
+                     category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
+                     nonfinite=nonfinite, prompt_styles=_prompt_styles(cfg, resume_from), data=data,
+                     checkpoints=background_checkpoints(cfg, world))
+    # fmt: on
+
+
+def _join_launch(cfg: CohortConfig) -> tuple[World, dict, RewardSpec, CohortConfig, object]:
+    """The launch joined and checked before anything is loaded: (world, placement, reward, the config with
+    train.micro_batch_size resolved, the memory plan or None), every rank stopping alike on a bad layout."""
     world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)
     placement = place_members(cfg.members, world.size)
     reward_spec = resolve_reward(cfg.reward)
@@ -97,7 +140,12 @@ def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) ->
     cfg = resolve_micro_batch(cfg, world.device, world.size, world.is_main)  # train.micro_batch_size: auto
     plan = check_launch(cfg, world.device, world.size, world.is_main)  # every rank: all stop alike
     build_groups(world, placement, every=cfg.train.deepspeed is not None)
-    run_dir = Path(cfg.output_dir)
+    return world, placement, reward_spec, cfg, plan
+
+
+def _resume_or_claim(cfg: CohortConfig, run_dir: Path, world: World) -> tuple[Path | None, dict | None]:
+    """(the checkpoint to resume from and its cohort state, checked against the config), or (None, None) with
+    the run directory claimed for a new run (cleared on world rank 0 where train.overwrite says so)."""
     resume_from = _resume_point(cfg, run_dir)
     state = load_cohort_state(resume_from) if resume_from else None
     if state is not None:
@@ -112,58 +160,36 @@ def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) ->
         )
     if resume_from is None:
         _claim_run_dir(cfg, run_dir, clear=world.is_main)
-    check_disk(cfg, world, plan)  # output_dir (writable, cleared if overwritten) holds the checkpoints to come
-    examples, data_report = _load_data(cfg, resume_from)
-    check_run_columns(reward_funcs, examples, log_it=world.is_main)  # before any model loads, not at step 1
-    data = data_fingerprint(examples, cfg.data.train)  # the data by content: a resume on other data is refused
-    if state is not None:
-        check_resumed_data(state, run_dir, resume_from, data)  # before anything of the run is rewritten
-    world.barrier()  # every rank has looked at the run directory before anything new is written
-    if world.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-        record_data(run_dir, data)
-        if plan is not None:
-            write_plan(plan, run_dir)
-        log.info("placement over %d process(es): %s", world.size, describe(placement))
-        for warning in config_warnings(cfg):
-            log.warning(warning)
-    torch.manual_seed(cfg.seed)
-    sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
-    specs = slot_specs(cfg.members, reward_spec.layout)
-    lacking = check_views(examples, specs, cfg.data.view_fallback)
-    if lacking and world.is_main:
-        log.warning("examples without a slot's view, rendered in the original wording: %s", lacking)
-    _check_shards(cfg, placement)
-    members = load_hosted_members(cfg, world, placement, resume_from)
-    max_images = max(len(ex.images) for ex in examples)
-    slots = build_slots(cfg, members, specs, max_images, resume_from)
-    gc.unfreeze()  # vLLM's engine froze the heap when built (gc.freeze): the run's objects would never be collected
-    shards = {m.id: shard(cfg.data.batch_size, placement[m.id], world.rank) for m in members}
-    sink = None
-    if world.is_main:
-        started = start_trackers(
-            cfg.logging.report_to, run_dir, config_to_dict(cfg), cfg.name, cfg.logging.tracker_timeout_s
-        )
-        sink = MetricsSink(run_dir, started)
-    start, history, eval_history = _restore(state, sampler, world, sink)
-    collapse = CollapseTracker(recent=cfg.logging.category_window - 1)
-    collapse.restore(history)  # the rows themselves are not kept: a long run's memory stays flat
-    nonfinite = NonFiniteTracker(cfg.train.max_nonfinite_steps)
-    nonfinite.restore(history)
-    if state is not None:
-        log.info("resumed from %s (step %d)", resume_from, start)
-    styles = {
+    return resume_from, state
+
+
+def _write_run_files(cfg: CohortConfig, run_dir: Path, data: dict, plan, placement: str) -> None:
+    """World rank 0: the run's config.yaml, its data's fingerprint and memory plan, and the placement and
+    config warnings in the log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    record_data(run_dir, data)
+    if plan is not None:
+        write_plan(plan, run_dir)
+    log.info("placement %s", placement)
+    for warning in config_warnings(cfg):
+        log.warning(warning)
+
+
+def _metrics_sink(cfg: CohortConfig, run_dir: Path) -> MetricsSink:
+    """World rank 0's metrics files and the trackers of logging.report_to."""
+    started = start_trackers(
+        cfg.logging.report_to, run_dir, config_to_dict(cfg), cfg.name, cfg.logging.tracker_timeout_s
+    )
+    return MetricsSink(run_dir, started)
+
+
+def _prompt_styles(cfg: CohortConfig, resume_from: Path | None) -> dict[str, str]:
+    """Each member's answer instruction: its configured prompt_style, else its family's."""
+    return {
         m.id: m.prompt_style or member_family(m, resume_from / m.id if resume_from else m.model).prompt_style
         for m in cfg.members
     }
-    # fmt: off
-    return CohortRun(cfg, run_dir, world, placement, examples, sampler, members, specs, slots, shards, sink,
-                     reward_spec, start, collapse, data_report, eval_history, read_best(run_dir),
-                     category_key=category_key(cfg, examples, log_it=world.is_main), plan=plan,
-                     nonfinite=nonfinite, prompt_styles=styles, data=data,
-                     checkpoints=background_checkpoints(cfg, world))
-    # fmt: on
 
 
 def background_checkpoints(cfg: CohortConfig, world: World) -> BackgroundCheckpoints | None:

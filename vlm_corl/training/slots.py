@@ -55,6 +55,11 @@ class Slot:
     follows: Member | None = None  # an EMA teacher's student: its weights move toward them after each update
 
 
+def owner(slot: Slot) -> str:
+    """The member whose ranks host `slot` (a teacher lives with its student)."""
+    return slot.follows.id if slot.follows is not None else slot.member.id
+
+
 def slot_specs(member_cfgs: Sequence[MemberConfig], layout: str) -> list[SlotSpec]:
     """Every slot of the cohort, in exchange order, for a reward layout ("members", "two_views", "ema_teacher")."""
     if layout == "members":

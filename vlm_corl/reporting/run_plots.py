@@ -2,7 +2,8 @@
 
 Plotting API, reusable across runs (an experiment script draws one line per METHOD):
 
-    plot_metric(runs, key, path, title=None, *, smooth=5, ax=None, ylabel=None, band=True) -> Path | None
+    plot_metric(runs, key, path, title=None, *, smooth=5, band=True) -> Path | None
+    draw_metric(ax, runs, key, Look(title, ylabel, smooth, band)) -> bool
     plot_panel(runs, keys, path, title=None, *, smooth=5, titles=None) -> Path | None
 
 `runs` maps a line's label to a list of metrics rows (dicts with "step" and the key), e.g.
@@ -11,8 +12,8 @@ step, the mean of `key` over all that label's rows at that step (all slots and a
 missing values skipped); with `band`, a shaded ±1 std across those rows when there are several. The per-step
 mean is drawn faint and its trailing moving average over `smooth` logged steps (1 = no smoothing) bold in the
 same colour. A label without values is left out; when no label has any, nothing is written and None is
-returned. `plot_metric(..., ax=some_axes)` draws into an existing matplotlib Axes and writes nothing (`path`
-is then ignored), so callers can compose their own figures. `by_member(rows)` splits one run into lines per slot
+returned. `draw_metric(some_axes, ...)` draws the same lines into an existing matplotlib Axes and writes
+nothing, so callers can compose their own figures. `by_member(rows)` splits one run into lines per slot
 and `eval_lines(eval_rows)` gives one line per (member, benchmark) of eval.jsonl rows (key "accuracy" or
 "accuracy_<type>"). Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend state).
 """
@@ -283,26 +284,34 @@ def first_last(rows: Rows, key: str) -> tuple[float | None, float | None]:
 # ---- plotting -----------------------------------------------------------------------------------------
 
 
-def plot_metric(
-    runs: Mapping[str, Rows],
-    key: str,
-    path: Path | None = None,
-    title: str | None = None,
-    *,
-    smooth: int = 5,
-    ax: Axes | None = None,
-    ylabel: str | None = None,
-    band: bool = True,
-) -> Path | bool | None:
-    """One line per label of `runs` for metric `key` over steps (see the module docstring).
+@dataclass(frozen=True)
+class Look:
+    """How `draw_metric` draws one metric: the axes' title, the y label (default: LABELS' for the key), the
+    trailing moving average over `smooth` logged steps (1: none), and a shaded ±1 std band."""
 
-    Without `ax`: draws a new figure, writes it to `path` (PNG) and returns the path, or None (nothing written)
-    when no label has a value for `key`. With `ax`: draws into it and returns True if anything was drawn.
-    """
-    own = ax is None
-    if own:
-        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
-        ax = fig.add_subplot()
+    title: str | None = None
+    ylabel: str | None = None
+    smooth: int = 5
+    band: bool = True
+
+
+def plot_metric(
+    runs: Mapping[str, Rows], key: str, path: Path, title: str | None = None, *, smooth: int = 5, band: bool = True
+) -> Path | None:
+    """One line per label of `runs` for metric `key` over steps (see the module docstring), written to `path`
+    (PNG); returns the path, or None (nothing written) when no label has a value for `key`."""
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    if not draw_metric(fig.add_subplot(), runs, key, Look(title=title, smooth=smooth, band=band)):
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def draw_metric(ax: Axes, runs: Mapping[str, Rows], key: str, look: Look = Look()) -> bool:
+    """`plot_metric`'s lines drawn into an existing matplotlib Axes (callers compose their own figures);
+    False when no label has a value for `key` (nothing drawn)."""
     drawn = False
     for i, (label, rows) in enumerate(runs.items()):
         steps, means, stds = per_step(rows, key)
@@ -311,34 +320,23 @@ def plot_metric(
         drawn = True
         color = f"C{i % 10}"
         marker = "o" if len(steps) <= 20 else None
-        if smooth > 1 and len(steps) > 1:
+        if look.smooth > 1 and len(steps) > 1:
             ax.plot(steps, means, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, moving_average(means, smooth), color=color, linewidth=1.8, label=literal(label))
+            ax.plot(steps, moving_average(means, look.smooth), color=color, linewidth=1.8, label=literal(label))
         else:
             ax.plot(steps, means, color=color, linewidth=1.8, marker=marker, markersize=3, label=literal(label))
-        if band and any(stds):
-            ax.fill_between(
-                steps,
-                [m - s for m, s in zip(means, stds)],
-                [m + s for m, s in zip(means, stds)],
-                color=color,
-                alpha=0.12,
-                linewidth=0,
-            )
+        if look.band and any(stds):
+            lower, upper = [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)]
+            ax.fill_between(steps, lower, upper, color=color, alpha=0.12, linewidth=0)
     if not drawn:
-        return None if own else False
+        return False
     ax.set_xlabel("step")
-    ax.set_ylabel(literal(ylabel or LABELS.get(key, key)))
+    ax.set_ylabel(literal(look.ylabel or LABELS.get(key, key)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    if title:
-        ax.set_title(literal(title))
-    if not own:
-        return True
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    if look.title:
+        ax.set_title(literal(look.title))
+    return True
 
 
 def plot_panel(
@@ -353,7 +351,7 @@ def plot_panel(
     """Several metrics side by side (one subplot per key with values, same lines as `plot_metric`) in one PNG;
     None (nothing written) when no key has values."""
     fig = side_by_side(
-        runs, keys, lambda key, ax: plot_metric(runs, key, smooth=smooth, ax=ax, title=(titles or {}).get(key))
+        runs, keys, lambda key, ax: draw_metric(ax, runs, key, Look(title=(titles or {}).get(key), smooth=smooth))
     )
     if fig is None:
         return None
@@ -370,7 +368,7 @@ def category_figure(lines: Mapping[str, Rows], warnings: Sequence[dict], title: 
     batch/category collapse flags marked; None when no line has any of them (report.md's PNG, report.html's SVG)."""
 
     def draw(key: str, ax: Axes) -> None:
-        plot_metric(lines, key, smooth=1, ax=ax, band=False, ylabel=f"{LABELS.get(key, key)} (window)")
+        draw_metric(ax, lines, key, Look(ylabel=f"{LABELS.get(key, key)} (window)", smooth=1, band=False))
         mark_flags(ax, [w for w in warnings if w.get("rule") != "eval_drop"])
 
     fig = side_by_side(lines, CATEGORY_PLOT_KEYS, draw)

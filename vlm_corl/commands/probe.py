@@ -18,8 +18,8 @@ Recommendation (RULE below): pairs with p_A + p_B > 1 first, then lower κ, then
 first pair is the one to train with `ring`. Every question type on which a pair has p_A + p_B < 1 is
 flagged: expect collapse to a wrong consensus on that type.
 
-Label headroom (`--samples K`, default 4; vlm_corl.headroom): one more pass per model, K answers per question at
-the training temperature, and for every cohort of two or more models and every reward topology (ring, peers,
+Label headroom (`--samples K`, default 4; vlm_corl.training.headroom): one more pass per model, K answers per
+question at the training temperature, and for every cohort of two or more models and every reward topology (ring, peers,
 soft, self_vote, gt), computed by the reward modes' own code: how often each member's label is right where its
 own vote is wrong, minus the reverse. Cohorts are ranked best first by the part of their `peers` headroom the
 members' own samples can reach (a member with one constant answer learns nothing from anyone), with the
@@ -117,10 +117,10 @@ def model_names(specs: Sequence[str]) -> dict[str, str]:
 
 
 def sampled_headroom(models: Mapping[str, str], bench, examples, samples: int, temperature: float) -> dict:
-    """Every cohort of two or more of `models` ranked by label headroom (vlm_corl.headroom.rank_cohorts), from one
-    pass per model of `samples` answers per question at `temperature`."""
+    """Every cohort of two or more of `models` ranked by label headroom (training.headroom.rank_cohorts), from
+    one pass per model of `samples` answers per question at `temperature`."""
     from vlm_corl.evaluation.scoring import evaluate_dir
-    from vlm_corl.headroom import rank_cohorts
+    from vlm_corl.training.headroom import rank_cohorts
 
     sampled = dataclasses.replace(bench, samples=samples, temperature=temperature)
     records = {}
@@ -172,7 +172,7 @@ def probe_parser() -> argparse.ArgumentParser:
         "--samples",
         type=cli.positive_int,
         default=4,
-        help="K answers sampled per question for the label headroom of every cohort (vlm_corl.headroom); 1 = skip it",
+        help="K answers sampled per question for the label headroom of every cohort (training.headroom); 1 = skip",
     )
     parser.add_argument(
         "--temperature",
@@ -190,8 +190,8 @@ def main(argv=None) -> int:
     args = cli.parse(parser, argv)
     # torch and transformers load only now: `--help` and argument mistakes answer at once
     from vlm_corl.evaluation.scoring import benchmark_examples, check_models, evaluate_dir
+    from vlm_corl.models.warmstart import Slice, labelled_slice
     from vlm_corl.registry import BENCHMARKS
-    from vlm_corl.warmstart import labelled_slice
 
     if len(args.models) < 2:
         parser.error("--models needs at least two model directories")
@@ -205,9 +205,8 @@ def main(argv=None) -> int:
     if args.split:
         bench = dataclasses.replace(bench, split=args.split)
     if args.skip:
-        examples = labelled_slice(
-            bench.loader, args.data or bench.path, bench.split, args.skip, args.limit, bench.balance_by
-        )
+        part = Slice(bench.loader, args.limit, args.skip, bench.split, args.data or bench.path, bench.balance_by)
+        examples = labelled_slice(part)
     else:
         examples = benchmark_examples(bench, args.limit, args.data)
     check_models(models, examples)
@@ -238,7 +237,7 @@ def main(argv=None) -> int:
     }
     text = probe_markdown(report, title)
     if "headroom" in report:
-        from vlm_corl.headroom import HEADROOM_NOTE, ranking_markdown
+        from vlm_corl.training.headroom import HEADROOM_NOTE, ranking_markdown
 
         h = report["headroom"]
         text += "\n".join(

@@ -27,17 +27,18 @@ from pathlib import Path
 import matplotlib
 from matplotlib.figure import Figure
 
-from vlm_corl.run_plots import (
+from vlm_corl.reporting.run_plots import (
+    Look,
     RunData,
     by_member,
     category_figure,
     category_lines,
     clean_text,
+    draw_metric,
     eval_category_lines,
     eval_lines,
     mark_flags,
     per_step,
-    plot_metric,
     read_jsonl,
 )
 from vlm_corl.training.collapse import collapse_warnings, describe
@@ -139,7 +140,7 @@ def _curves(runs, names, smooth: int) -> str:
     for j, (key, title) in enumerate(present):
         ax = fig.add_subplot((len(present) + 1) // 2, min(len(present), 2), j + 1)
         drawn = learners if key == "reward_mean" else lines  # an EMA teacher earns no reward: no line at 0
-        plot_metric(drawn, key, smooth=smooth, ax=ax, band=False, title=title)
+        draw_metric(ax, drawn, key, Look(title=title, smooth=smooth, band=False))
     note = f"One line per member{' and run' if len(runs) > 1 else ''}; faint: per step, bold: {smooth}-step average."
     return f'<section id="curves"><h2>Training curves</h2><p>{note}</p>{_svg(fig)}</section>'
 
@@ -153,7 +154,7 @@ def _evaluation(runs, names) -> str:
         return ""
     fig = Figure(figsize=(6.4, 3.8), layout="constrained")
     ax = fig.add_subplot()
-    plot_metric(lines, "accuracy", smooth=1, ax=ax, band=False, title="Evaluation accuracy")
+    draw_metric(ax, lines, "accuracy", Look(title="Evaluation accuracy", smooth=1, band=False))
     return f'<section id="evaluation"><h2>Evaluation</h2>{_svg(fig)}</section>'
 
 
@@ -180,7 +181,8 @@ def _categories(runs, names) -> str:
         if eval_cats:
             fig = Figure(figsize=(6.4, 3.8), layout="constrained")
             ax = fig.add_subplot()
-            plot_metric(eval_cats, "accuracy", smooth=1, ax=ax, band=False, title=f"{names[i]}: eval per category")
+            look = Look(title=f"{names[i]}: eval per category", smooth=1, band=False)
+            draw_metric(ax, eval_cats, "accuracy", look)
             mark_flags(ax, [w for w in warnings if w.get("rule") == "eval_drop"])
             parts.append(_svg(fig))
     said = (
@@ -222,15 +224,8 @@ def _agreement(runs, names) -> str:
                 rows = [{"step": r["step"], "v": r.get(PAIR_PREFIX + b)} for r in run.rows if r["member"] == a]
                 pairs[f"{a} ~ {b}"] = rows
         fig = Figure(figsize=(6.4, 3.4), layout="constrained")
-        plot_metric(
-            pairs,
-            "v",
-            smooth=5,
-            ax=fig.add_subplot(),
-            band=False,
-            title="Vote agreement over time",
-            ylabel="votes agreeing",
-        )
+        look = Look(title="Vote agreement over time", ylabel="votes agreeing", smooth=5, band=False)
+        draw_metric(fig.add_subplot(), pairs, "v", look)
         parts.append(_svg(fig))
     if not parts:
         return ""
@@ -265,7 +260,17 @@ def _text_cell(text: str, kind: str) -> str:
 def _completions(runs, names) -> tuple[str, str]:
     """The completions section and the CSS of its pictures. Rows are kept newest first up to MAX_COMPLETIONS
     rows and MAX_TABLE_BYTES of rows and pictures; each text is written once (a sort reads the cell's text)."""
-    built = []  # (row, its member label, its step, its picture file or None), oldest first
+    built, classes = _completion_rows(runs, names)
+    if not built:
+        return "", ""
+    kept, rules = _newest_within_budget(built, classes)
+    return _completions_section(kept, len(built) - len(kept)), "".join(rules.values())
+
+
+def _completion_rows(runs, names) -> tuple[list[tuple], dict[Path, str]]:
+    """Every response of every run's samples.jsonl as a table row: (row, its member label, its step, its picture
+    file or None), oldest first; and each embeddable picture's CSS class."""
+    built = []
     classes: dict[Path, str] = {}
     for i, run in enumerate(runs):
         for sample in read_jsonl(run.run_dir / "samples.jsonl"):
@@ -298,8 +303,12 @@ def _completions(runs, names) -> tuple[str, str]:
                     )
                     row = f'<tr data-member="{html.escape(label)}" data-step="{sample["step"]}">{tds}</tr>'
                     built.append((row, label, sample["step"], file))
-    if not built:
-        return "", ""
+    return built, classes
+
+
+def _newest_within_budget(built: list[tuple], classes: dict[Path, str]) -> tuple[list[tuple], dict[Path, str]]:
+    """The newest rows of `built` up to MAX_COMPLETIONS rows and MAX_TABLE_BYTES of rows and pictures, in their
+    order, as (row, label, step); and the CSS rule of each picture they show."""
     kept, rules, size = [], {}, 0
     for row, label, step, file in reversed(built):
         rule = "" if file is None or file in rules else _picture_rule(file, classes[file])
@@ -311,6 +320,11 @@ def _completions(runs, names) -> tuple[str, str]:
         if rule:
             rules[file] = rule
     kept.reverse()
+    return kept, rules
+
+
+def _completions_section(kept: list[tuple], dropped: int) -> str:
+    """The completions table of the `kept` rows with its member and step filters and a note of the `dropped`."""
     options = lambda values: "".join(  # noqa: E731
         f'<option value="{html.escape(str(v))}">{html.escape(str(v))}</option>' for v in values
     )
@@ -320,7 +334,6 @@ def _completions(runs, names) -> tuple[str, str]:
         f'<th data-col="{j}" data-numeric="{int(h in numeric)}" title="click to sort">{h}</th>'
         for j, h in enumerate(heads)
     )
-    dropped = len(built) - len(kept)
     more = (
         f" The oldest {dropped} rows are left out (the table holds at most {MAX_COMPLETIONS:,} rows and "
         f"{MAX_TABLE_BYTES / 1e6:g} MB; samples.jsonl has them all)."
@@ -340,7 +353,7 @@ def _completions(runs, names) -> tuple[str, str]:
         f'<table class="grid" id="completions-table"><thead><tr>{header}</tr></thead><tbody>'
         f"{''.join(row for row, _, _ in kept)}</tbody></table></section>"
     )
-    return section, "".join(rules.values())
+    return section
 
 
 STYLE = """

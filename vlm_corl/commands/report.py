@@ -1,7 +1,7 @@
 """Run report: `python -m vlm_corl.report RUN [RUN2 ...] [--out DIR] [--smooth N]` renders report.html, report.md, PNGs.
 
-report.html (vlm_corl.report_html) is one self-contained page overlaying every RUN given; report.md, its PNGs and
-samples.md (vlm_corl.report_md) describe the first RUN. Both read the run through vlm_corl.run_plots.
+report.html (vlm_corl.reporting.html) is one self-contained page overlaying every RUN given; report.md, its PNGs and
+samples.md (vlm_corl.reporting.markdown) describe the first RUN. Both read the run through vlm_corl.reporting.run_plots.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = cli.parse(parser, argv)
     # matplotlib and torch load only now: `--help` and argument mistakes answer at once
-    from vlm_corl.report_html import render_html
-    from vlm_corl.report_md import render_report
-    from vlm_corl.run_plots import load_run
+    from vlm_corl.reporting.html import render_html
+    from vlm_corl.reporting.markdown import render_report
+    from vlm_corl.reporting.run_plots import load_run
 
     runs = [load_run(d) for d in _distinct(args.run_dirs)]  # every directory checked before anything is written
     report = render_report(args.run_dirs[0], args.out, args.smooth)

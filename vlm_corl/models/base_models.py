@@ -14,9 +14,9 @@ from pathlib import Path
 
 from vlm_corl import cli
 from vlm_corl.config import MemberConfig
+from vlm_corl.models.warmstart import Schedule, Slice, labelled_slice, warm_start
+from vlm_corl.models.zoo import build_member
 from vlm_corl.registry import FAMILIES
-from vlm_corl.warmstart import labelled_slice, warm_start
-from vlm_corl.zoo import build_member
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,9 @@ def build_base(member_id: str, recipe: BaseRecipe, out: Path, seed: int, bar_pos
     # One directory per initialisation: parallel workers never write a zoo member another one is reading.
     zoo_dir = out.parent.parent / "zoo" / f"{recipe.family}-{recipe.size}-init{init}"
     build_member(FAMILIES.get(recipe.family), zoo_dir, size=recipe.size, seed=init)
-    examples = labelled_slice(
-        recipe.loader,
-        None,
-        "train",
-        recipe.slice_start,
-        recipe.slice_size,
-        recipe.balance,
-        dict(recipe.mix) if recipe.mix else None,
-    )
+    mix = dict(recipe.mix) if recipe.mix else None
+    part = Slice(recipe.loader, recipe.slice_size, recipe.slice_start, balance=recipe.balance, mix=mix)
+    examples = labelled_slice(part)
     torch.manual_seed(seed)
     member = load_member(MemberConfig(id=member_id, model=str(zoo_dir)))
     start = time.time()
@@ -72,9 +66,8 @@ def build_base(member_id: str, recipe: BaseRecipe, out: Path, seed: int, bar_pos
         position=bar_position,
         disable=None if bar_position is not None else True,
     ) as bar:
-        losses = warm_start(
-            member, examples, recipe.steps, recipe.batch_size, recipe.lr, seed, on_step=lambda loss: bar.update()
-        )
+        schedule = Schedule(recipe.steps, recipe.batch_size, recipe.lr, seed)
+        losses = warm_start(member, examples, schedule, on_step=lambda loss: bar.update())
     member.save(out)
     return {
         "first_loss": losses[0],

@@ -1,5 +1,5 @@
 """The Markdown report of one run: report.md, its PNGs and samples.md (`corl report` writes it beside
-report.html, vlm_corl.report_html).
+report.html, vlm_corl.reporting.html).
 
 Reads the run's metrics.jsonl (one row per slot per step), eval.jsonl (if present) and summary.json (if present)
 and writes into the output directory: report.md, and PNGs of reward, agreement, pseudo-label accuracy, answer
@@ -8,7 +8,7 @@ line per member and benchmark), a first-vs-last table per slot, and the collapse
 With per-category metrics (logging.category_key) and per-category evaluation, `categories.png` and
 `eval_categories.png` draw one line per slot and category, with the collapse flags as dashed lines.
 
-The reading and plotting functions are in vlm_corl.run_plots.
+The reading and plotting functions are in vlm_corl.reporting.run_plots.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from vlm_corl import cli
-from vlm_corl.run_plots import (
+from vlm_corl.reporting.run_plots import (
     LABELS,
+    Look,
     Rows,
     RunData,
     _number,
@@ -31,6 +32,7 @@ from vlm_corl.run_plots import (
     category_figure,
     category_lines,
     clean_text,
+    draw_metric,
     edge_window,
     eval_category_lines,
     eval_lines,
@@ -146,14 +148,8 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
     if any(k.startswith("accuracy_") for r in run.eval_rows for k in r):
         fig = Figure(figsize=(6.4, 4.0), layout="constrained")
         ax = fig.add_subplot()
-        plot_metric(
-            eval_category_lines(run.eval_rows),
-            "accuracy",
-            smooth=1,
-            ax=ax,
-            band=False,
-            title="Eval accuracy per category (dashed: drops flagged)",
-        )
+        look = Look(title="Eval accuracy per category (dashed: drops flagged)", smooth=1, band=False)
+        draw_metric(ax, eval_category_lines(run.eval_rows), "accuracy", look)
         mark_flags(ax, [w for w in warnings if w.get("rule") == "eval_drop"])
         written["eval_categories"] = _save(fig, Path(out) / "eval_categories.png")
     return written

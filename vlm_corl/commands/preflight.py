@@ -104,6 +104,6 @@ def _num(value) -> str:
 
 
 if __name__ == "__main__":
-    from vlm_corl.train import exit_process
+    from vlm_corl.commands.train import exit_process
 
     exit_process(cli.run(main))

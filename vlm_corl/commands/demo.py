@@ -42,7 +42,7 @@ from vlm_corl.errors import UserError
 # torch and transformers load in the functions that train and evaluate (after `main` has parsed its arguments
 # and pinned the kernels): `--help` and argument mistakes answer at once
 
-SHIPPED_BASES = Path(__file__).resolve().parent / "demo_bases"  # the four base models, ~1 MB each
+SHIPPED_BASES = Path(__file__).resolve().parents[1] / "demo_bases"  # the four base models, ~1 MB each
 TYPES = ("yes/no", "shape", "color")
 # Set before torch loads, in this process and every one it starts (children inherit the environment).
 PINNED_KERNELS = {
@@ -160,7 +160,7 @@ def make_bases(members: dict[str, str], recipes: dict, rebuild: bool, pool: Exec
             done[mid] = {"shipped": str(SHIPPED_BASES.relative_to(SHIPPED_BASES.parents[1]) / mid)}
             print(f"  {mid}: the shipped base model -> {path}", flush=True)
         return done
-    from vlm_corl.base_models import build_base
+    from vlm_corl.models.base_models import build_base
 
     for mid, r in recipes.items():
         print(

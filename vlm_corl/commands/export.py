@@ -8,9 +8,9 @@ adapter_config.json names) or, with `--merge`, as a whole model with the adapter
 in the base's dtype. Optimizer states are left behind. Each member also gets a model card (README.md: base model,
 peers, reward, steps, data, the run's evaluations, the prompt format) and prompt_format.json, which `corl eval`
 reads back so an export is asked as training asked it. Both describe the exported checkpoint from its own record
-(`vlm_corl.model_card`): the config saved with that step, not the run's latest, and the reward functions the run
-called; the card's transformers snippet asks a text member in text, a vision member with its image, with the
-chat-template variables training used. Files are written readable by all (0644).
+(`vlm_corl.reporting.model_card`): the config saved with that step, not the run's latest, and the reward
+functions the run called; the card's transformers snippet asks a text member in text, a vision member with its
+image, with the chat-template variables training used. Files are written readable by all (0644).
 
 DIR must be new or empty: an export beside another one would mix them (an adapter next to full weights, and
 loading the folder gives the other run's weights). `--overwrite` replaces DIR whole: the export is written to a
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="replace a non-empty --out whole (nothing of it is kept)"
     )
     args = cli.parse(parser, argv)
-    from vlm_corl.model_card import write_card
+    from vlm_corl.reporting.model_card import write_card
     from vlm_corl.training.checkpoint import MANIFEST
 
     checkpoint = checkpoint_of(Path(args.run), args.step)

@@ -94,7 +94,7 @@ def _build(arch: str) -> tuple[str, str]:
     """("builds" or "no: why", the LoRA targets found) of a tiny `arch` member."""
     import transformers
 
-    from vlm_corl.zoo_arch import build_arch
+    from vlm_corl.models.arch import build_arch
 
     with tempfile.TemporaryDirectory() as out:
         try:
