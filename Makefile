@@ -18,7 +18,7 @@ setup: $(SETUP)
 
 ## The demo: a tiny cohort learns easy-vqa from its peers on CPU (zoo -> base models -> Co-RL -> eval).
 demo: setup
-	$(PY) -m vlm_corl.demo
+	$(PY) -m vlm_corl.commands.demo
 
 ## The linter and formatter (ruff, configured in pyproject.toml); `ruff format .` fixes the formatting.
 lint: setup
@@ -57,8 +57,8 @@ $(VLLM_VENV)/.setup-done: pyproject.toml
 	touch $@
 
 test-vllm: setup $(VLLM_VENV)/.setup-done
-	$(PY) -m vlm_corl.zoo --out out/zoo-small --size small --families qwen2_vl,qwen2_5_vl,gemma3,internvl
-	for arch in idefics3 llava_onevision; do $(PY) -m vlm_corl.zoo --arch $$arch --out out/zoo-small/generic-$$arch --size small; done
+	$(PY) -m vlm_corl.commands.zoo --out out/zoo-small --size small --families qwen2_vl,qwen2_5_vl,gemma3,internvl
+	for arch in idefics3 llava_onevision; do $(PY) -m vlm_corl.commands.zoo --arch $$arch --out out/zoo-small/generic-$$arch --size small; done
 	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py tests/test_zero3_stream.py
 
 ## What bench/gpu_check.sh installs on a lent GPU machine that has no package index (Python 3.12, CUDA torch,
@@ -80,4 +80,4 @@ gpu-bundle: setup
 
 ## docs/models.md: every architecture the installed transformers knows, with its family and coverage (~15 min).
 models-doc: setup
-	$(PY) -m vlm_corl.coverage --out docs/models.md $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python)
+	$(PY) -m vlm_corl.models.coverage --out docs/models.md $(if $(wildcard .venv-vllm/bin/python),--vllm-python .venv-vllm/bin/python)

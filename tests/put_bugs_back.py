@@ -215,8 +215,8 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     (
         "GPU host plan",
         "vlm_corl/planning/host.py",
-        "OFFLOAD_OPTIMIZER_BYTES * trained_params(m) / ranks",
-        "OFFLOAD_OPTIMIZER_BYTES * trained_params(m)",
+        "OFFLOAD_OPTIMIZER_BYTES * trained_params(m, shape) / ranks",
+        "OFFLOAD_OPTIMIZER_BYTES * trained_params(m, shape)",
         "tests/test_host_plan.py::test_zero3_offload_over_the_ranks_of_one_node_holds_the_members_state_once",
     ),
     (

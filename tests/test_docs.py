@@ -100,3 +100,20 @@ def test_the_gpu_install_lines_name_the_versions_vllm_runs_with():
     assert f'pip install transformers=={transformers} -e ".[deepspeed,vllm]"' in gpu
     oldest = next(s.version for s in needs["torch"] if s.operator == ">=")
     assert f"any CUDA build of torch {oldest} or later" in gpu
+
+
+def test_the_commands_old_module_names_still_run_them():
+    """`python -m vlm_corl.plan` and the other names the commands had before vlm_corl/commands/ run the same
+    command, import as the same module, and leave the module's own spec (runpy finds it by its name after)."""
+    import importlib
+
+    import vlm_corl
+    from vlm_corl.commands import export
+
+    assert importlib.import_module("vlm_corl.export") is export
+    assert export.__spec__.name == "vlm_corl.commands.export"
+    assert main(["export", "--help"]) == 0  # runpy under the new name, after an import under the old one
+    for old, new in vlm_corl.MOVED.items():
+        assert importlib.util.find_spec(new) is not None, new
+        out = subprocess.run([sys.executable, "-m", old, "--help"], capture_output=True, text=True, env=ENV, cwd=ROOT)
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: python -m {old} "), (old, out.stderr[-500:])

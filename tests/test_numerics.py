@@ -213,7 +213,7 @@ def test_no_checkpoint_is_written_with_nonfinite_weights(tmp_path):
     from types import SimpleNamespace
 
     from vlm_corl.distributed.world import World
-    from vlm_corl.training.loop import _check_replicas
+    from vlm_corl.training.checkpoint_phase import _check_replicas
     from vlm_corl.training.numerics import NonFiniteStopped
 
     def model(name, value):

@@ -45,10 +45,14 @@ class _MovedModules(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
         return spec
 
     def create_module(self, spec):
-        return _importlib.import_module(MOVED[spec.name])
+        module = _importlib.import_module(MOVED[spec.name])
+        spec.loader_state = module.__spec__  # importlib now gives the module the old name's spec: kept to undo it
+        return module
 
     def exec_module(self, module):
-        """Nothing to run: create_module returned the new module, already imported."""
+        """Nothing to run (create_module returned the new module, already imported); the module gets its own
+        spec back, so runpy and importlib find it under its own name as before."""
+        module.__spec__ = module.__spec__.loader_state
 
     def get_code(self, name):
         return _importlib_util.find_spec(MOVED[name]).loader.get_code(MOVED[name])

@@ -1,17 +1,7 @@
-"""Offline model zoo: randomly initialised members of every family, saved in Hugging Face format (the command:
-`corl zoo`, vlm_corl.commands.zoo).
-
-Each member goes to DIR/<family> (size tiny) or DIR/<family>-small (size small) with safetensors weights,
-config, generation config (stop/pad ids, suppressed control tokens), tokenizer, processor and chat template,
-and reloads with the transformers Auto classes. Everything is built from configs and a tokenizer trained
-here on a corpus shipped with the package: no network. The same seed gives byte-identical weights.
-
-`--real NAME` builds a member with a released model's architecture (configs/models/NAME, or any directory with a
-config.json and preprocessor_config.json) and random weights, to DIR/NAME: the published dimensions and
-vocabulary (so memory and speed are those of the real model), the released image processor, and the zoo's
-offline tokenizer, the config's multimodal token ids pointed at its ids. Its answers are noise; its costs are
-real. Build it where it will run (`--device cuda`: a 2B member in bf16 is initialised in seconds there).
-"""
+"""The offline model zoo's builders: randomly initialised members of every family (`build_zoo`,
+`build_member`), or of a released architecture (`build_real`), saved in Hugging Face format from configs and the
+zoo's offline tokenizer; the same seed gives byte-identical weights. What each builds and where it goes: the
+command's page, `corl zoo --help` (vlm_corl.commands.zoo)."""
 
 from __future__ import annotations
 
