@@ -18,6 +18,7 @@ from vlm_corl.training.rewards import CohortBatch
 from vlm_corl.training.samples import SampleSettings, sample_rows, samples_due
 from vlm_corl.training.setup import CohortRun
 
+# the update stats each member's metrics row carries (members/update.py: policy_update)
 UPDATE_KEYS = ("loss", "grad_norm", "lr", "nonfinite_skipped", "update_tokens", "compute_dtype")
 
 
