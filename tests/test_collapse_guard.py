@@ -88,6 +88,7 @@ def test_a_category_collapse_is_flagged_and_the_guard_rolls_back(pair, tmp_path,
     assert "stopped: collapse guard (train.on_collapse=rollback): member 'strong' in category 'shape'" in err
     flag_step = stopped["warning"]["step"]
     assert flag_step < 80  # stopped within the run
+    assert stopped["step"] == summary["steps"] == flag_step  # the steps it trained, not train.max_steps
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == flag_step and "category/shape/agreement" in rows[-1]
     evidence = stopped["warning"]  # the late window's shape answers: mostly the peer's "circle", agreed with

@@ -206,7 +206,7 @@ def test_a_collapse_stop_is_taken_by_every_rank(tmp_path):
             run_dir=tmp_path,
             checkpoints=None,
         )
-        return guard_phase(run, [EVAL_DROP] if world.is_main else [])
+        return guard_phase(run, [EVAL_DROP] if world.is_main else [], 20)
 
     first, second = on_ranks(2, on_rank)
     assert first == second and first["action"] == "stop" and first["warning"] == EVAL_DROP

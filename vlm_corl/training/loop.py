@@ -140,7 +140,7 @@ def train_steps(run: CohortRun, timer: PhaseTimer, renders: RenderAhead) -> dict
         warnings += after_step(run, step + 1, timer, rows, step_start)
         stop = run.callbacks.agree(run.world, run.run_dir, latest_checkpoint(run.run_dir))
         run.nonfinite.observe(step + 1, run.updates, latest_checkpoint(run.run_dir), run.world.is_main)
-        stopped = guard_phase(run, warnings)
+        stopped = guard_phase(run, warnings, step + 1)
         if stopped is not None:
             break
         if stop is not None:  # a callback's clean stop: the run ends here as at train.max_steps, checkpoint included
@@ -241,9 +241,9 @@ def save_due(train: TrainConfig, step: int) -> bool:
     return bool(train.save_every and step % train.save_every == 0) or (train.save_last and step == train.max_steps)
 
 
-def guard_phase(run: CohortRun, warnings: list[dict]) -> dict | None:
-    """`train.on_collapse` on this step's new warnings (world rank 0 holds them): None to go on, or, after a
-    rollback where asked for, {action, warning, message} (every rank stops)."""
+def guard_phase(run: CohortRun, warnings: list[dict], done: int) -> dict | None:
+    """`train.on_collapse` on the new warnings of step `done` (1-based; world rank 0 holds them): None to go on,
+    or, after a rollback where asked for, {action, warning, message, step: `done`} (every rank stops)."""
     action = run.cfg.train.on_collapse
     if action == "warn":
         return None
@@ -258,4 +258,4 @@ def guard_phase(run: CohortRun, warnings: list[dict]) -> dict | None:
     if run.world.is_main:
         checkpoint = roll_back(run.run_dir, first["step"]) if action == "rollback" else latest_checkpoint(run.run_dir)
     run.world.barrier()  # the checkpoints are where the message says before any rank exits
-    return {"action": action, "warning": first, "message": stop_message(first, action, checkpoint)}
+    return {"action": action, "warning": first, "message": stop_message(first, action, checkpoint), "step": done}

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 def finish_run(run: CohortRun, stopped: dict | None, stop: dict | None = None) -> dict:
     """The run's summary (written by rank 0 to summary.json): last metrics per member, collapse warnings, the
-    guard's stop, a callback's stop (`stop`: {callback, event, step, reason}; `steps` is then the step the run
-    ended at), best models, data records kept and skipped, and the environment."""
+    guard's stop (`stopped`: {action, warning, message, step}), a callback's stop (`stop`: {callback, event, step,
+    reason}; with either, `steps` is the step the run ended at), best models, data records kept and skipped, and
+    the environment."""
     fallbacks = {
         sid: n
         for part in run.world.all_gather({s.id: s.renderer.view_fallbacks for s in run.slots})
@@ -32,10 +33,11 @@ def finish_run(run: CohortRun, stopped: dict | None, stop: dict | None = None) -
     summary["reward_functions"] = [{"name": f.name, "weight": f.weight} for f in run.reward_funcs]
     if run.cfg.eval.max_category_drop:
         summary["collapse_warnings"] += eval_drops(run.eval_history, run.cfg.eval.max_category_drop)
-    summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning")}
+    summary["stopped_by_guard"] = None if stopped is None else {k: stopped[k] for k in ("action", "warning", "step")}
     summary["stopped_by_callback"] = stop
-    if stop is not None:  # a clean early end: the steps trained, not the ones train.max_steps asked for
-        summary["steps"] = stop["step"]
+    for early in (stopped, stop):  # an early end: the steps trained, not the ones train.max_steps asked for
+        if early is not None:
+            summary["steps"] = early["step"]
     summary["best"] = run.best or None
     summary["nonfinite_skipped"] = run.nonfinite.total  # optimizer steps the numerical guard skipped, per member
     report = run.data_report
