@@ -24,6 +24,7 @@ rewrites the README's table from every seed recorded there (a test keeps the two
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -55,6 +56,28 @@ README_BLOCK = "demo-results"
 
 
 def main(argv=None) -> int:
+    args = cli.parse(demo_parser(), argv)
+    os.environ.update(PINNED_KERNELS)  # before torch loads
+    start = time.time()
+    overrides = [f"seed={args.seed}", f"data.seed={args.seed}", *args.overrides]
+    members = config_members(args.config, overrides)
+    recipes = base_recipes(members, args.warm_steps)
+    check_config(args.config, overrides, members)  # every mistake in the config before minutes of work
+    out = cli.output_dir(args.out, "--out")
+    report, where = run_demo(args, overrides, members, recipes)
+    report |= {"seed": args.seed, "processes": args.processes, **where, "seconds": round(time.time() - start, 1)}
+    report["machine"] = machine()
+    (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
+    _header("5. before -> after label-free Co-RL")
+    print(describe(report))
+    print(f"run directory: {report['run_dir']}   (details in {out / 'demo.json'})")
+    if args.publish:
+        print(f"published: {publish(report, Path(args.publish), Path('README.md'))}")
+    return 0
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    """The command's flags."""
     parser = cli.parser("python -m vlm_corl.demo", __doc__)
     parser.add_argument("--config", default="configs/cohorts/tiny_easyvqa.yaml")
     parser.add_argument("--seed", type=cli.non_negative_int, default=0, help="the run's seed (sampling, data order)")
@@ -81,15 +104,14 @@ def main(argv=None) -> int:
         "the README's demo table from every seed recorded there (e.g. docs/demo)",
     )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the cohort config")
-    args = cli.parse(parser, argv)
-    os.environ.update(PINNED_KERNELS)  # before torch loads
-    start = time.time()
-    overrides = [f"seed={args.seed}", f"data.seed={args.seed}", *args.overrides]
-    members = config_members(args.config, overrides)
-    recipes = base_recipes(members, args.warm_steps)
-    check_config(args.config, overrides, members)  # every mistake in the config before minutes of work
-    out = cli.output_dir(args.out, "--out")
+    return parser
 
+
+def run_demo(
+    args: argparse.Namespace, overrides: list[str], members: dict[str, str], recipes: dict
+) -> tuple[dict, dict]:
+    """Steps 1-4: the base models, their scores, the label-free training, the trained members' scores; the
+    report of before -> after (`demo_report`), and where the run, its last checkpoint and the base models are."""
     # One pool of worker processes (one torch thread each) builds and scores the members; started once, it
     # waits idle while the training processes run.
     with ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -111,23 +133,8 @@ def main(argv=None) -> int:
         _header("4. trained members on easy-vqa test")
         after = evaluate_all({m.id: final / m.id for m in cfg.members}, args.eval_limit, pool)
 
-    report = demo_report(before, after, args.eval_limit)
-    report |= {
-        "seed": args.seed,
-        "processes": args.processes,
-        "run_dir": summary["run_dir"],
-        "checkpoint": str(final),
-        "base_models": base,
-        "seconds": round(time.time() - start, 1),
-        "machine": machine(),
-    }
-    (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
-    _header("5. before -> after label-free Co-RL")
-    print(describe(report))
-    print(f"run directory: {summary['run_dir']}   (details in {out / 'demo.json'})")
-    if args.publish:
-        print(f"published: {publish(report, Path(args.publish), Path('README.md'))}")
-    return 0
+    where = {"run_dir": summary["run_dir"], "checkpoint": str(final), "base_models": base}
+    return demo_report(before, after, args.eval_limit), where
 
 
 # ---- 1. base models --------------------------------------------------------------------------------------------

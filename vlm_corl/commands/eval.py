@@ -8,6 +8,7 @@ and every prediction) and `results.md`. The library it runs is `vlm_corl.evaluat
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -25,6 +26,20 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = eval_parser()
+    args = cli.parse(parser, argv)
+    if args.list:
+        print(benchmark_list())
+        return 0
+    _check_arguments(parser, args)
+    # checked before the evaluation, not after it; removed again if the evaluation fails before writing
+    with cli.kept_if_written(args.out, "--out") as out:
+        _evaluate(args, out)
+    return 0
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    """The command's flags."""
     parser = cli.parser("python -m vlm_corl.eval", __doc__)
     parser.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
     parser.add_argument("--models", nargs="+", help="model directories (HF format)")
@@ -71,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="vllm on a CPU: KV cache bytes of all engines together (the share above is of RAM there)",
     )
-    args = cli.parse(parser, argv)
-    if args.list:
-        print(benchmark_list())
-        return 0
+    return parser
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags' mistakes, named before anything loads (parser.error exits 2)."""
     missing = [
         flag
         for flag, value in (("--models", args.models), ("--benchmarks", args.benchmarks), ("--out", args.out))
@@ -87,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--data takes BENCH=PATH, got {bad_data}")
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError("--engine vllm needs vLLM: pip install -e '.[vllm]' (or use --engine hf)")
+
+
+def _evaluate(args: argparse.Namespace, out: Path) -> None:
+    """Every model of --models on every benchmark; results.json and results.md written to `out`."""
     # torch and transformers load only now: `--help` and argument mistakes answer at once
     from vlm_corl.distributed.world import default_device
     from vlm_corl.evaluation.scoring import (
@@ -99,27 +119,24 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_corl.members.member import load_member
     from vlm_corl.members.prompt_format import member_config
 
-    # checked before the evaluation, not after it; removed again if the evaluation fails before writing
-    with cli.kept_if_written(args.out, "--out") as out:
-        names = [name for name in args.benchmarks.split(",") if name]
-        benches = {name: BENCHMARKS.get(name) for name in names}
-        paths = dict(item.split("=", 1) for item in args.data)
-        dirs = model_dirs(args.models)
-        examples = {name: benchmark_examples(bench, args.limit, paths.get(name)) for name, bench in benches.items()}
-        for name in benches:
-            check_models({d.name: d for d in dirs}, examples[name])
-        results: dict[str, dict] = {}
-        engines = []  # vLLM engines live as long as the process (closing one tears down vLLM's shared state)
-        for model_dir in dirs:
-            member = load_member(member_config(model_dir), device=default_device())  # an export's prompt format
-            engine, room = _engine(args, member, list(benches.values()), examples, share=1 / len(dirs))
-            engines.append(engine if args.engine == "vllm" else None)
-            for name, bench in benches.items():
-                results.setdefault(str(model_dir), {})[bench.name] = evaluate_member(
-                    member, examples[name], bench, progress=True, engine=engine, max_prompt_tokens=room
-                )
-        write_results(out, results, results_markdown(results))
-    return 0
+    names = [name for name in args.benchmarks.split(",") if name]
+    benches = {name: BENCHMARKS.get(name) for name in names}
+    paths = dict(item.split("=", 1) for item in args.data)
+    dirs = model_dirs(args.models)
+    examples = {name: benchmark_examples(bench, args.limit, paths.get(name)) for name, bench in benches.items()}
+    for name in benches:
+        check_models({d.name: d for d in dirs}, examples[name])
+    results: dict[str, dict] = {}
+    engines = []  # vLLM engines live as long as the process (closing one tears down vLLM's shared state)
+    for model_dir in dirs:
+        member = load_member(member_config(model_dir), device=default_device())  # an export's prompt format
+        engine, room = _engine(args, member, list(benches.values()), examples, share=1 / len(dirs))
+        engines.append(engine if args.engine == "vllm" else None)
+        for name, bench in benches.items():
+            results.setdefault(str(model_dir), {})[bench.name] = evaluate_member(
+                member, examples[name], bench, progress=True, engine=engine, max_prompt_tokens=room
+            )
+    write_results(out, results, results_markdown(results))
 
 
 def model_dirs(paths: list[str]) -> list[Path]:

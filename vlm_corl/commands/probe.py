@@ -189,8 +189,7 @@ def main(argv=None) -> int:
     parser = probe_parser()
     args = cli.parse(parser, argv)
     # torch and transformers load only now: `--help` and argument mistakes answer at once
-    from vlm_corl.evaluation.scoring import benchmark_examples, check_models, evaluate_dir
-    from vlm_corl.models.warmstart import Slice, labelled_slice
+    from vlm_corl.evaluation.scoring import check_models, evaluate_dir
     from vlm_corl.registry import BENCHMARKS
 
     if len(args.models) < 2:
@@ -204,11 +203,7 @@ def main(argv=None) -> int:
     bench = BENCHMARKS.get(args.benchmark)
     if args.split:
         bench = dataclasses.replace(bench, split=args.split)
-    if args.skip:
-        part = Slice(bench.loader, args.limit, args.skip, bench.split, args.data or bench.path, bench.balance_by)
-        examples = labelled_slice(part)
-    else:
-        examples = benchmark_examples(bench, args.limit, args.data)
+    examples = _probe_set(args, bench)
     check_models(models, examples)
     records = {}
     for name, path in models.items():
@@ -235,29 +230,36 @@ def main(argv=None) -> int:
         **report,
         "records": records,
     }
-    text = probe_markdown(report, title)
-    if "headroom" in report:
-        from vlm_corl.training.headroom import HEADROOM_NOTE, ranking_markdown
-
-        h = report["headroom"]
-        text += "\n".join(
-            [
-                "",
-                f"## Label headroom of every cohort (K = {h['samples']} samples at temperature {h['temperature']}; "
-                "best first by peers headroom)",
-                "",
-                HEADROOM_NOTE,
-                "",
-                *ranking_markdown(h["ranking"]),
-                "",
-            ]
-        )
+    text = probe_markdown(report, title) + (headroom_markdown(report["headroom"]) if "headroom" in report else "")
     print(text)
     if out is not None:
         (out / "probe.json").write_text(json.dumps(report, indent=2))
         (out / "probe.md").write_text(text)
         print(f"[probe] wrote {out / 'probe.json'} and {out / 'probe.md'}", file=sys.stderr)
     return 0
+
+
+def _probe_set(args, bench) -> list:
+    """The probe's questions: the benchmark's (balanced where defined), or with --skip a labelled slice after the
+    first --skip examples."""
+    from vlm_corl.evaluation.scoring import benchmark_examples
+    from vlm_corl.models.warmstart import Slice, labelled_slice
+
+    if args.skip:
+        part = Slice(bench.loader, args.limit, args.skip, bench.split, args.data or bench.path, bench.balance_by)
+        return labelled_slice(part)
+    return benchmark_examples(bench, args.limit, args.data)
+
+
+def headroom_markdown(h: Mapping) -> str:
+    """probe.md's section on every cohort's label headroom (`sampled_headroom`'s report)."""
+    from vlm_corl.training.headroom import HEADROOM_NOTE, ranking_markdown
+
+    title = (
+        f"## Label headroom of every cohort (K = {h['samples']} samples at temperature {h['temperature']}; "
+        "best first by peers headroom)"
+    )
+    return "\n".join(["", title, "", HEADROOM_NOTE, "", *ranking_markdown(h["ranking"]), ""])
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ real. Build it where it will run (`--device cuda`: a 2B member in bf16 is initia
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from vlm_corl import cli
@@ -26,6 +27,30 @@ from vlm_corl.registry import FAMILIES
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; prints a table of family, path and parameter count."""
+    parser = zoo_parser()
+    args = cli.parse(parser, argv)  # also quiets the "Writing model shards" bar per member, which drowns the table
+    from vlm_corl.members.families import SIZES
+    from vlm_corl.members.precision import DTYPES
+
+    if args.size not in SIZES:
+        parser.error(f"argument --size: invalid choice: {args.size!r} (choose from {', '.join(SIZES)})")
+    if args.arch:
+        from vlm_corl.models.arch import build_arch
+
+        n_params = build_arch(args.arch, cli.output_dir(args.out, "--out"), args.seed, args.size)
+        print(f"{args.out}  {args.arch}  {n_params:,} parameters")
+        return 0
+    if args.real:
+        path, n_params = build_real(args.real, cli.output_dir(args.out, "--out"), args.device, DTYPES[args.dtype])
+        print(f"{path}  {n_params:,} parameters")
+        return 0
+    families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
+    _build_families(families or FAMILIES.names(), args)
+    return 0
+
+
+def zoo_parser() -> argparse.ArgumentParser:
+    """The command's flags."""
     parser = cli.parser("python -m vlm_corl.zoo", __doc__)
     parser.add_argument("--out", required=True, help="output directory (members go to OUT/<family>[-small])")
     parser.add_argument("--families", help="comma-separated family names (default: all registered families)")
@@ -51,26 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a tiny random member of any transformers chat architecture (a config.json model_type, e.g."
         " llava_onevision), served by the generic family; it goes to OUT itself",
     )
-    args = cli.parse(parser, argv)  # also quiets the "Writing model shards" bar per member, which drowns the table
+    return parser
+
+
+def _build_families(names: list[str], args: argparse.Namespace) -> None:
+    """The tiny members of the named families under --out, with a progress bar, then their table."""
     from tqdm import tqdm
 
-    from vlm_corl.members.families import SIZES
-    from vlm_corl.members.precision import DTYPES
-
-    if args.size not in SIZES:
-        parser.error(f"argument --size: invalid choice: {args.size!r} (choose from {', '.join(SIZES)})")
-    if args.arch:
-        from vlm_corl.models.arch import build_arch
-
-        n_params = build_arch(args.arch, cli.output_dir(args.out, "--out"), args.seed, args.size)
-        print(f"{args.out}  {args.arch}  {n_params:,} parameters")
-        return 0
-    if args.real:
-        path, n_params = build_real(args.real, cli.output_dir(args.out, "--out"), args.device, DTYPES[args.dtype])
-        print(f"{path}  {n_params:,} parameters")
-        return 0
-    families = [f.strip() for f in args.families.split(",") if f.strip()] if args.families else None
-    names = families or FAMILIES.names()
     for name in names:
         FAMILIES.get(name)  # an unknown name fails before anything is built
     out = cli.output_dir(args.out, "--out")
@@ -88,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ test (docs/experiment.md).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import multiprocessing
@@ -400,17 +401,44 @@ def publish(out: Path, docs: Path, readme: Path | None) -> None:
     print(f"[experiment] published {out} to {docs}" + (f" and {readme}" if readme else ""), flush=True)
 
 
+# Budget field (SEED_COUNTS): whose seeds it counts, a flag each
+SEED_FLAGS = {
+    "seeds": "the main comparisons, at least 2",
+    "more_seeds": "the other methods",
+    "frozen_seeds": "frozen peers",
+    "spread_seeds": "the cohorts spread over the probe's ranking",
+}
+
+
 def main(argv=None) -> int:
+    parser = experiment_parser()
+    args = cli.parse(parser, argv)
+    if args.seeds == 1:
+        parser.error("--seeds must be at least 2: the main comparisons give an interval over seeds")
+    out = cli.output_dir(args.out, "--out")
+    if args.plots_only:
+        if not (out / "results.json").is_file():
+            raise UserError(
+                f"--plots-only redraws a finished experiment, but {out / 'results.json'} does not exist: "
+                "run the experiment into --out first"
+            )
+        finish(out, json.loads((out / "results.json").read_text()))
+    else:
+        budget = QUICK if args.quick else FULL
+        given = {k: getattr(args, k) for k in (*SEED_FLAGS, "rl_steps")}
+        budget = dataclasses.replace(budget, **{k: v for k, v in given.items() if v})
+        finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
+    if args.publish:
+        publish(out, Path(args.publish), Path(args.readme) if args.readme else None)
+    return 0
+
+
+def experiment_parser() -> argparse.ArgumentParser:
+    """The experiment's flags."""
     parser = cli.parser("python -m vlm_corl.experiments.easyvqa", __doc__)
     parser.add_argument("--out", required=True, help="output directory (a finished part of an earlier run is kept)")
     parser.add_argument("--quick", action="store_true", help="a tiny budget, for smoke runs (about a minute)")
-    seed_counts = {  # Budget field: whose seeds it counts
-        "seeds": "the main comparisons, at least 2",
-        "more_seeds": "the other methods",
-        "frozen_seeds": "frozen peers",
-        "spread_seeds": "the cohorts spread over the probe's ranking",
-    }
-    for field_name, whose in seed_counts.items():
+    for field_name, whose in SEED_FLAGS.items():
         parser.add_argument(
             "--" + field_name.replace("_", "-"),
             type=cli.positive_int,
@@ -445,25 +473,7 @@ def main(argv=None) -> int:
         default="docs/experiment.md",
         help="the page whose easyvqa-summary block --publish rewrites ('' = none)",
     )
-    args = cli.parse(parser, argv)
-    if args.seeds == 1:
-        parser.error("--seeds must be at least 2: the main comparisons give an interval over seeds")
-    out = cli.output_dir(args.out, "--out")
-    if args.plots_only:
-        if not (out / "results.json").is_file():
-            raise UserError(
-                f"--plots-only redraws a finished experiment, but {out / 'results.json'} does not exist: "
-                "run the experiment into --out first"
-            )
-        finish(out, json.loads((out / "results.json").read_text()))
-    else:
-        budget = QUICK if args.quick else FULL
-        given = {k: getattr(args, k) for k in (*seed_counts, "rl_steps")}
-        budget = dataclasses.replace(budget, **{k: v for k, v in given.items() if v})
-        finish(out, run_all(out, budget, args.workers, "validation" if args.tune else "test"))
-    if args.publish:
-        publish(out, Path(args.publish), Path(args.readme) if args.readme else None)
-    return 0
+    return parser
 
 
 if __name__ == "__main__":
