@@ -24,7 +24,7 @@ from cohort_helpers import cohort, metrics, trained_fields, weights
 
 from vlm_corl.commands.train import main
 from vlm_corl.config import config_from_dict
-from vlm_corl.training.async_checkpoint import resolve_async
+from vlm_corl.config.schema import resolve_async
 from vlm_corl.training.checkpoint import latest_checkpoint, load_cohort_state
 from vlm_corl.training.loop import run_cohort
 

@@ -46,6 +46,7 @@ def test_a_lora_engine_serving_its_adapter_backs_its_base_up_on_the_host_while_i
             ],
             "rollout": {"engine": "vllm", "vllm": {"enable_sleep_mode": True, "lora_sync": lora_sync}},
             "data": {"prompt_cache_mb": 100},
+            "train": {"async_checkpoint": False},  # its host copies: tests/test_planner_counts.py
         }
     )
     plan = plan_cohort(cfg, Hardware(2, 80 * GB))

@@ -186,6 +186,7 @@ def test_host_memory_per_node_and_level1_sleep_backups():
             "members": [{"id": "qwen", "model": QWEN3B}, {"id": "intern", "model": INTERN, "trainable": False}],
             "rollout": {"engine": "vllm", "vllm": {"gpu_memory_utilization": 0.3, "enable_sleep_mode": True}},
             "data": {"batch_size": 8},
+            "train": {"async_checkpoint": False},  # the background checkpoints' copies: the test below
         }
     )
     plan = plan_cohort(cfg, Hardware(8, 80 * GB, ranks_per_node=4))  # qwen on node 0 (ranks 0-3), intern on node 1
@@ -195,6 +196,31 @@ def test_host_memory_per_node_and_level1_sleep_backups():
     assert "vllm_sleep_backups" not in plan.host.ranks[0].training  # a trained member sleeps at level 2
     assert plan.host.nodes() == [pytest.approx(node), pytest.approx(node + 4 * backup)]
     assert plan.to_dict()["host_memory_gb"] == [round(node / GB, 3), round((node + 4 * backup) / GB, 3)]
+
+
+@pytest.mark.parametrize("reward", ["ring", "peers_ema"])
+def test_background_checkpoints_hold_a_host_copy_of_each_model_on_the_rank_that_writes_it(reward):
+    """train.async_checkpoint auto, on CUDA without DeepSpeed: each model's writer (its member's first rank; an
+    EMA teacher's, its student's) holds a host copy of what the checkpoint writes of it from the step until the
+    files are on disk. By hand: the trained bf16 qwen 2P of weights + 8P of Adam's moments + 4P of fp32 masters;
+    the frozen intern its bf16 weights, 2P; an EMA teacher its fp32 weights, 4P. Other ranks copy nothing; written
+    at the step (async_checkpoint false, on a CPU, or under DeepSpeed), nothing is copied."""
+    members = [{"id": "qwen", "model": QWEN3B}, {"id": "intern", "model": INTERN, "trainable": False}]
+    cfg = {"members": members, "reward": {"mode": reward}, "data": {"batch_size": 8}}
+    plan = plan_cohort(config_from_dict(cfg), Hardware(8, 80 * GB, ranks_per_node=4))
+    teacher = 4 if reward == "peers_ema" else 0
+    copies = {r: h.training.get("checkpoint_copies") for r, h in enumerate(plan.host.ranks)}
+    assert copies == {
+        0: (14 + teacher) * P_QWEN3B,  # 52.6 GB with its teacher
+        **{r: None for r in (1, 2, 3, 5, 6, 7)},
+        4: (2 + teacher) * P_INTERN,
+    }
+    assert plan.host.ranks[0].peak == pytest.approx(3e9 + CACHE * (2 if teacher else 1) + copies[0])
+    for off in ({"train": {"async_checkpoint": False}}, {"train": {"deepspeed": ZERO2}}):
+        quiet = plan_cohort(config_from_dict({**cfg, **off}), Hardware(8, 80 * GB, ranks_per_node=4))
+        assert not any("checkpoint_copies" in h.training for h in quiet.host.ranks)
+    cpu = plan_cohort(config_from_dict(cfg), Hardware(8, 80 * GB, cuda=False, ranks_per_node=4))
+    assert not any("checkpoint_copies" in h.training for h in cpu.host.ranks)  # auto: off on a CPU
 
 
 def test_a_trained_member_at_sleep_level_1_adds_its_engines_weights_to_the_host_plan():

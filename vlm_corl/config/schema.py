@@ -518,6 +518,18 @@ def has_teachers(cfg: CohortConfig) -> bool:
     return cfg.reward.mode in TEACHER_MODES
 
 
+def resolve_async(setting: bool | str, device_type: str, deepspeed: bool) -> bool:
+    """Does this run write its checkpoints in the background? `train.async_checkpoint`: true | false | auto (on
+    CUDA, where a checkpoint's write is long against a step; on a CPU the host copy costs about as much as the
+    write). Never under DeepSpeed, whose engine writes its partitions itself. The run's writer and the memory
+    planner's host plan both follow it."""
+    if deepspeed:
+        return False
+    if setting == "auto":
+        return device_type == "cuda"
+    return bool(setting)
+
+
 def slots_per_member(cfg: CohortConfig) -> int:
     """How many slots (renderers, rollouts) each member has: two under a two-view or EMA-teacher reward, else
     one (the layouts of vlm_corl.training.slots, which the reward registry declares)."""

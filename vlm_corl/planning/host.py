@@ -12,7 +12,11 @@ Per rank, for a member of P parameters (A trained ones: P, or a LoRA member's ad
   (16A/G, pinned), and with offload_param the fp32 weight partitions (4P/G);
 - prompt caches: data.prompt_cache_mb per renderer (one per slot: two for co_rewarding's views and EMA teachers);
 - vLLM sleep mode at level 1 (frozen peers, EMA teachers, LoRA engines serving adapters, and fully trained members
-  under rollout.vllm.sleep_level 1): the engine's weights backed up in pinned host memory while it sleeps.
+  under rollout.vllm.sleep_level 1): the engine's weights backed up in pinned host memory while it sleeps;
+- background checkpoints (train.async_checkpoint, on by default on CUDA without DeepSpeed): the rank that writes a
+  model (its member's first; an EMA teacher's, its student's) holds a host copy of everything the checkpoint
+  writes of it (`Member.snapshot`: weights, Adam's moments, fp32 masters; the disk plan's bytes without the small
+  files) from the step until the files are on disk. One checkpoint is in flight at a time.
 A rank's peak is the larger of start-up (staging, with the offloaded state of the members before) and training.
 """
 
@@ -21,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlm_corl.config.engine_layout import vllm_engines_by_rank
-from vlm_corl.config.schema import CohortConfig, has_teachers, slots_per_member
+from vlm_corl.config.schema import CohortConfig, has_teachers, resolve_async, slots_per_member
 from vlm_corl.members.memory import GB
+from vlm_corl.planning.disk import checkpoint_disk
 from vlm_corl.planning.engines import TEACHER
 from vlm_corl.planning.layout import rollout_bytes, trained_params, zero_settings
 from vlm_corl.planning.shapes import ModelShape, Shapes
@@ -84,7 +89,8 @@ class HostPlan:
         per = max(self.ranks_per_node, 1)
         return (
             f"host memory: {shown} GB per node ({per} rank{'s' * (per > 1)} each; the largest rank, "
-            f"{worst.rank}, peaks at {worst.peak / GB:.1f} GB: staging, CPU offload, prompt caches, sleep backups)"
+            f"{worst.rank}, peaks at {worst.peak / GB:.1f} GB: staging, CPU offload, prompt caches, sleep backups, "
+            "background checkpoints' copies)"
         )
 
 
@@ -96,6 +102,7 @@ def host_memory(
     copy of its weights when it starts."""
     zero = zero_settings(cfg)
     ranks = sorted({r for rs in placement.values() for r in rs})
+    copies = _checkpoint_copies(cfg, shapes, placement, cuda)
     out = []
     for rank in ranks:
         host = HostRank(rank, {"process": HOST_PROCESS_BYTES}, {"process": HOST_PROCESS_BYTES})
@@ -113,8 +120,22 @@ def host_memory(
         backups = _sleep_backups(cfg, shapes, placement, rank) if cuda else 0.0  # vLLM sleeps on CUDA only
         if backups:
             host.training["vllm_sleep_backups"] = backups
+        if copies.get(rank):
+            host.training["checkpoint_copies"] = copies[rank]
         out.append(host)
     return HostPlan(out, ranks_per_node or len(ranks))
+
+
+def _checkpoint_copies(cfg: CohortConfig, shapes: Shapes, placement: dict, cuda: bool) -> dict[int, float]:
+    """{rank: bytes} of the host copies a background checkpoint holds on the ranks that write (see the module
+    docstring); empty when checkpoints are written at the step."""
+    if not resolve_async(cfg.train.async_checkpoint, "cuda" if cuda else "cpu", cfg.train.deepspeed is not None):
+        return {}
+    out: dict[int, float] = {}
+    for model, parts in checkpoint_disk(cfg, shapes).members.items():
+        writer = placement[model.removesuffix(TEACHER)][0]
+        out[writer] = out.get(writer, 0.0) + sum(v for part, v in parts.items() if part != "small_files")
+    return out
 
 
 def _offload_bytes(zero: dict, m, shape: ModelShape, ranks: int) -> float:

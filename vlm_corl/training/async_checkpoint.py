@@ -11,7 +11,7 @@ the latest, and `.tmp-step-N` is removed by the next save. The background thread
 group is driven by the main thread alone.
 
 A DeepSpeed member's engine writes its own state (`Member.save`): with one in the cohort, checkpoints are
-written at the step as before (`resolve_async`).
+written at the step as before (`config.schema.resolve_async`, which the memory planner reads too).
 """
 
 from __future__ import annotations
@@ -31,19 +31,6 @@ if TYPE_CHECKING:
     from vlm_corl.members.member import Member
 
 log = logging.getLogger("vlm_corl")
-
-
-def resolve_async(setting: bool | str, device_type: str, deepspeed: bool) -> bool:
-    """Does this run write its checkpoints in the background? `train.async_checkpoint`: true | false | auto (on
-    CUDA, where a checkpoint's write is long against a step; on a CPU the host copy costs about as much as the
-    write). Never under DeepSpeed, whose engine writes its partitions itself."""
-    if deepspeed:
-        if setting is True:
-            log.warning("train.async_checkpoint: DeepSpeed writes its own state: checkpoints are taken at the step")
-        return False
-    if setting == "auto":
-        return device_type == "cuda"
-    return bool(setting)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from vlm_corl.config import CohortConfig, ConfigError, save_config
 from vlm_corl.config.engine_layout import engine_layout_problems, member_engine
 from vlm_corl.config.loading import config_to_dict, config_warnings
 from vlm_corl.config.resume_rules import changed_at_resume
-from vlm_corl.config.schema import DatasetConfig
+from vlm_corl.config.schema import DatasetConfig, resolve_async
 from vlm_corl.data.loaders import DataError, load_examples, loader_category
 from vlm_corl.data.paraphrases import apply_paraphrases, read_cache
 from vlm_corl.data.records import Example
@@ -31,7 +31,7 @@ from vlm_corl.members.deepspeed_update import GroupMPU, attach_deepspeed, zero_s
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.members.state_files import corrupt_file
 from vlm_corl.planning.check import check_disk, check_launch, resolve_micro_batch, write_plan
-from vlm_corl.training.async_checkpoint import BackgroundCheckpoints, resolve_async
+from vlm_corl.training.async_checkpoint import BackgroundCheckpoints
 from vlm_corl.training.checkpoint import (
     check_resumed_data,
     data_fingerprint,
@@ -194,7 +194,10 @@ def _prompt_styles(cfg: CohortConfig, resume_from: Path | None) -> dict[str, str
 
 def background_checkpoints(cfg: CohortConfig, world: World) -> BackgroundCheckpoints | None:
     """The run's background checkpoint writer where `train.async_checkpoint` resolves on (`resolve_async`)."""
-    if not resolve_async(cfg.train.async_checkpoint, world.device.type, cfg.train.deepspeed is not None):
+    deepspeed = cfg.train.deepspeed is not None
+    if deepspeed and cfg.train.async_checkpoint is True and world.is_main:
+        log.warning("train.async_checkpoint: DeepSpeed writes its own state: checkpoints are taken at the step")
+    if not resolve_async(cfg.train.async_checkpoint, world.device.type, deepspeed):
         return None
     if world.is_main:
         log.info("checkpoints are written in the background (train.async_checkpoint)")
