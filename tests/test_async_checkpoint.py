@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -221,3 +222,99 @@ def test_two_processes_write_in_the_background_what_one_writes_at_the_step(tiny_
         for pa, pb in zip(sa["optimizer"]["state"].values(), sb["optimizer"]["state"].values(), strict=True):
             assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert len(load_cohort_state(two / "checkpoints" / "step-3")["rng"]) == 2  # both ranks' RNG states
+
+
+def test_two_overlapping_saves_of_one_module_leave_it_untouched(tmp_path, monkeypatch):
+    """R4-4: a background checkpoint's thread is still saving a member when `keep_best` saves the same module
+    from the main thread. Each save sets its own `should_save_on_this_rank` (never the live module's, which both
+    used to set and delete: the second delete raised AttributeError), and save_pretrained's writes of dtype and
+    architectures go to a copy of the config, not the trainer's."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vlm_corl.members.member import _write_model
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, dtype="bfloat16")  # fmt: skip
+    model = Qwen2ForCausalLM(cfg)  # fp32 weights under a bf16 config: a save would record float32 in it
+    inside, main_done, errors = threading.Event(), threading.Event(), {}
+    real = Qwen2ForCausalLM.save_pretrained
+
+    def save_pretrained(self, *args, **kwargs):
+        if threading.current_thread().name == "checkpoint-50":  # the big member's write: still going on
+            inside.set()
+            assert main_done.wait(30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "save_pretrained", save_pretrained)
+
+    def background() -> None:
+        try:
+            _write_model(model, tmp_path / "checkpoint", None, torch.bfloat16)
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            errors["background"] = repr(err)
+
+    thread = threading.Thread(target=background, name="checkpoint-50")
+    thread.start()
+    assert inside.wait(30)
+    try:
+        _write_model(model, tmp_path / "best", None, torch.bfloat16)  # keep_best's save_best, meanwhile
+    except BaseException as err:  # noqa: BLE001
+        errors["main"] = repr(err)
+    finally:
+        main_done.set()
+        thread.join()
+    assert errors == {}
+    assert "should_save_on_this_rank" not in vars(model)
+    assert model.config.dtype == torch.bfloat16 and model.config.architectures is None
+    for directory in ("checkpoint", "best"):
+        saved = weights(tmp_path / directory)
+        assert saved and all(torch.equal(saved[k], v) for k, v in model.state_dict().items() if k in saved)
+        assert json.loads((tmp_path / directory / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_keep_best_waits_for_the_background_write_of_the_same_member(tiny_zoo, tmp_path, monkeypatch):
+    """R4-4 in a run: checkpoints in the background at every step, an evaluation at every step whose member always
+    improves, and a writer slowed until the evaluation of its step is over (plus up to a second for keep_best's
+    save to start). The run completes; the saves of one module never overlap (keep_best waits for the pending
+    write); the last checkpoint and the best model are complete and load."""
+    from transformers import AutoConfig, PreTrainedModel
+
+    from vlm_corl.training import eval_phase
+
+    evaluated = {step: threading.Event() for step in range(3)}
+    best_saving, saves, inside = threading.Event(), [], []
+    real_save, real_evaluate = PreTrainedModel.save_pretrained, eval_phase.evaluate_cohort
+
+    def evaluate_cohort(run, eval_cfg, step):
+        rows = real_evaluate(run, eval_cfg, step)
+        evaluated[step].set()
+        return rows
+
+    def save_pretrained(self, *args, **kwargs):
+        name = threading.current_thread().name
+        inside.append(name)
+        saves.append((name, len(inside)))  # how many saves were going on at once
+        if name == "MainThread":
+            best_saving.set()
+        elif evaluated[int(name.split("-")[1])].wait(60):
+            best_saving.wait(1)  # without the wait, keep_best's save starts while this one goes on
+        try:
+            return real_save(self, *args, **kwargs)
+        finally:
+            inside.remove(name)
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_pretrained)
+    monkeypatch.setattr(eval_phase, "evaluate_cohort", evaluate_cohort)
+    monkeypatch.setattr(eval_phase, "improved", lambda rows, name, best: [r for r in rows if r["benchmark"] == name])
+    cfg = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"])], reward=REWARD)
+    cfg["train"].update(max_steps=2, save_every=1, async_checkpoint=True)
+    cfg["eval"] = {"benchmarks": ["easyvqa"], "every": 1, "limit": 3, "max_new_tokens": 4, "keep_best": "easyvqa"}
+    summary = run_cohort(config_from_dict(cfg))
+    run = Path(cfg["output_dir"])
+    assert summary["checkpoint"] == str(run / "checkpoints" / "step-2")
+    assert {name for name, _ in saves} == {"MainThread", "checkpoint-1", "checkpoint-2"}
+    assert max(n for _, n in saves) == 1, saves
+    for directory in (run / "checkpoints" / "step-2" / "q", run / "best" / "q"):
+        assert weights(directory).keys() == weights(tiny_zoo["qwen2_vl"]).keys()
+        assert AutoConfig.from_pretrained(directory).model_type == "qwen2_vl"
+    assert json.loads((run / "best" / "best.json").read_text())["q"]["step"] == 2

@@ -7,6 +7,7 @@ shared between two members.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -461,12 +462,14 @@ def _write_model(model, directory: Path, state: dict | None, dtype: torch.dtype 
     """`model.save_pretrained` into `directory` (weights from `state` where given), by whichever rank calls it,
     with the saved `dtype` recorded in config.json. transformers 5 writes only on world rank 0 once
     torch.distributed is up (`should_save_on_this_rank`); a member's writer is its own first rank, so that
-    decision is ours (the instance attribute wins)."""
-    model.should_save_on_this_rank = lambda is_main_process: is_main_process
-    try:
-        model.save_pretrained(directory, safe_serialization=True, state_dict=state)
-    finally:
-        del model.should_save_on_this_rank
+    decision is ours (the instance attribute wins). It is set on a shallow view of the module, never on the live
+    one: a background checkpoint's thread and `keep_best` may save the same module at once (each setting and
+    deleting the attribute raised AttributeError in the other), and save_pretrained writes the module's dtype and
+    architectures into the config it saves, here a copy (the trainer's config stays untouched by the thread)."""
+    view = copy.copy(model)  # the live module's parameters, buffers and submodules; its own attributes
+    view.config = copy.deepcopy(model.config)
+    view.should_save_on_this_rank = lambda is_main_process: is_main_process
+    view.save_pretrained(directory, safe_serialization=True, state_dict=state)
     if dtype is not None:
         _record_dtype(Path(directory) / "config.json", dtype)
 

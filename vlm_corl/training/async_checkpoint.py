@@ -106,6 +106,13 @@ class BackgroundCheckpoints:
                 raise RuntimeError(f"rank {rank} failed writing checkpoint step {pending.step}: {err}")
         return finish_checkpoint(self.world, self.run_dir, pending.step, pending.state, self.keep_last)
 
+    def written(self) -> None:
+        """Wait, on this process only, until the pending write's files are on disk (no collective: the checkpoint
+        is still completed at `poll` or `wait`). `keep_best` calls it before saving: the writer thread saves the
+        same modules, and two writes of one member never overlap (nor add up their host copies)."""
+        if self.pending is not None:
+            self.pending.thread.join()
+
     def abandon(self) -> None:
         """On a failure: let this process's write finish. A single process completes the checkpoint (it was
         taken at a step's end, whole); several leave it incomplete, the previous one the latest, since the other

@@ -50,6 +50,8 @@ def keep_best(run: CohortRun, rows: list[dict]) -> None:
     name = BENCHMARKS.get(run.cfg.eval.keep_best).name
     trained = {m.id for m in run.cfg.members if m.trainable}
     better = [r for r in improved(rows, name, run.best) if r["member"] in trained]
+    if better and run.checkpoints is not None:
+        run.checkpoints.written()  # a background checkpoint's thread may be writing the same modules
     for row in better:
         for m in run.members:
             if m.id == row["member"]:
