@@ -151,7 +151,7 @@ def test_a_partitioned_members_ranks_run_as_many_scoring_passes(threaded_all_red
 
     def per_position(model, prompts, responses, policy, fn):  # a forward: stats 1.0 on every response token
         forwards[model] = forwards.get(model, 0) + 1
-        return torch.ones(len(responses), 2, 2), torch.ones(len(responses), 2)
+        return torch.ones(len(responses), 2, 2), torch.ones(len(responses), 2), 0
 
     monkeypatch.setattr(update, "_per_position", per_position)
     responses = {0: 3, 1: 5}

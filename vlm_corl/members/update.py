@@ -68,8 +68,17 @@ def response_logprobs(
     return logp, mask
 
 
+@dataclass(frozen=True)
+class Ran:
+    """What a log-prob pass computed: its logits' dtype (the forward's compute dtype) and the input positions its
+    forward passes ran (padding included: it is computed too), the work behind `update_tokens`."""
+
+    dtype: torch.dtype
+    positions: int
+
+
 def _logprobs_and_dtype(model, prompt_inputs, responses, policy: Policy):
-    """`response_logprobs`, and the dtype of the logits they come from (the forward's compute dtype)."""
+    """`response_logprobs`, and what the passes ran (`Ran`)."""
     dtypes = []
 
     # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
@@ -77,9 +86,9 @@ def _logprobs_and_dtype(model, prompt_inputs, responses, policy: Policy):
         dtypes.append(logits.dtype)
         return selective_logprobs(logits, targets, policy.temperature, policy.suppressed, inplace_backward=True)
 
-    logp, mask = _per_position(model, prompt_inputs, responses, policy, policy_logp)
+    logp, mask, positions = _per_position(model, prompt_inputs, responses, policy, policy_logp)
     # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
-    return torch.where(mask.bool(), logp, 0.0), mask, dtypes[0]
+    return torch.where(mask.bool(), logp, 0.0), mask, Ran(dtypes[0], positions)
 
 
 @torch.no_grad()
@@ -108,7 +117,7 @@ def response_token_stats(
     means = []
     for n in range(max(passes or 0, len(starts))):
         i = starts[n] if n < len(starts) else 0
-        values, mask = _per_position(model, prompt_inputs[i : i + step], responses[i : i + step], policy, stats)
+        values, mask, _ = _per_position(model, prompt_inputs[i : i + step], responses[i : i + step], policy, stats)
         lengths = mask.sum(dim=1).clamp(min=1)
         if n < len(starts):
             means.append(torch.where(mask.bool()[..., None], values, 0.0).sum(dim=1) / lengths[:, None])  # (b, 2)
@@ -117,14 +126,21 @@ def response_token_stats(
 
 
 def _per_position(model, prompt_inputs, responses, policy: Policy, fn):
-    """fn(logits, targets) at every response position, through the shared-prompt path when prompts repeat."""
+    """fn(logits, targets) at every response position, through the shared-prompt path when prompts repeat; the
+    mask, and the input positions the forward passes ran (a shared prompt once, not once per response)."""
     # Checkpointed layers drop the cache (HF's GradientCheckpointingLayer), so they take the one-pass route.
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     # ZeRO-3 gathers weights in every forward: one pass per micro-batch keeps the ranks' passes in step (the
     # shared-prompt path skips its second pass for one-token responses).
     partitioned = hasattr(next(model.parameters()), "ds_id")
-    shared = len({id(p) for p in prompt_inputs}) < len(prompt_inputs) and not (checkpointed or partitioned)
-    return (_shared_prompt_logprobs if shared else _full_logprobs)(model, prompt_inputs, responses, policy, fn)
+    distinct = len({id(p) for p in prompt_inputs})
+    shared = distinct < len(prompt_inputs) and not (checkpointed or partitioned)
+    values, mask = (_shared_prompt_logprobs if shared else _full_logprobs)(model, prompt_inputs, responses, policy, fn)
+    prompt, t = max(p["input_ids"].shape[1] for p in prompt_inputs), mask.shape[1]
+    # collated batches: prompts left-padded to the longest, responses right-padded; the shared path runs each
+    # distinct prompt, then every response but its last token (the prompt's last position predicts the first)
+    ran = distinct * prompt + len(responses) * (t - 1) if shared else len(responses) * (prompt + t)
+    return values, mask, ran
 
 
 def _full_logprobs(model, prompt_inputs, responses, policy: Policy, policy_logp):
@@ -194,12 +210,13 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not two per
     # micro-batch.
     loss_sum = clipped_tokens = torch.zeros((), dtype=torch.float64, device=member.device)
-    grad_norm, skipped, compute = 0.0, 0, None  # compute: the dtype of the logits the loss saw
+    grad_norm, skipped, ran, positions = 0.0, 0, None, 0  # ran: the last pass's (`Ran`); positions: all passes
     mismatch = dict.fromkeys(MISMATCH_SUMS, 0.0)
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
         for i, (mb, old_logp) in enumerate(zip(micro, old)):
-            loss, clipped, mask, sums, compute = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
+            loss, clipped, mask, sums, ran = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
+            positions += ran.positions
             if n_pass == 0 and i < real:
                 mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
@@ -209,19 +226,20 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
             clipped_tokens = clipped_tokens + (clipped * mask).sum().double()
         grad_norm, applied = member.step(train.grad_clip, loss=loss_sum)
         skipped += not applied
-    summed = _rank_sums(member, loss_sum, clipped_tokens, work, mismatch)
+    summed = _rank_sums(member, loss_sum, clipped_tokens, len(work), positions, mismatch)
     stats = {
         "loss": summed["loss"] / algo.updates_per_batch,
         "grad_norm": grad_norm,
         "lr": lr,
         "clip_frac": summed["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
         "trained_seqs": int(summed["trained"]),
-        # prompt and response tokens through the forward and backward passes, all ranks: the update's work
-        # (~6 x parameters FLOPs per token), so its speed can be read against the device's
-        "update_tokens": int(summed["tokens"]) * algo.updates_per_batch,
+        # input positions through the forward and backward passes, all ranks: the update's work (~6 x parameters
+        # FLOPs per token), so its speed can be read against the device's; a prompt shared by a micro-batch's
+        # responses ran once (`_per_position`), and every pass of algo.updates_per_batch counts
+        "update_tokens": int(summed["tokens"]),
         "nonfinite_skipped": skipped,  # optimizer steps the numerical guard skipped (Member.step)
         # what the forward computed in (bf16 under autocast, DeepSpeed's or ours); None: no micro-batch ran
-        "compute_dtype": None if compute is None else str(compute).removeprefix("torch."),
+        "compute_dtype": None if ran is None else str(ran.dtype).removeprefix("torch."),
     }
     if algo.rollout_is != "none":
         stats.update(rollout_mismatch({k[3:]: v for k, v in summed.items() if k.startswith("is_")}))
@@ -229,17 +247,17 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
 
 
 def _rank_sums(
-    member, loss_sum: torch.Tensor, clipped_tokens: torch.Tensor, work: list[Sequence], mismatch: dict
+    member, loss_sum: torch.Tensor, clipped_tokens: torch.Tensor, trained: int, positions: int, mismatch: dict
 ) -> dict:
     """The update's sums over all the member's ranks, in one collective (the update's one host sync): the loss,
-    the clipped tokens, the sequences trained and their prompt and response tokens, and the off-policy mismatch
+    the clipped tokens, the sequences trained, the input positions their passes ran, and the off-policy mismatch
     sums (keys "is_...")."""
     return member.sum_over_ranks(
         {
             "loss": float(loss_sum),
             "clipped": float(clipped_tokens),
-            "trained": len(work),
-            "tokens": sum(s.prompt_inputs["input_ids"].shape[-1] + len(s.token_ids) for s in work),
+            "trained": trained,
+            "tokens": positions,
             **{f"is_{k}": v for k, v in mismatch.items()},
         }
     )
@@ -288,9 +306,9 @@ def _old_logprobs(member, micro: list[list[Sequence]], algo, rollout) -> list[to
 def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy, norm: tuple[int, int, int]):
     """One micro-batch's share of the loss (normalised by the whole batch's `norm` = (tokens, responses,
     Dr.GRPO constant)), its clipped-token mask, response mask, the off-policy mismatch sums ({} without the
-    correction) and the dtype of its logits. `old_logp` None: the rollout policy is the current one (its
-    log-probs, detached)."""
-    logp, mask, compute = _logprobs(member, mb, policy)
+    correction) and what its pass ran (`Ran`: its logits' dtype, its input positions). `old_logp` None: the
+    rollout policy is the current one (its log-probs, detached)."""
+    logp, mask, ran = _logprobs(member, mb, policy)
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = torch.tensor([s.advantage for s in mb], device=logp.device)
     token_loss, clipped = policy_token_loss(logp, old_logp, adv, mask, algo)
@@ -308,7 +326,7 @@ def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy
             ref_logp = _logprobs(member, mb, policy, model=member.reference)[0]
         token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
     loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1], const_norm=norm[2])
-    return loss, clipped, mask, sums, compute
+    return loss, clipped, mask, sums, ran
 
 
 def policy_token_loss(logp, old_logp, adv, mask, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,7 +369,7 @@ def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
 
 
 def _logprobs(member, mb: list[Sequence], policy: Policy, model=None):
-    """(log-probs, mask, the logits' dtype) of a micro-batch under the member's training module (or `model`, the
+    """(log-probs, mask, what the pass ran: `Ran`) of a micro-batch under the member's training module (or `model`, the
     KL anchor)."""
     model = model if model is not None else member.train_module
     with member.autocast(model):
