@@ -140,8 +140,9 @@ def _response_part(key: str, prompt_value: Tensor, response: list[int], t_max: i
 
 def response_mask(responses: list[list[int]], device: torch.device) -> Tensor:
     """(B, T) 1 on each response's tokens, 0 on the right padding up to the longest."""
-    lengths = torch.tensor([len(r) for r in responses], device=device)
-    return (torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]).long()
+    lengths = [len(r) for r in responses]
+    # T from the host's lengths: reading it back from the device would wait for its queue (a sync per micro-batch)
+    return (torch.arange(max(lengths), device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]).long()
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:

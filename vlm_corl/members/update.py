@@ -207,17 +207,17 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     old = _old_logprobs(member, micro, algo, rollout)
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
     policy = member.policy(rollout.temperature)
-    # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not two per
+    # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not several per
     # micro-batch.
     loss_sum = clipped_tokens = torch.zeros((), dtype=torch.float64, device=member.device)
     grad_norm, skipped, ran, positions = 0.0, 0, None, 0  # ran: the last pass's (`Ran`); positions: all passes
-    mismatch = dict.fromkeys(MISMATCH_SUMS, 0.0)
+    mismatch = dict.fromkeys(MISMATCH_SUMS, loss_sum)  # float64 zeros on the device (added to out of place)
     norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
         for i, (mb, old_logp) in enumerate(zip(micro, old)):
             loss, clipped, mask, sums, ran = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
             positions += ran.positions
-            if n_pass == 0 and i < real:
+            if sums and n_pass == 0 and i < real:
                 mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
             if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
                 loss, mask = loss * 0.0, mask * 0
@@ -249,16 +249,17 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
 def _rank_sums(
     member, loss_sum: torch.Tensor, clipped_tokens: torch.Tensor, trained: int, positions: int, mismatch: dict
 ) -> dict:
-    """The update's sums over all the member's ranks, in one collective (the update's one host sync): the loss,
-    the clipped tokens, the sequences trained, the input positions their passes ran, and the off-policy mismatch
-    sums (keys "is_...")."""
+    """The update's sums over all the member's ranks, in one collective: the loss, the clipped tokens, the sequences
+    trained, the input positions their passes ran, and the off-policy mismatch sums (keys "is_..."); the device's
+    sums (float64) read in one host sync."""
+    loss, clipped, *is_sums = torch.stack([loss_sum, clipped_tokens, *mismatch.values()]).tolist()
     return member.sum_over_ranks(
         {
-            "loss": float(loss_sum),
-            "clipped": float(clipped_tokens),
+            "loss": loss,
+            "clipped": clipped,
             "trained": trained,
             "tokens": positions,
-            **{f"is_{k}": v for k, v in mismatch.items()},
+            **{f"is_{k}": v for k, v in zip(mismatch, is_sums)},
         }
     )
 

@@ -138,11 +138,12 @@ def rollout_is_weights(
     train_logp: (B, T) the trainer's log-probs of the sampled tokens at rollout time (detached);
     rollout_logp: (B, T) the engine's; mask: (B, T) 1 on response tokens. A token whose engine log-prob is not
     finite gets weight 0 (excluded), and in the sequence modes its whole sequence (R_i is unknown); it is
-    counted. Returns (weights (B, T), sums: tokens (finite response tokens), abs_dlogp (|log pi_train -
-    log pi_rollout|) and kl (k3 estimate of KL(pi_rollout || pi_train): r - 1 - log r) over them, capped (those
-    tokens whose weight the cap changed: truncated or zeroed; in the sequence modes the tokens of the capped
-    sequences), nonfinite (tokens), seqs (sequences with a response token), capped_seqs (token modes: sequences
-    with a capped token; sequence modes: sequences with R_i > C)).
+    counted. Returns (weights (B, T), sums (0-d float64 tensors on the weights' device, so that a caller adding
+    them up over micro-batches reads them once, not each a host sync): tokens (finite response tokens), abs_dlogp
+    (|log pi_train - log pi_rollout|) and kl (k3 estimate of KL(pi_rollout || pi_train): r - 1 - log r) over
+    them, capped (those tokens whose weight the cap changed: truncated or zeroed; in the sequence modes the tokens
+    of the capped sequences), nonfinite (tokens), seqs (sequences with a response token), capped_seqs (token
+    modes: sequences with a capped token; sequence modes: sequences with R_i > C)).
     """
     real = mask.bool()
     finite = torch.isfinite(rollout_logp) & real
@@ -166,15 +167,15 @@ def rollout_is_weights(
     else:
         raise ValueError(f"mode must be one of {ROLLOUT_IS[1:]}, got {mode!r}")
     sums = {
-        "tokens": float(finite.sum()),
-        "abs_dlogp": float(delta.abs().sum()),
-        "kl": float(torch.where(finite, ratio - 1.0 - delta, 0.0).sum()),
-        "capped": float(over.sum()),
-        "nonfinite": float((real & ~finite).sum()),
-        "seqs": float(real.any(dim=-1).sum()),
-        "capped_seqs": float(capped_seqs.sum()),
+        "tokens": finite.sum(),
+        "abs_dlogp": delta.abs().sum(),
+        "kl": torch.where(finite, ratio - 1.0 - delta, 0.0).sum(),
+        "capped": over.sum(),
+        "nonfinite": (real & ~finite).sum(),
+        "seqs": real.any(dim=-1).sum(),
+        "capped_seqs": capped_seqs.sum(),
     }
-    return weights, sums
+    return weights, {k: v.double() for k, v in sums.items()}
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:

@@ -165,10 +165,11 @@ def sample(
         if stops is not None:
             alive &= stops.cut(tokens, active, lengths, synced, t)
         synced = t + 1
-        if t + 1 == limit or not bool(alive.any()):
+        left = 0 if t + 1 == limit else int(alive.sum())  # one read from the device per synchronisation
+        if not left:
             break
-        if not steps.keeps_rows and not bool(alive.all()):
-            active, alive, next_tokens = _drop_ended(steps, active, alive, next_tokens)
+        if not steps.keeps_rows and left < len(alive):
+            active, alive, next_tokens = _drop_ended(steps, active, alive, next_tokens, left)
             at = active
         logits = steps.logits(next_tokens, alive, t)
     return _results(tokens, stats, lengths, endings.eos_ids, stops)
@@ -195,10 +196,11 @@ def _choose_tokens(
 
 
 def _drop_ended(
-    steps, active: torch.Tensor, alive: torch.Tensor, next_tokens: torch.Tensor
+    steps, active: torch.Tensor, alive: torch.Tensor, next_tokens: torch.Tensor, left: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The batch without its ended rows, which leave the decoding steps' cache too (no work for them)."""
-    keep = alive.nonzero().squeeze(1)
+    """The batch without its ended rows (`left` of them still decode), which leave the decoding steps' cache too
+    (no work for them)."""
+    keep = alive.nonzero_static(size=left).squeeze(1)  # `left` known: no second read of the device
     steps.select(keep)
     return active[keep], alive[keep], next_tokens[keep]
 
@@ -249,7 +251,8 @@ def _check_finite(entropy: torch.Tensor, within: torch.Tensor) -> None:
     One NaN or infinite logit makes that token's entropy NaN (-p log p over the softmax: NaN everywhere for NaN
     or +inf, 0 x -inf for -inf), so (R, T) numbers are checked once per rollout instead of (R, V) logits per
     token. A token sampled meanwhile from NaN is clamped into the vocabulary, and the rollout is refused here."""
-    if not bool(torch.isfinite(entropy[within]).all()):
+    # one read: a boolean-mask index would be a second (its size depends on the data)
+    if not bool((torch.isfinite(entropy) | ~within).all()):
         raise NonFiniteLogits(
             "its forward pass gave non-finite logits (its weights or activations hold NaN or infinity: a diverged "
             "model, or an overflow in its compute dtype)"
