@@ -36,6 +36,22 @@ def serves_lower(rollout: torch.dtype, weights: torch.dtype) -> bool:
     return rollout != weights and rollout in (torch.bfloat16, torch.float16)
 
 
+def samples_from_copy(
+    moves: bool, lora: bool, zero_stage: int | None, engine: str, rollout: torch.dtype, weights: torch.dtype
+) -> bool:
+    """Whether a member's HF rollouts sample from a frozen copy of its weights in the `rollout` dtype
+    (`rollout_copy`, refreshed in place at every weight sync) rather than from the `weights` themselves.
+
+    Yes for weights that `moves` (a trained member's fp32 masters, an EMA teacher's fp32 weights) served below
+    their precision on the HF engine: sampling them under autocast caches fp32 keys (transformers 5.19 fp32
+    values too) and keeps the static decoder from running (`index_copy_` of bf16 into an fp32 cache), and a
+    compiled step re-casts every weight at every token, where the copy costs 2 bytes a parameter once. Not for
+    a LoRA member (its frozen base is already in its loaded dtype), a ZeRO-3 member (its DeepSpeed engine keeps
+    its own copy: `deepspeed_update.attach_deepspeed`), a vLLM engine (it holds its own weights), or a frozen
+    peer (cast once at load: `cast_parameters`)."""
+    return moves and not lora and zero_stage != 3 and engine == "hf" and serves_lower(rollout, weights)
+
+
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast a frozen model's floating parameters to `dtype` in place, once (a member that never trains: served
     in the rollout dtype, where autocast would recast every frozen weight at every decoded token, since it
@@ -50,7 +66,7 @@ def rollout_copy(model: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     """A frozen copy of `model` to sample from, on `device`: its parameters in the rollout `dtype`, its buffers
     as they are (see `cast_parameters`). Each parameter is cast as it is copied (tied ones once), so the host
     never holds a second full-precision model (an 11B member would need 44 GB more per rank). The HF engine's
-    copy of a ZeRO-3 member, and of an EMA teacher, whose fp32 weights the EMA steps need."""
+    copy of a ZeRO-3 member, and of a trained member or an EMA teacher where `samples_from_copy` says so."""
     cast = {
         id(p): torch.nn.Parameter(p.detach().to(device=device, dtype=dtype), requires_grad=False)
         for p in model.parameters()

@@ -35,7 +35,8 @@ from vlm_corl.config.engine_layout import engine_layout_problems
 from vlm_corl.config.schema import CohortConfig, MemberConfig, has_teachers
 from vlm_corl.distributed.world import PlacementError, place_members, shard
 from vlm_corl.members.memory import GB, Layout, member_bytes
-from vlm_corl.members.precision import update_autocast_dtype
+from vlm_corl.members.precision import samples_from_copy, update_autocast_dtype
+from vlm_corl.members.static_decode import use_static_cache
 from vlm_corl.planning import estimates as est
 from vlm_corl.planning.disk import DiskPlan, checkpoint_disk
 from vlm_corl.planning.engines import TEACHER, EngineShare, SlotKV, engine_shares, slot_minimum
@@ -52,6 +53,7 @@ STATES = (
     "gradients",
     "optimizer",
     "full_copy",
+    "rollout_copy",
     "kl_reference",
     "ema_teacher",
     "ema_teacher_copy",
@@ -307,7 +309,8 @@ def _zero2_room(launch: _Launch, ranks: list[RankPlan]) -> dict[int, dict[str, f
             own = sum(it.bytes for it in mine if it.part == "weights")
             free = launch.hw.device_bytes - RESERVE_BYTES - before - own if launch.hw.cuda else 0.0
             out.setdefault(plan.rank, {})[member] = free
-            before += sum(it.bytes for it in mine if it.part != "ema_teacher")
+            # EMA teachers and rollout copies are built with the slots, once every member has started
+            before += sum(it.bytes for it in mine if it.part not in ("ema_teacher", "rollout_copy"))
     return out
 
 
@@ -330,8 +333,11 @@ def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -
             add(part, nbytes, "update" if part == "gradients" and layout.zero == 2 else "resident")
     if layout.ema_teacher:
         add("ema_teacher", 4 * shape.params, "resident")
-        if layout.engine == "hf" and layout.rollout_bytes < 4:  # its copy in the rollout dtype to sample from
+        if _copies(True, False, None, layout):  # its copy in the rollout dtype to sample from
             add("ema_teacher_copy", layout.rollout_bytes * shape.params, "resident")
+    copy = _copies(m.trainable, bool(layout.adapters), layout.zero, layout)
+    if copy:  # a trained member's fp32 masters sampled from their bf16 copy (`precision.samples_from_copy`)
+        add("rollout_copy", layout.rollout_bytes * shape.params, "resident")
     if m.trainable:
         _update_items(launch, shape, layout, prompts * r.n, add)
     if layout.engine == "vllm":
@@ -341,14 +347,29 @@ def _member_items(launch: _Launch, m: MemberConfig, rank: int, plan: RankPlan) -
         return
     patches = shape.patches_per_image(cfg.data.max_image_pixels)
     batch = est.RolloutBatch(prompts, r.n, r.max_prompt_tokens, r.max_new_tokens)
-    fp32_weights = not layout.adapters or layout.frozen_bytes == 4  # a LoRA base in bf16 samples as it is
-    # fp32 masters sampled under autocast (a ZeRO-3 member samples from its copy in the rollout dtype)
-    autocast = m.trainable and layout.zero != 3 and layout.rollout_bytes < 4 and fp32_weights
-    hf = est.hf_rollout_bytes(shape, batch, patches, layout.rollout_bytes, 4 if autocast else layout.rollout_bytes)
+    # fp32 weights sampled under autocast: left only for a LoRA member's fp32 base (a trained member's masters
+    # sample from their copy, a ZeRO-3 member's from its engine's, a LoRA base in bf16 as it is)
+    autocast = m.trainable and not copy and layout.zero != 3 and layout.rollout_bytes < 4 and layout.frozen_bytes == 4
+    static = hw.cuda and use_static_cache(r.hf_static_cache, _device(True)) and _static_fits(m, shape)
+    weights = 4 if autocast else layout.rollout_bytes
+    hf = est.hf_rollout_bytes(shape, batch, patches, layout.rollout_bytes, weights, static)
     for part, nbytes in hf.items():
         add(f"rollout_{part}", nbytes, "rollout")
-    if autocast:  # the rollout's autocast caches one bf16 cast of each fp32 master
+    if autocast:  # the rollout's autocast caches one bf16 cast of each fp32 weight
         add("autocast_weights", layout.rollout_bytes * shape.params, "rollout")
+
+
+def _copies(moves: bool, lora: bool, zero: int | None, layout: Layout) -> bool:
+    """`precision.samples_from_copy` for weights of `layout` that `moves` (fp32: a trained member's masters, an EMA
+    teacher's weights), planned from bytes per parameter."""
+    rollout = {4: torch.float32, 2: torch.bfloat16}[layout.rollout_bytes]
+    return samples_from_copy(moves, lora, zero, layout.engine, rollout, torch.float32)
+
+
+def _static_fits(m: MemberConfig, shape: ModelShape) -> bool:
+    """Whether member `m`'s HF rollouts decode over the static cache where it is on: sdpa attention over a model
+    whose self-attention it holds (`ModelShape.static_decode`)."""
+    return m.attn_implementation == "sdpa" and shape.static_decode
 
 
 def _update_items(launch: _Launch, shape: ModelShape, layout: Layout, rows: int, add) -> None:

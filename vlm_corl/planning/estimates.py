@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlm_corl.members.static_decode import bucket_length, bucket_rows
 from vlm_corl.planning.shapes import ModelShape
 
 LOGITS_FACTOR = 1.5  # the update's log-prob pass peaks at 1.5 x one copy of its logits (bench/memory.py's target)
@@ -80,12 +81,14 @@ def kv_bytes_per_token(shape: ModelShape, key_bytes: int, value_bytes: int | Non
 
 def hf_kv_dtypes(rollout_bytes: int, weights_bytes: int) -> tuple[int, int]:
     """(key, value) bytes per element of the HF rollout's KV cache, computed in the `rollout_bytes` dtype from
-    weights of `weights_bytes`. Under autocast over fp32 weights (weights_bytes 4, rollout_bytes 2) the residual
-    stream stays fp32, so the rotary embedding's cos and sin (cast to the hidden states' dtype) are fp32 and
-    `k * cos` promotes the keys to fp32, while the values come out of v_proj in bf16 and are cached as they are
-    (tests/test_planner_counts.py checks a tiny Qwen2 under CPU autocast). Weights in the rollout dtype (a ZeRO-3
-    member's bf16 copy, a LoRA member's bf16 base, a frozen peer cast at load) give both in it."""
-    return max(rollout_bytes, weights_bytes), rollout_bytes
+    weights of `weights_bytes`. Weights in the rollout dtype (a trained member's or an EMA teacher's bf16 rollout
+    copy, a ZeRO-3 member's, a LoRA member's bf16 base, a frozen peer cast at load) give both in it. Under
+    autocast over fp32 weights (left only for a LoRA member's fp32 base) the residual stream stays fp32, so the
+    rotary embedding's cos and sin are fp32 and `k * cos` promotes the keys to fp32; the values come out of
+    v_proj in bf16, but transformers 5.19 (the GPU stack's) allocates a cache layer's values in its keys' dtype,
+    so both are counted at the weights' bytes (5.25 keeps bf16 values: an upper bound there;
+    tests/test_planner_counts.py checks a tiny Qwen2 under CPU autocast)."""
+    return max(rollout_bytes, weights_bytes), max(rollout_bytes, weights_bytes)
 
 
 @dataclass(frozen=True)
@@ -100,20 +103,53 @@ class RolloutBatch:
 
 
 def hf_rollout_bytes(
-    shape: ModelShape, batch: RolloutBatch, patches: int, dtype_bytes: int, weights_bytes: int
+    shape: ModelShape, batch: RolloutBatch, patches: int, dtype_bytes: int, weights_bytes: int, static: bool = False
 ) -> dict[str, float]:
     """The HF engine's rollout of `batch` in the `dtype_bytes` dtype from weights of `weights_bytes`: the KV
     cache of every row at its longest (its keys and values as `hf_kv_dtypes` says), and the prefill's transient
     (one layer's activations over the prompts, without gradients; the vision tower's over their images,
-    `patches` each), in the rollout dtype."""
+    `patches` each), in the rollout dtype. With `static` (the static decoder on CUDA) the decode's KV is its
+    bucket instead, with its CUDA-graph pool and the prefix's KV while it is copied in (`static_decode_bytes`)."""
     prompts, prompt_tokens = batch.prompts, batch.prompt_tokens
     rows = prompts * batch.n
-    per_token = kv_bytes_per_token(shape, *hf_kv_dtypes(dtype_bytes, weights_bytes))
+    kv_dtypes = hf_kv_dtypes(dtype_bytes, weights_bytes)
+    per_token = kv_bytes_per_token(shape, *kv_dtypes)
     kv = rows * (prompt_tokens + batch.new_tokens) * per_token
     transient = prompts * prompt_tokens * dtype_bytes * (4 * shape.hidden + 2 * shape.intermediate)
     if shape.is_vision:
         transient += prompts * patches * dtype_bytes * (4 * shape.vision_hidden + 2 * shape.vision_intermediate)
-    return {"kv_cache": float(kv), "prefill": float(transient + rows * shape.vocab * 4 * 4)}
+    prefill = float(transient + rows * shape.vocab * 4 * 4)
+    if not static:
+        return {"kv_cache": float(kv), "prefill": prefill}
+    return {**static_decode_bytes(shape, batch, kv_dtypes, prefill), "prefill": prefill}
+
+
+def static_decode_bytes(
+    shape: ModelShape, batch: RolloutBatch, kv_dtypes: tuple[int, int], prefill: float
+) -> dict[str, float]:
+    """The static decoder's memory in an HF rollout of `batch` (`vlm_corl.members.static_decode`), keys and values
+    of `kv_dtypes` bytes, beside the prefill's transient of `prefill` bytes. Nothing of it is held through the
+    update: the prefix's KV is dropped once copied into the bucket, and `HFEngine.sleep` frees the buckets.
+
+    - `static_kv_cache`: the bucket, `bucket_rows(rows)` x `bucket_length(prompt + new tokens)` positions (rows
+      rounded up to a power of two, positions to a multiple of 256), in place of rows x (prompt + new tokens).
+    - `static_graph_pool`: the CUDA-graph pool of the captured step's intermediates, counted as its two largest:
+      the (bucket rows, vocab) logits the step returns, at 4 bytes (fp32, an upper bound of a bf16 lm_head's
+      output), and one layer's K/V replicated to the query heads over the whole bucket (transformers repeats
+      GQA K/V whenever a mask is passed, as the static step always does), heads x head_dim per position, in the
+      cache's dtypes. The rest (one position's hidden states and MLP) is small beside them.
+    - `static_prefix_kv`: the prefix's own KV (rows x prompt) exists beside the bucket while it is copied in,
+      after the prefill's transient is gone: the part of it the transient does not already cover."""
+    rows, length = bucket_rows(batch.prompts * batch.n), bucket_length(batch.prompt_tokens + batch.new_tokens)
+    bucket = rows * length * kv_bytes_per_token(shape, *kv_dtypes)
+    heads = shape.heads or shape.hidden // shape.head_dim
+    pool = rows * shape.vocab * 4 + rows * length * heads * shape.head_dim * sum(kv_dtypes)
+    prefix = batch.prompts * batch.n * batch.prompt_tokens * kv_bytes_per_token(shape, *kv_dtypes)
+    return {
+        "static_kv_cache": float(bucket),
+        "static_graph_pool": float(pool),
+        "static_prefix_kv": max(0.0, prefix - prefill),
+    }
 
 
 def vllm_kv_need(shape: ModelShape, sequences: int, max_model_len: int, dtype_bytes: int) -> tuple[float, float]:

@@ -16,7 +16,12 @@ Per rank, for a member of P parameters (A trained ones: P, or a LoRA member's ad
 - background checkpoints (train.async_checkpoint, on by default on CUDA without DeepSpeed): the rank that writes a
   model (its member's first; an EMA teacher's, its student's) holds a host copy of everything the checkpoint
   writes of it (`Member.snapshot`: weights, Adam's moments, fp32 masters; the disk plan's bytes without the small
-  files) from the step until the files are on disk. One checkpoint is in flight at a time.
+  files) from the step until the files are on disk. One checkpoint is in flight at a time. The trainer state
+  (Adam's moments, the masters) is copied into pinned memory (`state_files.host_copy`), whose CachingHostAllocator
+  rounds each tensor up to a power of two of bytes and keeps the blocks for the process's life: planned per tensor
+  from the model's parameter shapes (`ModelShape.pow2_params`; each state tensor has its parameter's shape), and
+  at the upper bound of 2x for a LoRA member's adapters, whose shapes the planner does not read
+  (`PINNED_ADAPTER_ROUNDING`). The weights themselves are copied to pageable memory (`member._saved`): no rounding.
 A rank's peak is the larger of start-up (staging, with the offloaded state of the members before) and training.
 """
 
@@ -40,6 +45,7 @@ ZERO3_STAGING_BYTES = 8  # per parameter: the fp32 host model (4) and the tensor
 ZERO2_HOST_FLATTEN_BYTES = 8  # per trained parameter: the weights moved to the host (4) and their flat copy (4)
 OFFLOAD_OPTIMIZER_BYTES = 16  # per trained parameter / G: fp32 master 4, Adam's moments 8, fp32 gradients 4
 OFFLOAD_PARAM_BYTES = 4  # per parameter / G: the fp32 weight partitions
+PINNED_ADAPTER_ROUNDING = 2.0  # a power-of-two rounding at most doubles a tensor (the bound for unread shapes)
 
 
 @dataclass
@@ -132,10 +138,22 @@ def _checkpoint_copies(cfg: CohortConfig, shapes: Shapes, placement: dict, cuda:
     if not resolve_async(cfg.train.async_checkpoint, "cuda" if cuda else "cpu", cfg.train.deepspeed is not None):
         return {}
     out: dict[int, float] = {}
+    members = {m.id: m for m in cfg.members}
     for model, parts in checkpoint_disk(cfg, shapes).members.items():
-        writer = placement[model.removesuffix(TEACHER)][0]
-        out[writer] = out.get(writer, 0.0) + sum(v for part, v in parts.items() if part != "small_files")
+        m = members[model.removesuffix(TEACHER)]
+        writer = placement[m.id][0]
+        pinned = parts.get("optimizer", 0.0) * pinned_rounding(m.lora is not None, shapes[m.id])
+        unpinned = sum(v for part, v in parts.items() if part not in ("small_files", "optimizer"))
+        out[writer] = out.get(writer, 0.0) + unpinned + pinned
     return out
+
+
+def pinned_rounding(lora: bool, shape: ModelShape) -> float:
+    """How much larger a pinned host copy of a trainer state is than its bytes: each tensor rounded up to a power
+    of two (see the module docstring), per parameter shape for full fine-tuning, 2x for a LoRA member's adapters."""
+    if lora or not shape.pow2_params:
+        return PINNED_ADAPTER_ROUNDING
+    return shape.pow2_params / shape.params
 
 
 def _offload_bytes(zero: dict, m, shape: ModelShape, ranks: int) -> float:

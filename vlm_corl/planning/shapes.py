@@ -51,6 +51,12 @@ class ModelShape:
     patch_size: int = 0
     fixed_patches: int = 0  # patches per image of a tiled/fixed-size tower (0: the image's pixels decide)
     processor_dir: str = ""  # a generic member's directory: its own image processor decides (`processor_patches`)
+    heads: int = 0  # the language model's query heads (0: hidden // head_dim)
+    # Whether its self-attention fits the HF engine's static decoder (`static_decode.unsupported`: full attention
+    # in every layer, no cross-attention, plain static cache layers); True where unknown (its bucket is the
+    # larger count)
+    static_decode: bool = True
+    pow2_params: int = 0  # the sum over its parameter tensors of their elements rounded up to a power of two
 
     @property
     def is_vision(self) -> bool:
@@ -102,8 +108,7 @@ def text_sizes(text, model_dir: str) -> dict[str, int]:
     if missing:
         names = "; ".join(f"{key}: {' or '.join(TEXT_SIZES[key])}" for key in missing)
         raise UserError(f"{model_dir}: cannot plan this model: its config.json names none of ({names})")
-    heads = found.pop("heads")
-    return {**found, "head_dim": _first(text, "head_dim") or found["hidden"] // heads}
+    return {**found, "head_dim": _first(text, "head_dim") or found["hidden"] // found["heads"]}
 
 
 @lru_cache(maxsize=8)
@@ -155,6 +160,8 @@ def model_shape(model_dir: str) -> ModelShape:
     fields = dict(
         params=sum(p.numel() for p in params),
         largest_tensor=max(p.numel() for p in params),
+        pow2_params=sum(pow2_ceil(p.numel()) for p in params),
+        static_decode=static_decodable(config),
         checkpoint_bytes=DTYPE_BYTES.get(dtype.removeprefix("torch."), 4),
         **text_sizes(text, model_dir),
     )
@@ -174,6 +181,26 @@ def model_shape(model_dir: str) -> ModelShape:
             processor_dir=model_dir if _generic_with_processor(model_dir, config.model_type) else "",
         )
     return ModelShape(**fields)
+
+
+def pow2_ceil(n: int) -> int:
+    """`n` rounded up to a power of two (torch's CachingHostAllocator rounds each pinned block so)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def static_decodable(config) -> bool:
+    """Whether the HF engine's static decoder can hold a model of `config`'s decoding state: the checks of
+    `static_decode.unsupported` that the config alone decides (full attention without a sliding window in every
+    layer, no cross-attention layers, plain static cache layers); its attention implementation is the member's
+    (sdpa: `cohort`)."""
+    from transformers import StaticCache
+
+    text = config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    if layer_types != {"full_attention"} or sliding or getattr(text, "cross_attention_layers", None):
+        return False
+    return {type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers} == {"StaticLayer"}
 
 
 Shapes = dict[str, ModelShape]  # member id -> its model's shape, one plan's (`cohort_shapes`)
@@ -228,6 +255,7 @@ def _shape_from_weights(model_dir: str) -> ModelShape:
     return ModelShape(
         params=sum(shapes),
         largest_tensor=max(shapes),
+        pow2_params=sum(pow2_ceil(n) for n in shapes),
         checkpoint_bytes=DTYPE_BYTES.get(dtype.removeprefix("torch."), 4),
         **text_sizes(text, model_dir),
     )
