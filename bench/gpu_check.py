@@ -4,31 +4,47 @@ machine has, as one JSON object on stdout.
 
 Each check runs in a process of its own, with its own time limit, so a crash, a hang or a leak in one spoils no
 other; its work directory is measured (`disk_gb`) and deleted once read. The whole check keeps within
-`--budget` seconds (a check that would start past it says `skipped`); `--only NAME[,NAME]` reruns some (the
-members are built first when they are not in `--out` already). On an H200 the default 300 s ran members, train,
-zero2, lora and resume (294 s); a second call with `--only` and the rest's names takes the others (decode_sync
-30 s, rope_buffers 18 s; rollout_precision, zero3 and zero3_offload not yet timed there).
+`--budget` seconds: a check starts only if the budget left covers its expected seconds (`expected_seconds`: what
+it took on this machine before, kept in the work directory's seconds.json; else what it took on an H200,
+MEASURED_S; else its own limit, LIMIT_S); otherwise it is `skipped` with the reason, as is one stopped at the
+budget's end, and the result stays ok if every check that ran passed. `rerun` in the JSON names the checks to
+pass to `--only` next (the members are built first when they are not in `--out` already; `--out` defaults to a
+kept directory, so a rerun reuses them).
+
+Time, by estimate (not yet measured together): on an H200 members 32 s, train 89 s, zero2 49 s, lora 54 s, resume
+70 s and rope_buffers 18 s were measured (2026-12-04, before the static KV cache was on by default; the training
+checks now turn it off); the others have their limits only (static_autocast, decode_sync with its static
+schedule's compile, preflight, rollout_precision, zero3, zero3_offload: about 60-100 s each, estimated). All of
+them take about 12 minutes: bench/gpu_check.sh's default (a 6-minute call) runs what fits, in CHECKS' order, and
+a second call with `--only` and `rerun`'s names takes the rest.
 
 On CUDA (`--size real`, the default there): members with released architectures and random bf16 weights
 (Qwen2-VL-2B and InternVL3-2B, `python -m vlm_corl.zoo --real`), one GPU.
 - `members`: building them (parameters, seconds) and the card's bf16 matmul speed (`peak_tflops`, the MFU's
   denominator);
-- `preflight`: `corl preflight` (vlm_corl.training.preflight_checks, what users run first on their node) over the
-  train check's cohort: its verdict and every number (the phases' peaks against the plan, the rollout guard's
-  number after a push, a checkpoint of the largest member written and deleted), so the device check runs the
-  users' code;
-- `train`: the 2-member cohort on easy-vqa, both members on the one card, bf16 compute, gradient checkpointing;
-- `zero2`, `zero3`, `zero3_offload`: the Qwen2-VL member alone under each shipped DeepSpeed config in one
-  process (`configs/deepspeed/`; zero3_offload is gpu_1gpu_2vlm.yaml's);
-- `lora`: the Qwen2-VL member as a LoRA member (base frozen in bf16, fp32 adapters r 16), its adapter's size;
-- `resume`: the LoRA member trained in a subprocess killed (SIGKILL) after its first checkpoint of six, then
-  resumed: every step's row once, the last checkpoint complete, the losses finite (a LoRA checkpoint is MBs: a
-  full 2B member's with Adam is 35 GB);
+- `train`: the 2-member cohort on easy-vqa, both members on the one card, bf16 compute, gradient checkpointing
+  (`--profile`: torch.profiler over its last step's rollout and update, their ten costliest operators);
+- `static_autocast`: the HF engine's static KV cache with a trainable member (fp32 masters, rolled out under bf16
+  autocast) at a realistic prompt length (~1.5k tokens, 128 rows): its fallbacks, the decode's peak memory
+  against the plan's rollout figure, the bytes its buckets hold after the engine's sleep, tokens/s static vs
+  eager;
 - `decode_sync`: the HF decode loop's schedules (reading the device every 8 tokens, the ready-made decoding
   mask, the KV cache with reserved room, the static KV cache with its steps captured as CUDA graphs) each fed
   one fixed token sequence (teacher-forced): the per-token log-probs each gives against reading every token
   with transformers' own mask and cache, their seconds and tokens/s (the static one's first call, which
-  compiles and captures, timed apart);
+  compiles and captures, timed apart). The only check besides static_autocast that decodes statically: every
+  training check's cohort sets `rollout.hf_static_cache: off`, so no other process pays a compile;
+- `preflight`: `corl preflight` (vlm_corl.training.preflight_checks, what users run first on their node) over
+  the check's two members as LoRA members: its verdict and every number (the phases' peaks against the plan, the
+  rollout guard's number after a push, the largest member's checkpoint written and deleted: an adapter of MBs,
+  where a full 2B member's with Adam is ~31 GB on the lent machine's 64 GB disk), so the device check runs the
+  users' code;
+- `zero2`, `zero3`, `zero3_offload`: the Qwen2-VL member alone under each shipped DeepSpeed config in one
+  process (`configs/deepspeed/`; zero3_offload is gpu_1gpu_2vlm.yaml's; skipped, with the reason, where
+  deepspeed cannot be imported);
+- `lora`: the Qwen2-VL member as a LoRA member (base frozen in bf16, fp32 adapters r 16), its adapter's size;
+- `resume`: the LoRA member trained in a subprocess killed (SIGKILL) after its first checkpoint of six, then
+  resumed: every step's row once, the last checkpoint complete, the losses finite;
 - `rollout_precision`: HF rollouts of fp32 masters in fp32, under bf16 autocast and from a bf16 copy
   (bench/rollout_precision.py);
 - `rope_buffers`: the HF engine's bf16 copy of a ZeRO-3 member keeps RoPE's inv_freq in fp32.
@@ -54,7 +70,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -69,16 +84,25 @@ import torch  # noqa: E402
 
 REAL = {"qwen": "qwen2-vl-2b-instruct", "intern": "internvl3-2b-hf"}
 TINY = {"qwen": "qwen2_vl", "intern": "internvl"}
-SIZES = {  # rollout and batch settings per size; `resume` trains at `resume_*` (it checks order, not speed)
+SIZES = {  # rollout and batch settings per size; `resume` trains at `resume_*` (it checks order, not speed);
+    # static_autocast rolls out `static_prompts` x `static_n` rows of about `static_prompt_tokens` prompt tokens
     "real": dict(batch=8, n=4, max_new_tokens=128, micro=4, precision_prompts=8, precision_tokens=32,
-                 resume_batch=4, resume_n=2, resume_tokens=16),
+                 resume_batch=4, resume_n=2, resume_tokens=16, static_prompts=32, static_n=4,
+                 static_prompt_tokens=1500, static_tokens=64),
     "tiny": dict(batch=4, n=2, max_new_tokens=8, micro=8, precision_prompts=2, precision_tokens=8,
-                 resume_batch=4, resume_n=2, resume_tokens=8),
+                 resume_batch=4, resume_n=2, resume_tokens=8, static_prompts=2, static_n=2,
+                 static_prompt_tokens=120, static_tokens=8),
 }  # fmt: skip
 LIMIT_S = {  # each check's own time limit at the real size (s): about twice what it took on an H200 (2026-12-04)
-    "members": 90, "train": 150, "zero2": 100, "lora": 100, "resume": 120, "decode_sync": 240, "rope_buffers": 45,
+    "members": 90, "train": 150, "zero2": 100, "lora": 100, "resume": 120, "rope_buffers": 45,
+    # not yet timed on a GPU: estimates, about twice what their parts should take
+    "static_autocast": 150,  # load a 2B member, two eager and two static rollouts of 128 rows, one compile
+    "decode_sync": 150,  # 30 s measured before its static schedule, plus that schedule's compile and capture
+    "preflight": 120,  # two LoRA members loaded, one step, an adapter checkpoint
     "rollout_precision": 90, "zero3": 150, "zero3_offload": 150,
-    "preflight": 150,  # not yet timed there: it writes (and deletes) a full 2B member's checkpoint, ~35 GB
+}  # fmt: skip
+MEASURED_S = {  # what each took on an H200 (2026-12-04; docs/gpu.md), the expected seconds until this machine's own
+    "members": 31.6, "train": 88.6, "zero2": 49.3, "lora": 53.8, "resume": 70.3, "rope_buffers": 18.3,
 }  # fmt: skip
 LIMIT_TINY_S = 240
 RESUME_STEPS = 6  # a checkpoint each: enough that the kill lands before the end, even on a loaded machine
@@ -94,6 +118,7 @@ class Context:
     steps: int
     settings: dict
     members: dict  # members.json: {"paths": {key: dir}, "parameters": {key: n}, "peak_tflops": float, ...}
+    profile: bool = False  # --profile: the train check's last step under torch.profiler
 
     def path(self, key: str) -> Path:
         return Path(self.members["paths"][key])
@@ -122,7 +147,8 @@ def members_check(ctx: Context) -> dict:
         params = {k: parameter_count(Path(p)) for k, p in paths.items()}
     seconds = round(time.perf_counter() - start, 1)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    report = {"device": device, "paths": paths, "parameters": params, "build_seconds": seconds, **matmul_speed()}
+    report = {"device": device, "size": ctx.size, "paths": paths, "parameters": params, "build_seconds": seconds,
+              **matmul_speed()}  # fmt: skip
     (models / "members.json").write_text(json.dumps(report))
     return report
 
@@ -144,19 +170,69 @@ def matmul_speed() -> dict:
 
 
 def train_check(ctx: Context) -> dict:
-    """The 2-member cohort, both members on this one device."""
-    return run_check(ctx, "train", ("qwen", "intern"))
+    """The 2-member cohort, both members on this one device; with --profile, `profile`: the ten costliest
+    operators of its last step's rollout and of its update (torch.profiler)."""
+    if not ctx.profile:
+        return run_check(ctx, "train", ("qwen", "intern"))
+    with profiled_phases(ctx.steps) as costs:
+        report = run_check(ctx, "train", ("qwen", "intern"))
+    report["profile"] = costs
+    return report
+
+
+@contextmanager
+def profiled_phases(steps: int, phases: tuple[str, ...] = ("rollout_phase", "update_phase"), top: int = 10):
+    """The training loop's `phases` (functions of vlm_corl.training.loop, called once a step) each run under
+    torch.profiler at their `steps`-th call (the last step: the first compiles and warms the allocator); yields
+    {phase: its `top` operators by self time (CUDA's where there is one): name, calls, self ms}}, filled as they
+    run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlm_corl.training import loop
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    costs, saved = {}, {name: getattr(loop, name) for name in phases}
+
+    def wrapped(name, real):
+        calls = []
+
+        def phase(*args, **kwargs):
+            calls.append(None)
+            if len(calls) != steps:
+                return real(*args, **kwargs)
+            with profile(activities=activities) as prof:
+                out = real(*args, **kwargs)
+                _sync()
+            events = sorted(prof.key_averages(), key=lambda e: getattr(e, sort), reverse=True)[:top]
+            costs[name.removesuffix("_phase")] = [
+                {"name": e.key, "calls": e.count, "self_ms": round(getattr(e, sort) / 1e3, 3)} for e in events
+            ]
+            return out
+
+        return phase
+
+    for name, real in saved.items():
+        setattr(loop, name, wrapped(name, real))
+    try:
+        yield costs
+    finally:
+        for name, real in saved.items():
+            setattr(loop, name, real)
 
 
 def preflight_check(ctx: Context) -> dict:
     """`corl preflight` (vlm_corl.training.preflight_checks: the very code users run on their node) over the
-    check's own two members as the train check's cohort: the install, each member's load, engine, rollout, update
+    check's own two members as LoRA members (r 16): the install, each member's load, engine, rollout, update
     micro-batch, push and the rollout guard's number after it, the rank's phase peaks against the plan, one
-    checkpoint of the largest member written and deleted, and the verdict (`ok`: ready)."""
+    checkpoint of the largest member written and deleted (an adapter: a full member's, ~31 GB with Adam, would
+    crowd the lent machine's 64 GB disk), and the verdict (`ok`: ready)."""
     from vlm_corl.config import load_config
     from vlm_corl.training.preflight_checks import run_preflight
 
-    report = run_preflight(load_config(cohort_file(ctx, "preflight", ("qwen", "intern"), ctx.settings)))
+    path = cohort_file(ctx, "preflight", ("qwen", "intern"), ctx.settings, lora={"r": 16, "alpha": 32})
+    report = run_preflight(load_config(path))
     report["ok"] = report["verdict"] == "ready"
     return report
 
@@ -165,6 +241,8 @@ def zero2_check(ctx: Context) -> dict:
     """The Qwen2-VL member alone under ZeRO-2; the update phase's peak (the optimizer step's flat fp32 gradient
     partition included) beside the plan's resident + update."""
     report = run_check(ctx, "zero2", ("qwen",), deepspeed="zero2")
+    if "skipped" in report:
+        return report
     planned = report["plan"]["resident_gb"] + report["plan"]["update_gb"]
     report["update_plan_gb"] = round(planned, 3)
     measured = report["qwen"].get("peak_gb_update")
@@ -274,6 +352,109 @@ def rollout_precision_check(ctx: Context) -> dict:
     s = ctx.settings
     return measure(["--model", str(ctx.path("qwen")), "--prompts", str(s["precision_prompts"]), "--n", "4",
                     "--max-new-tokens", str(s["precision_tokens"]), "--rounds", "2"])  # fmt: skip
+
+
+def static_autocast_check(ctx: Context) -> dict:
+    """The HF engine's static KV cache as training uses it: the Qwen2-VL member trainable (fp32 masters, rolled
+    out in its rollout dtype: bf16 autocast on CUDA), `static_prompts` easy-vqa prompts padded to about
+    `static_prompt_tokens` tokens, `static_n` samples each. An eager engine (rollout.hf_static_cache off) and a
+    static one (on) each roll out twice (the first call, which compiles and captures, timed apart): tokens/s of
+    each, the reasons the static path fell back (`static_fallbacks`, R4-2), the decode's peak GPU memory above
+    what was allocated before it against the plan's rollout figure (`hf_rollout_bytes`: KV cache and prefill),
+    and the bytes the static engine's buckets still hold after its sleep (what sits through the update)."""
+    from vlm_corl.config import MemberConfig
+    from vlm_corl.distributed.world import default_device
+    from vlm_corl.members import static_decode
+    from vlm_corl.members.engines import hf
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.rollout import SamplingParams
+
+    s = ctx.settings
+    member = load_member(MemberConfig(id="qwen", model=str(ctx.path("qwen"))), device=default_device())
+    prompts = long_prompts(member, s["static_prompts"], s["static_prompt_tokens"])
+    params = SamplingParams(n=s["static_n"], max_new_tokens=s["static_tokens"], temperature=1.0)
+    before = len(static_decode.fallback_reasons)
+    runs = {}
+    for mode in ("off", "on"):
+        engine = hf.HFEngine(member, mode)
+        runs[mode] = timed_rollouts(engine, prompts, params)
+    engine.sleep()  # the static engine's: what its buckets keep through the update
+    held = bucket_bytes(engine.buckets)
+    fallbacks = static_decode.fallback_reasons[before:]
+    del engine
+    torch._dynamo.reset()  # the compiled step and its graphs' pool: memory_after_gb is the check's own leak
+    lengths = [int(p.inputs["input_ids"].shape[-1]) for p in prompts]
+    plan = rollout_plan(str(ctx.path("qwen")), member, len(prompts), params, max(lengths))
+    report = {"rows": len(prompts) * params.n, "prompt_tokens": max(lengths),
+              "rollout_dtype": str(member.rollout_dtype), "static_fallbacks": fallbacks,
+              "buckets_after_sleep_mb": round(held / 2**20, 3), "plan_rollout_gb": plan, "eager": runs["off"],
+              "static": runs["on"], "ok": not fallbacks}  # fmt: skip
+    if runs["on"]["decode_peak_gb"] is not None:
+        report["decode_peak_over_plan"] = round(runs["on"]["decode_peak_gb"] / plan, 3)
+    report["static_over_eager_tokens_per_s"] = round(runs["on"]["tokens_per_s"] / runs["off"]["tokens_per_s"], 3)
+    return report
+
+
+def long_prompts(member, count: int, tokens: int) -> list:
+    """`count` easy-vqa prompts rendered for `member`, each question padded with a repeated sentence to about
+    `tokens` prompt tokens (the picture's included)."""
+    import dataclasses
+
+    from vlm_corl.data.loaders import load_examples
+    from vlm_corl.members.render import Renderer
+
+    render = Renderer(member, "original", 1280 * 28 * 28, 1 << 30)
+    examples = load_examples("easyvqa", split="test", limit=count).examples
+    sentence = " Look closely at the picture: the shape, its colour and the background all matter here."
+    short = int(render(examples[0]).inputs["input_ids"].shape[-1])
+    repeats = max(0, tokens - short) // len(member.tokenizer(sentence)["input_ids"])
+    return [render(dataclasses.replace(ex, question=ex.question + sentence * repeats)) for ex in examples]
+
+
+def timed_rollouts(engine, prompts: list, params) -> dict:
+    """Two rollouts of `prompts` by `engine`: the first's seconds (a static engine compiles and captures there),
+    the second's seconds and response tokens/s, and the peak GPU memory over both above what was allocated
+    before them (`decode_peak_gb`: the prompts' caches, a static engine's bucket and graphs; None without CUDA)."""
+    cuda = torch.cuda.is_available()
+    _sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    out = {}
+    for call in ("first", "second"):
+        start = time.perf_counter()
+        groups = engine.generate(prompts, params)
+        _sync()
+        out[f"{call}_call_seconds"] = round(time.perf_counter() - start, 3)
+    out["tokens"] = sum(len(r.token_ids) for g in groups for r in g.responses)
+    out["tokens_per_s"] = round(out["tokens"] / out["second_call_seconds"], 1)
+    out["decode_peak_gb"] = round((torch.cuda.max_memory_allocated() - base) / 1e9, 3) if cuda else None
+    return out
+
+
+def bucket_bytes(buckets) -> int:
+    """The bytes an HF engine's static buckets hold (each bucket's cache keys and values and its mask): a
+    StaticBuckets keeping several (`buckets`, by shape) or one (`bucket`), as static_decode's R4-1 fix has it."""
+    total = 0
+    kept = [*getattr(buckets, "buckets", {}).values(), getattr(buckets, "bucket", None)]
+    for bucket in filter(None, kept):
+        tensors = [bucket.mask] + [t for layer in bucket.cache.layers for t in (layer.keys, layer.values)]
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+def rollout_plan(model_dir: str, member, prompts: int, params, prompt_tokens: int) -> float:
+    """The memory planner's figure for this rollout of `member` (from `model_dir`) on one device
+    (planning.estimates.hf_rollout_bytes: the KV cache of every row at its longest and the prefill's transient,
+    easy-vqa's 64 x 64 pictures), GB."""
+    from vlm_corl.planning.estimates import RolloutBatch, hf_rollout_bytes
+    from vlm_corl.planning.shapes import model_shape
+
+    shape = model_shape(model_dir)
+    batch = RolloutBatch(prompts, params.n, prompt_tokens, params.max_new_tokens)
+    weights = next(member.model.parameters()).element_size()
+    parts = hf_rollout_bytes(shape, batch, shape.patches_per_image(64 * 64), member.rollout_dtype.itemsize, weights)
+    return round(sum(parts.values()) / 1e9, 3)
 
 
 DECODE_TOLERANCE = {"cuda": 0.05, "cpu": 1e-5}  # mean |delta log p| of one token sequence under two schedules
@@ -434,16 +615,17 @@ def teacher_forced(hf, responses: list[list[int]]):
 
 CHECKS = {  # in the order they run: what a short budget must not skip comes first
     "members": members_check,
-    "preflight": preflight_check,  # what users run first on their node (docs/gpu.md), over the check's members
     "train": train_check,
+    "static_autocast": static_autocast_check,  # R4-1/R4-2: the first GPU run's likeliest failures
+    "decode_sync": decode_sync_check,
+    "preflight": preflight_check,  # what users run first on their node (docs/gpu.md), over the check's members
     "zero2": zero2_check,
     "lora": lora_check,
     "resume": resume_check,
-    "decode_sync": decode_sync_check,
-    "rope_buffers": rope_buffers_check,
     "rollout_precision": rollout_precision_check,
     "zero3": zero3_check,
     "zero3_offload": zero3_offload_check,
+    "rope_buffers": rope_buffers_check,
 }
 ORDER = tuple(CHECKS)
 
@@ -468,7 +650,14 @@ def cohort_file(ctx: Context, name: str, keys: tuple[str, ...], settings: dict, 
             "batch_size": settings["batch"],
             "max_image_pixels": 64 * 64,
         },
-        "rollout": {"n": settings["n"], "max_new_tokens": settings["max_new_tokens"], "max_prompt_tokens": 320},
+        # no static KV cache: its compile would cost every training check tens of seconds (static_autocast and
+        # decode_sync are the checks of that path)
+        "rollout": {
+            "n": settings["n"],
+            "max_new_tokens": settings["max_new_tokens"],
+            "max_prompt_tokens": 320,
+            "hf_static_cache": "off",
+        },  # fmt: skip
         "reward": {"mode": "self_certainty"},
         "train": {
             "max_steps": ctx.steps,
@@ -494,6 +683,10 @@ def run_check(ctx: Context, name: str, keys: tuple[str, ...], deepspeed: str | N
     from vlm_corl.training.loop import run_cohort
 
     if deepspeed:
+        try:
+            import deepspeed as _  # noqa: F401
+        except Exception as err:  # noqa: BLE001 - any failure to import (a missing op builder too) is the reason
+            return {"skipped": f"deepspeed cannot be imported here ({type(err).__name__}: {err})"[:400]}
         train["deepspeed"] = str(ROOT / "configs" / "deepspeed" / f"{deepspeed}.json")
     lora = train.pop("lora", None)
     path = cohort_file(ctx, name, keys, ctx.settings, lora=lora, **train)
@@ -588,44 +781,17 @@ def child(name: str, ctx: Context) -> dict:
     return report
 
 
-class BusySampler:
-    """The GPU's busy share while a check runs: nvidia-smi's utilization (the share of the last sample period in
-    which a kernel ran) every 0.2 s, averaged; None without nvidia-smi."""
-
-    def __init__(self):
-        self.samples: list[float] = []
-        self.proc = None
-        if shutil.which("nvidia-smi") and torch.cuda.is_available():
-            query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"]
-            self.proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                self.samples.append(float(line.split()[0]) / 100)
-            except (ValueError, IndexError):
-                continue
-
-    def stop(self) -> float | None:
-        if self.proc is None:
-            return None
-        self.proc.terminate()
-        self.proc.wait()
-        return round(statistics.mean(self.samples), 3) if self.samples else None
-
-
 def run_in_process(name: str, args, work: Path, limit: float, whose: str = "its own") -> dict:
     """Check `name` in a child process (its own session, killed whole past `limit` seconds: `whose` limit, its
-    own or the budget's remainder); its report with the seconds it took, the GPU's busy share meanwhile and what it
-    wrote to disk (its directory, deleted after)."""
+    own or the budget's remainder, named in `timed_out`); its report with the seconds it took, the GPU's busy
+    share meanwhile and what it wrote to disk (its directory, deleted after)."""
     log_path = work / f"{name}.log"
     result_path = work / f"{name}.json"
     result_path.unlink(missing_ok=True)
     command = [sys.executable, __file__, "--child", name, "--out", str(work), "--size", args.size,
-               "--steps", str(args.steps)]  # fmt: skip
+               "--steps", str(args.steps), *(["--profile"] if getattr(args, "profile", False) else [])]  # fmt: skip
     start = time.perf_counter()
-    busy = BusySampler()
+    busy = busy_sampler()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
         try:
@@ -641,12 +807,27 @@ def run_in_process(name: str, args, work: Path, limit: float, whose: str = "its 
     else:
         tail = log_path.read_text(errors="replace")[-2500:]
         report = {"error": f"the check's process ended without a report: {ended}", "log_tail": tail}
+        if ended.startswith("timed out"):
+            report["timed_out"] = whose
     report["seconds"] = seconds
-    report["busy_share"] = busy.stop()
+    report["busy_share"] = None
+    if busy is not None:
+        busy.stop()
+        report["busy_share"] = busy.take().get("check")
     if name != "members":
         report["disk_gb"] = round(directory_bytes(work / name) / 1e9, 3)
         shutil.rmtree(work / name, ignore_errors=True)
     return report
+
+
+def busy_sampler():
+    """The GPU's busy share while a check runs (vlm_corl.training.throughput's sampler of GPU 0, every sample
+    of phase "check"); None without CUDA or nvidia-smi."""
+    if not (shutil.which("nvidia-smi") and torch.cuda.is_available()):
+        return None
+    from vlm_corl.training.throughput import BusySampler
+
+    return BusySampler("0", lambda: "check")
 
 
 def directory_bytes(path: Path) -> int:
@@ -659,59 +840,111 @@ def check_ok(report: dict) -> bool:
     return "error" not in report and report.get("ok", True) and (left is None or left < RELEASED_GB)
 
 
-def main(argv=None) -> int:
-    cuda = torch.cuda.is_available()
+def expected_seconds(name: str, size: str, measured_here: dict) -> float:
+    """What check `name` is expected to take: its seconds on this machine before (`measured_here`), else on an
+    H200 (MEASURED_S, real size), else its own limit."""
+    if name in measured_here:
+        return measured_here[name]
+    if size == "real":
+        return MEASURED_S.get(name, LIMIT_S[name])
+    return LIMIT_TINY_S
+
+
+def schedule_checks(names: list[str], args, work: Path, result: dict) -> None:
+    """Run `names` in order into `result` within args.budget seconds: a check starts only if the budget left
+    covers its expected seconds (else `skipped`, with why), is killed at its own limit (a failure) or at the
+    budget's end (`skipped`: unfinished, its rerun named), and its seconds are kept in WORK/seconds.json, this
+    machine's figures for the next call's expectations."""
+    began = time.perf_counter()
+    seconds_file = work / "seconds.json"
+    measured = json.loads(seconds_file.read_text()) if seconds_file.exists() else {}
+    result["check_seconds"], result["expected_seconds"] = {}, {}  # where the budget goes, for planning a lent GPU
+    for name in names:
+        left = args.budget - (time.perf_counter() - began)
+        expected = result["expected_seconds"][name] = round(expected_seconds(name, args.size, measured), 1)
+        own = LIMIT_S[name] if args.size == "real" else LIMIT_TINY_S
+        if name != "members" and not members_ready(work, args.size):
+            result[name] = {"skipped": "no members were built"}
+        elif expected > left:
+            result[name] = {"skipped": f"expected to take {expected:g} s, {left:.0f} s of the {args.budget:g} s "
+                            f"budget left (rerun with --only {name})"}  # fmt: skip
+        else:
+            report = run_in_process(name, args, work, min(own, left), "its own" if own <= left else "the budget's")
+            result["check_seconds"][name] = report["seconds"]
+            if report.get("timed_out") == "the budget's":
+                why = f"unfinished: stopped at the budget's end after {report['seconds']:g} s (expected {expected:g} s)"
+                report = {"skipped": f"{why}; rerun with --only {name}", "log_tail": report["log_tail"]}
+            elif "skipped" not in report:
+                measured[name] = report["seconds"]
+                seconds_file.write_text(json.dumps(measured))
+            result[name] = report
+        verdict = "skipped" if "skipped" in result[name] else "ok" if check_ok(result[name]) else "NOT ok"
+        print(f"gpu_check: {name}: {verdict}", file=sys.stderr, flush=True)
+
+
+def members_ready(work: Path, size: str) -> bool:
+    """WORK holds members of `size` built by the members check."""
+    members_json = work / "models" / "members.json"
+    return members_json.exists() and json.loads(members_json.read_text()).get("size") == size
+
+
+def parse_args(argv, cuda: bool) -> argparse.Namespace:
+    """The command line (the budget's default fits bench/gpu_check.sh's 6-minute call, its install included)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=("real", "tiny"), default="real" if cuda else "tiny")
     parser.add_argument("--steps", type=int, default=2, help="steps of each training check (the first is warm-up)")
     parser.add_argument("--only", default="", help="comma-separated checks to run (default: all): " + ",".join(ORDER))
     parser.add_argument("--budget", type=float, default=300.0 if cuda else 900.0,
-                        help="seconds for every check together; a check that would start later is skipped")  # fmt: skip
-    parser.add_argument("--out", default=None, help="work directory (default: a temporary one); models kept there")
+                        help="seconds for every check together; a check whose expected seconds exceed what is "
+                        "left is skipped")  # fmt: skip
+    kept = f"work directory, kept: a rerun reuses the members built (default: {DEFAULT_OUT})"
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help=kept)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler over the train check's last step")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
+    unknown = sorted(set(n for n in args.only.split(",") if n) - set(ORDER))
+    if unknown:
+        parser.error(f"--only: unknown check(s) {', '.join(unknown)}; the checks are {', '.join(ORDER)}")
+    return args
+
+
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "vlm_corl-gpu_check"
+
+
+def main(argv=None) -> int:
+    """The device check (module docstring); in a child process (`--child NAME`), check NAME alone."""
+    cuda = torch.cuda.is_available()
+    args = parse_args(argv, cuda)
+    work = Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    members_json = work / "models" / "members.json"
     if args.child:
+        members_json = work / "models" / "members.json"
         members = json.loads(members_json.read_text()) if members_json.exists() else {}
-        ctx = Context(work, args.size, args.steps, SIZES[args.size], members)
+        ctx = Context(work, args.size, args.steps, SIZES[args.size], members, args.profile)
         (work / f"{args.child}.json").write_text(json.dumps(child(args.child, ctx)))
         return 0
     only = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(only) - set(ORDER))
-    if unknown:
-        parser.error(f"--only: unknown check(s) {', '.join(unknown)}; the checks are {', '.join(ORDER)}")
     names = [n for n in ORDER if not only or n in only]
-    if "members" not in names and not members_json.exists():
+    if "members" not in names and not members_ready(work, args.size):
         names.insert(0, "members")
     began = time.perf_counter()
     # Libraries print build and load messages on stdout (DeepSpeed's op builder, from C++ too): only the JSON
     # goes there; everything else to stderr.
     stdout = os.dup(1)
     os.dup2(2, 1)
-    result = header(cuda, args.size)
-    result["check_seconds"] = {}  # where the budget goes, so a lent GPU's time can be planned
-    for name in names:
-        left = args.budget - (time.perf_counter() - began)
-        if name != "members" and not members_json.exists():
-            result[name] = {"skipped": "no members were built"}
-        elif left < 15:
-            result[name] = {"skipped": f"past the {args.budget:g} s budget (rerun with --only {name})"}
-        else:
-            own = LIMIT_S[name] if args.size == "real" else LIMIT_TINY_S
-            whose = "its own" if own <= left else "the budget's"
-            result[name] = run_in_process(name, args, work, min(own, left), whose)
-            result["check_seconds"][name] = result[name]["seconds"]
-        verdict = "skipped" if "skipped" in result[name] else "ok" if check_ok(result[name]) else "NOT ok"
-        print(f"gpu_check: {name}: {verdict}", file=sys.stderr, flush=True)
-    if not args.out:
-        shutil.rmtree(work, ignore_errors=True)
-    result["seconds"] = round(time.perf_counter() - began, 1)
-    ran = [n for n in names if "skipped" not in result[n]]
-    result["ran"] = ran
-    result["ok"] = len(ran) == len(names) and all(check_ok(result[n]) for n in ran)
-    os.write(stdout, (json.dumps(result, indent=2) + "\n").encode())
+    try:
+        result = header(cuda, args.size)
+        result["budget_s"] = args.budget
+        schedule_checks(names, args, work, result)
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        result["ran"] = [n for n in names if "skipped" not in result[n]]
+        result["ok"] = bool(result["ran"]) and all(check_ok(result[n]) for n in result["ran"])
+        again = [n for n in names if n not in result["ran"] or not check_ok(result[n])]
+        result["rerun"] = f"--only {','.join(again)} --out {work}" if again else None
+        os.write(stdout, (json.dumps(result, indent=2) + "\n").encode())
+    finally:
+        os.dup2(stdout, 1)
+        os.close(stdout)
     return 0 if result["ok"] else 1
 
 

@@ -52,16 +52,17 @@ def gpu_check(*args: str, timeout: int) -> tuple[subprocess.CompletedProcess, di
 
 def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     """bench/gpu_check.sh at the tiny size on the CPU: every check it runs on a lent GPU (real-size members,
-    training with its memory plan, ZeRO-2, ZeRO-3 and ZeRO-3 offload, a LoRA member, a kill and resume, the
-    decode loop's schedules teacher-forced (the static KV cache's among them), rollout precision, the ZeRO-3
-    copy's fp32 RoPE buffers) runs here too, each in a process of its own whose directory is deleted once read,
-    and reports its JSON; then `--only` reruns one over the members already built."""
-    proc, result = gpu_check("--size", "tiny", "--steps", "2", "--out", str(tmp_path), timeout=600)
+    training with its memory plan (profiled), ZeRO-2, ZeRO-3 and ZeRO-3 offload, a LoRA member, a kill and
+    resume, the static KV cache of a trainable member against the eager loop, the decode loop's schedules
+    teacher-forced (the static KV cache's among them), rollout precision, the ZeRO-3 copy's fp32 RoPE buffers)
+    runs here too, each in a process of its own whose directory is deleted once read, and reports its JSON;
+    then `--only` reruns one over the members already built."""
+    proc, result = gpu_check("--size", "tiny", "--steps", "2", "--out", str(tmp_path), "--profile", timeout=600)
     assert proc.returncode == 0 and result["ok"], json.dumps(result)[-3000:]
     assert result["mode"] == "cpu fallback" and result["vllm"].startswith("skipped")
     assert result["peft"] and result["transformers"]  # the versions the check ran with
-    checks = ["members", "preflight", "train", "zero2", "lora", "resume", "decode_sync", "rope_buffers",
-              "rollout_precision", "zero3", "zero3_offload"]  # fmt: skip
+    checks = ["members", "train", "static_autocast", "decode_sync", "preflight", "zero2", "lora", "resume",
+              "rollout_precision", "zero3", "zero3_offload", "rope_buffers"]  # fmt: skip
     assert result["ran"] == checks and len({result[c]["pid"] for c in checks}) == len(checks)  # a process each
     for name in checks:
         assert result[name]["seconds"] > 0 and "busy_share" in result[name], name
@@ -70,7 +71,8 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     preflight = result["preflight"]  # the users' preflight over the check's members (tests/test_preflight.py)
     assert preflight["ok"] and preflight["verdict"] == "ready" and set(preflight["members"]) == {"qwen", "intern"}
     assert all(m["push_gap_nats"] < 1e-3 and m["update"]["trained_seqs"] > 0 for m in preflight["members"].values())
-    assert preflight["checkpoint"]["bytes"] > 0 and {v["library"] for v in result["versions"]} >= {"torch", "vllm"}
+    assert 0 < preflight["checkpoint"]["bytes"] < 2**20 * 5  # a LoRA adapter: no full checkpoint on a small disk
+    assert {v["library"] for v in result["versions"]} >= {"torch", "vllm"}
     cached = result["rollout_precision"]["autocast_cached"]["weight_casts_per_call"]
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
     sync = result["decode_sync"]
@@ -81,6 +83,13 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert sync["static_fallbacks"] == [] and sync["static_first_call_seconds"] > 0  # the static cache decoded
     assert set(sync["tokens_per_s"]) == set(sync["schedule_seconds"]) and all(sync["tokens_per_s"].values())
     assert all(gap["max_abs"] <= 1e-5 for gap in sync["logprob_gap"].values())  # fp32 on the CPU: bit-equal
+    static = result["static_autocast"]  # the static path with a trainable member (fp32 masters), against eager
+    assert static["ok"] and static["static_fallbacks"] == [] and static["rows"] == 4 and static["prompt_tokens"] > 64
+    assert static["eager"]["tokens_per_s"] > 0 and static["static"]["tokens_per_s"] > 0
+    assert static["plan_rollout_gb"] > 0 and static["buckets_after_sleep_mb"] >= 0
+    profile = result["train"]["profile"]  # --profile: the last step's ten costliest operators per phase
+    assert set(profile) == {"rollout", "update"} and all(len(ops) == 10 for ops in profile.values())
+    assert result["expected_seconds"]["train"] > 0 and result["rerun"] is None
     assert result["sleep_wake"]["skipped"] and result["rope_buffers"]["inv_freq_dtypes"] == ["torch.float32"]
     errors = result["rope_buffers"]["mean_abs_logit_error"]
     assert result["rope_buffers"]["ok"] and errors["fp32_buffers"] <= errors["bf16_buffers"]
@@ -110,6 +119,53 @@ def test_gpu_check_kills_a_check_past_its_own_limit(tmp_path):
     report = gpu_check.run_in_process("members", args, tmp_path, limit=0.5)
     assert report["error"].startswith("the check's process ended without a report: timed out after")
     assert not gpu_check.check_ok(report) and report["seconds"] < 30
+
+
+def test_a_check_the_budget_left_cannot_cover_is_skipped_and_the_result_stays_ok(tmp_path, monkeypatch, capfd):
+    """The scheduler of `main` at the real size with stand-in checks (a stand-in for each check's process: it
+    takes TAKES[name] seconds of a fake clock, or is killed at the limit it was given, as the real one reports).
+    members (31.6 s expected, H200-measured) and train (88.6 s) fit the 150 s budget; zero2 (49.3 s expected)
+    then has 40 s left: it must be skipped, not started and killed as a failure, and rope_buffers (18.3 s) still
+    runs after it. Overall ok, exit 0, and the rerun names zero2."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    takes = {"members": 30.0, "train": 80.0, "zero2": 49.0, "rope_buffers": 15.0}
+    clock = SimpleNamespace(now=0.0)
+    started = []
+
+    def check_process(name, args, work, limit, whose="its own"):
+        started.append(name)
+        clock.now += min(takes[name], limit)
+        if takes[name] > limit:
+            error = f"the check's process ended without a report: timed out after {limit:.0f} s ({whose} limit)"
+            return {"error": error, "timed_out": whose, "log_tail": "", "seconds": limit, "busy_share": None}
+        return {"seconds": takes[name], "busy_share": None}
+
+    monkeypatch.setattr(gpu_check, "run_in_process", check_process)
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "members.json").write_text(json.dumps({"size": "real"}))  # built by an earlier call
+    argv = ["--size", "real", "--budget", "150", "--out", str(tmp_path), "--only", "members,train,zero2,rope_buffers"]
+    code = gpu_check.main(argv)
+    result = json.loads(capfd.readouterr().out)
+    assert started == ["members", "train", "rope_buffers"]
+    assert "expected to take 49.3 s" in result["zero2"]["skipped"] and "--only zero2" in result["zero2"]["skipped"]
+    assert result["ran"] == ["members", "train", "rope_buffers"] and result["ok"] and code == 0
+    assert result["rerun"].startswith("--only zero2 ")
+    assert json.loads((tmp_path / "seconds.json").read_text()) == {k: takes[k] for k in started}  # kept for next
+
+
+def test_gpu_check_help_lists_every_check():
+    """`bench/gpu_check.py --help` runs (argparse only: no check starts) and names every check `--only` takes."""
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("members", "train", "static_autocast", "decode_sync", "preflight", "zero3", "zero3_offload",
+                 "rollout_precision", "rope_buffers"):  # fmt: skip
+        assert name in proc.stdout.replace("\n", "").replace(" ", ""), name
 
 
 def test_soak_bench_at_its_smallest_size_does_not_grow():
