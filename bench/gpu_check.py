@@ -389,8 +389,11 @@ def static_autocast_check(ctx: Context) -> dict:
               "rollout_dtype": str(member.rollout_dtype), "static_fallbacks": fallbacks,
               "buckets_after_sleep_mb": round(held / 2**20, 3), "plan_rollout_gb": plan, "eager": runs["off"],
               "static": runs["on"], "ok": not fallbacks}  # fmt: skip
-    if runs["on"]["decode_peak_gb"] is not None:
-        report["decode_peak_over_plan"] = round(runs["on"]["decode_peak_gb"] / plan, 3)
+    if runs["on"]["decode_peak_gb"] is not None:  # CUDA: each engine's peak against its own plan
+        report["decode_peak_over_plan"] = {
+            name: round(runs[mode]["decode_peak_gb"] / plan[name], 3)
+            for mode, name in (("off", "eager"), ("on", "static"))
+        }
     report["static_over_eager_tokens_per_s"] = round(runs["on"]["tokens_per_s"] / runs["off"]["tokens_per_s"], 3)
     return report
 
@@ -443,18 +446,21 @@ def bucket_bytes(buckets) -> int:
     return total
 
 
-def rollout_plan(model_dir: str, member, prompts: int, params, prompt_tokens: int) -> float:
-    """The memory planner's figure for this rollout of `member` (from `model_dir`) on one device
-    (planning.estimates.hf_rollout_bytes: the KV cache of every row at its longest and the prefill's transient,
-    easy-vqa's 64 x 64 pictures), GB."""
+def rollout_plan(model_dir: str, member, prompts: int, params, prompt_tokens: int) -> dict[str, float]:
+    """The memory planner's figures for this rollout of `member` (from `model_dir`) on one device, GB, eager and
+    static (planning.estimates.hf_rollout_bytes: the prefill's transient, easy-vqa's 64 x 64 pictures, and the
+    KV cache of every row at its longest, or the static decoder's bucket, graph pool and prefix)."""
     from vlm_corl.planning.estimates import RolloutBatch, hf_rollout_bytes
     from vlm_corl.planning.shapes import model_shape
 
     shape = model_shape(model_dir)
     batch = RolloutBatch(prompts, params.n, prompt_tokens, params.max_new_tokens)
-    weights = next(member.model.parameters()).element_size()
-    parts = hf_rollout_bytes(shape, batch, shape.patches_per_image(64 * 64), member.rollout_dtype.itemsize, weights)
-    return round(sum(parts.values()) / 1e9, 3)
+    weights = next(member.generation_module.parameters()).element_size()  # the masters, or a bf16 copy
+    patches, dtype = shape.patches_per_image(64 * 64), member.rollout_dtype.itemsize
+    return {
+        name: round(sum(hf_rollout_bytes(shape, batch, patches, dtype, weights, static=static).values()) / 1e9, 3)
+        for name, static in (("eager", False), ("static", True))
+    }
 
 
 DECODE_TOLERANCE = {"cuda": 0.05, "cpu": 1e-5}  # mean |delta log p| of one token sequence under two schedules
