@@ -14,8 +14,10 @@ import sys
 import threading
 import time
 import traceback
+import types
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -218,15 +220,39 @@ def test_an_ema_teacher_and_its_rollout_copy_are_given_back_when_a_reward_functi
     _assert_given_back(held)
 
 
-def test_two_runs_in_one_process_leave_nothing_of_either(tiny_zoo, tmp_path, held):
+class Compiles(CachePrompts):
+    """A callback that runs a compiled function after each step (what the HF engine's static decode steps do on
+    CUDA, where dynamo's cudagraph trees keep a private memory pool)."""
+
+    def __init__(self, refs: dict, compiled):
+        super().__init__(refs)
+        self.compiled, self.results = compiled, []
+
+    def on_step_end(self, step, rows):
+        super().on_step_end(step, rows)
+        self.results.append(self.compiled(torch.full((2,), float(step))).tolist())
+
+
+def test_two_runs_in_one_process_leave_nothing_of_either(tiny_zoo, tmp_path, held, monkeypatch):
     """A ZeRO-2 member's run, then a LoRA member's in the same process (the GPU report: the first run's 35 GB
-    stayed, the second sat at 40 GB where its plan said 4.7): after each, nothing of either is alive."""
-    loop.run_cohort(config_from_dict(_config(tmp_path / "a", tiny_zoo, "zero2")), callbacks=[CachePrompts(held)])
+    stayed, the second sat at 40 GB where its plan said 4.7): after each, nothing of either is alive, and dynamo
+    was reset (R4-11: the cudagraph trees' pool outlived the run); code compiled in each run still runs right."""
+    import torch._dynamo
+
+    resets, real_reset = [], torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1) or real_reset())
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    first_run = Compiles(held, compiled)
+    loop.run_cohort(config_from_dict(_config(tmp_path / "a", tiny_zoo, "zero2")), callbacks=[first_run])
     _assert_given_back(held)
+    assert len(resets) == 1
     first = dict(held)
-    loop.run_cohort(config_from_dict(_config(tmp_path / "b", tiny_zoo, "lora")), callbacks=[CachePrompts(held)])
+    second_run = Compiles(held, compiled)
+    loop.run_cohort(config_from_dict(_config(tmp_path / "b", tiny_zoo, "lora")), callbacks=[second_run])
     assert len(held) > len(first)
     _assert_given_back(held)
+    assert len(resets) == 2
+    assert first_run.results == second_run.results == [[3.0, 3.0], [5.0, 5.0]]
 
 
 def test_a_heap_the_engines_froze_is_unfrozen_once_they_are_built(tiny_zoo, tmp_path, held, monkeypatch):
@@ -282,11 +308,13 @@ def test_on_cuda_the_release_empties_the_allocators_cache_after_collecting(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     monkeypatch.setattr(release.gc, "collect", lambda *args: events.append("collect") or 0)
+    # R4-11: dynamo's reset frees the cudagraph trees' private pool, which empty_cache then hands back
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("dynamo reset"))
     with pytest.raises(ValueError) if raises else contextlib.nullcontext():
         with release.giving_back():
             if raises:
                 raise ValueError("stopped")
-    assert events == ["collect", "empty_cache"]
+    assert events == ["dynamo reset", "collect", "empty_cache"]
 
 
 @pytest.mark.parametrize("failure", ["collective", "other"])
@@ -317,3 +345,128 @@ def test_a_launched_ranks_release_is_not_cut_short_by_the_launchers_stop(monkeyp
     with release.launcher_stop_ignored():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_interrupted_runs_frames_are_cleared_through_the_exceptions_context(monkeypatch):
+    """Ctrl-C mid-step: the run raises Interrupted `from None`, which keeps the KeyboardInterrupt (and the frames
+    it interrupted, with the tensors they hold) as its `__context__`. A caller that keeps the Interrupted keeps
+    none of those tensors: the release clears the frames of the chained exceptions, context as well as cause."""
+    from vlm_corl.errors import Interrupted
+
+    refs = []
+
+    def update() -> None:  # a step's frame, holding device tensors when the interrupt comes
+        activations = torch.ones(64)
+        refs.append(weakref.ref(activations))
+        raise KeyboardInterrupt
+
+    def run() -> None:
+        try:
+            update()
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted at step 1 (update); no checkpoint was written yet") from None
+
+    with pytest.raises(Interrupted) as kept:
+        with release.giving_back():
+            run()
+    assert kept.value.__cause__ is None and isinstance(kept.value.__context__, KeyboardInterrupt)
+    assert refs and [ref() for ref in refs] == [None]
+
+
+class _Group:
+    """A member's process group (only its identity matters here)."""
+
+
+def _fake_run(slots: list) -> SimpleNamespace:
+    groups = {(0, 1): _Group()}
+    return SimpleNamespace(
+        sink=None, members=["m"], slots=slots, world=SimpleNamespace(groups=groups, singles={(0,): _Group()})
+    )
+
+
+@pytest.mark.parametrize("failure", [None, "collective", "other"])
+def test_a_run_destroys_its_member_groups_before_letting_its_slots_go_unless_its_collectives_failed(
+    monkeypatch, failure
+):
+    """R4-5: `release_run` destroys the member groups while the slots (and their vLLM engines, whose collection
+    would tear the groups down first) are still held, and not at all after a failed collective (NCCL's teardown
+    may wait for the collective that never completed); nothing is destroyed once no group is initialized."""
+    destroyed = []
+    run = _fake_run(slots=["slot"])
+    monkeypatch.setattr(release.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(release.dist, "destroy_process_group", lambda group=None: destroyed.append((group, run.slots)))
+    groups = [*run.world.groups.values(), *run.world.singles.values()]
+    cause = {"collective": CollectiveError("rank 1 stopped answering"), "other": ValueError("a bug")}.get(failure)
+    with pytest.raises(RuntimeError) if failure else contextlib.nullcontext():
+        try:
+            if failure:
+                raise RuntimeError("the run's failure") from cause
+        finally:
+            release.release_run(run)
+    assert destroyed == ([] if failure == "collective" else [(g, ["slot"]) for g in groups])
+    assert run.slots == [] and run.members == [] and run.world.groups == {}
+    monkeypatch.setattr(release.dist, "is_initialized", lambda: False)  # torn down by someone else already
+    destroyed.clear()
+    release.release_run(_fake_run(slots=[]))
+    assert destroyed == []
+
+
+class _EngineCore:
+    """vLLM 0.32's `EngineCore.shutdown`: its executor and scheduler, then `cleanup_dist_env_and_memory`,
+    looked up by name in its module, which ends with `torch.distributed.destroy_process_group()`."""
+
+    def shutdown(self) -> None:
+        sys.modules["vllm.v1.engine.core"].cleanup_dist_env_and_memory()
+
+
+class _InprocClient:
+    """vLLM 0.32's in-process client: a finalizer shuts its engine core down when it is collected."""
+
+    def __init__(self):
+        self.engine_core = _EngineCore()
+        self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
+
+    def shutdown(self) -> None:
+        if self._finalizer.detach() is not None:
+            self.engine_core.shutdown()
+
+
+class _VLLMEngine:
+    """A `VLLMEngine` as its release sees it (`_llm.llm_engine.engine_core`), open (as built) in this process."""
+
+    def __init__(self, monkeypatch):
+        from vlm_corl.members.engines import vllm as vllm_engines
+
+        self._llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=_InprocClient()))
+        vllm_engines._OPEN.add(self)
+        core = types.ModuleType("vllm.v1.engine.core")
+        core.cleanup_dist_env_and_memory = lambda shutdown_ray=False: dist.destroy_process_group()
+        package = types.ModuleType("vllm.v1.engine")
+        package.core = core
+        for name, module in [("vllm", types.ModuleType("vllm")), ("vllm.v1", types.ModuleType("vllm.v1")),
+                             ("vllm.v1.engine", package), ("vllm.v1.engine.core", core)]:  # fmt: skip
+            monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize("case", ["returned", "raised", "collective failed"])
+def test_a_vllm_engine_tears_down_no_callers_group_and_no_group_after_a_failed_collective(monkeypatch, case):
+    """R4-5: collected, a vLLM engine runs vLLM's teardown, which destroys the default process group. The
+    release closes the engines first, without that teardown: a caller's default group (returned or raised)
+    survives, the member groups are destroyed by the release itself; after a failed collective (the run made
+    its group) no group at all is destroyed, by the release or by vLLM."""
+    destroyed, made_before = [], case != "collective failed"
+    state = {"initialized": made_before}
+    monkeypatch.setattr(release.dist, "is_initialized", lambda: state["initialized"])
+    monkeypatch.setattr(release.dist, "destroy_process_group", lambda group=None: destroyed.append(group))
+    run = _fake_run(slots=[_VLLMEngine(monkeypatch)])
+    groups = [*run.world.groups.values(), *run.world.singles.values()]
+    cause = CollectiveError("rank 1 stopped answering") if case == "collective failed" else None
+    with pytest.raises(RuntimeError) if case != "returned" else contextlib.nullcontext():
+        with release.giving_back():
+            state["initialized"] = True
+            try:
+                if case != "returned":
+                    raise RuntimeError("the run's failure") from cause
+            finally:
+                release.release_run(run)  # as the loop's finally does: the slots (the engine) let go
+    assert destroyed == (groups if made_before else [])

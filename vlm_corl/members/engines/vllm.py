@@ -45,6 +45,8 @@ _V2_MAX_LOGIT_BIAS = 1024
 VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 # The model runner class (module.name) of every vLLM engine built in this process, for summary.json.
 MODEL_RUNNERS: set[str] = set()
+# Every engine built in this process and not yet closed (`close_engines`).
+_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 class VLLMEngine:
@@ -93,6 +95,7 @@ class VLLMEngine:
         self._tied_head = _tied_head(member.model)
         vision = _vision_arguments(member, max_images_per_prompt, max_image_pixels)
         self._llm = self._build_llm(rollout, share, vision, llm_kwargs)
+        _OPEN.add(self)  # closed by the run's release, even when this build fails below
         _refuse_rewritten_classes(member)
         self._bias = {i: _SUPPRESS_BIAS for i in member.suppressed_ids} or None
         self._check_model_runner()
@@ -519,6 +522,33 @@ def _budget_text(budget: dict) -> str:
 def _is_memory_error(err: BaseException) -> bool:
     text = str(err).lower()
     return any(k in text for k in ("kv cache", "cache blocks", "memory", "max_model_len"))
+
+
+def close_engines() -> None:
+    """Shut every open engine of the process down now, before the run's release touches any process group:
+    the executor's workers and the scheduler (the engine's memory goes back once it is collected), without
+    vLLM's process-group teardown. Left to the collector, vLLM 0.32's finalizer (`InprocClient` ->
+    `EngineCore.shutdown` -> `cleanup_dist_env_and_memory`) destroys the default process group: a caller's,
+    which the run must leave alone, or one whose collectives failed, where NCCL's teardown may wait forever;
+    and the member groups with it, which the release then fails to destroy (ValueError)."""
+    engines = list(_OPEN)
+    if not engines:
+        return
+    _OPEN.clear()
+    from vllm.v1.engine import core
+
+    teardown = core.cleanup_dist_env_and_memory  # looked up by name in `EngineCore.shutdown`
+    core.cleanup_dist_env_and_memory = _no_teardown
+    try:
+        for engine in engines:
+            engine._llm.llm_engine.engine_core.shutdown()  # detaches the finalizer, shuts down once
+    finally:
+        core.cleanup_dist_env_and_memory = teardown
+
+
+def _no_teardown(shutdown_ray: bool = False) -> None:
+    """`cleanup_dist_env_and_memory` while engines are closed: the process groups are the release's to tear
+    down (`release_distributed_state`), the memory the collector's."""
 
 
 def release_distributed_state() -> None:
