@@ -2,7 +2,9 @@
 tokens and log-probs of today's loop, for every family of the zoo; a family whose cache does not fit falls back
 to today's loop, saying why once; on CUDA the step would be compiled with mode reduce-overhead."""
 
+import gc
 import logging
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -16,13 +18,19 @@ from vlm_corl.members import static_decode
 from vlm_corl.members.batching import prefill
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
-from vlm_corl.members.rollout import SamplingParams
+from vlm_corl.members.rollout import Policy, SamplingParams
 from vlm_corl.members.static_decode import StaticBuckets, bucket_length, bucket_rows, compile_step, use_static_cache
 
 FAMILIES = shipped_families()
 # the families whose decoding state a static cache cannot hold: Mllama's cross-attention states, Gemma 3's
 # sliding-window layers (each with transformers' own mask). Every other family must decode statically.
 FALLS_BACK = {"mllama": "cross-attention", "gemma3": "sliding_attention"}
+
+
+@pytest.fixture(autouse=True)
+def no_refused_shapes(monkeypatch):
+    """Each test starts with no shape refused (a first step that raised refuses its shape for the process)."""
+    monkeypatch.setattr(static_decode, "refused", {})
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +145,18 @@ def test_a_first_step_that_raises_falls_back_to_today_s_loop(tiny_zoo, examples,
     def broken(*args):
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr(static_decode, "compile_step", lambda step, device: broken)
+    compiled = []
+    monkeypatch.setattr(static_decode, "compile_step", lambda step, device: compiled.append(device) or broken)
     steps = []
     with caplog.at_level(logging.WARNING, logger=static_decode.__name__):
-        got = _rollout(member, prompts, params, "on", monkeypatch, steps)
-    assert [r[0] for r in got] == [r[0] for r in today] and not steps[0].static
+        for _ in range(2):
+            got = _rollout(member, prompts, params, "on", monkeypatch, steps)
+            assert [r[0] for r in got] == [r[0] for r in today]
+    assert not steps[0].static and not steps[1].static
     assert static_decode.fallback_reasons == ["qwen2: the first static step raised RuntimeError('capture failed')"]
     assert sum("capture failed" in r.getMessage() for r in caplog.records) == 1
+    assert steps[0].buckets.bucket is None  # the failed bucket freed for today's loop (prompts prefilled again)
+    assert len(compiled) == 1  # the second rollout of that shape refused it before allocating a bucket
 
 
 def test_the_switch_and_the_compile_decision(tiny_zoo, examples, monkeypatch):
@@ -173,28 +186,188 @@ def test_the_switch_and_the_compile_decision(tiny_zoo, examples, monkeypatch):
     assert steps.static and seen == [torch.device("cpu")]
 
 
-def test_an_engine_keeps_its_static_caches_and_compiled_steps_across_rollouts(tiny_zoo, examples, monkeypatch):
+def test_an_engine_holds_one_static_cache_at_a_time_and_none_once_it_sleeps(tiny_zoo, examples, monkeypatch):
     """A second rollout of the same bucket (another prompt, so another prompt length within it) reuses the
     engine's static cache and compiled step, and gives today's loop's tokens and log-probs: what the first
-    rollout left in the cache is no part of it. Another bucket is another cache, up to MAX_BUCKETS."""
+    rollout left in the cache is no part of it. Another bucket replaces it (the old one freed), and after the
+    engine sleeps for the update it holds no bucket: no tensor of the static path lives through the update."""
     member, prompts = _member_and_prompts(tiny_zoo, examples, "qwen2_5_vl")
-    compiled = []
-    monkeypatch.setattr(static_decode, "compile_step", lambda fn, device: compiled.append(fn) or fn)
+    compiled = []  # the devices of the steps compiled (not the steps: they hold their bucket's cache)
+    monkeypatch.setattr(static_decode, "compile_step", lambda fn, device: compiled.append(device) or fn)
     engine = hf.HFEngine(member, "on")
     params = SamplingParams(n=2, max_new_tokens=6, seed=5)
+    held = []  # a weak reference to each bucket's first keys, as the engine held it after each rollout
+    made, alive_when_allocating = static_decode._Bucket, []
+
+    def allocating(*args):
+        gc.collect()
+        alive_when_allocating.append([ref() is not None for ref in held])
+        return made(*args)
+
+    monkeypatch.setattr(static_decode, "_Bucket", allocating)
     for batch in (prompts[:2], prompts[1:], prompts[:1]):  # 4, 4, 2 rows: buckets 4, 4, 2
         got = [(r.token_ids, r.token_logprobs) for g in engine.generate(batch, params) for r in g.responses]
         today = [(r.token_ids, r.token_logprobs) for g in hf.HFEngine(member, "off").generate(batch, params)
                  for r in g.responses]  # fmt: skip
         assert [ids for ids, _ in got] == [ids for ids, _ in today]
         assert torch.allclose(torch.tensor([lp for _, lp in got]), torch.tensor([lp for _, lp in today]), atol=1e-5)
-    assert len(compiled) == 2 and [key[0] for key in engine.buckets.buckets] == [4, 2]
-    engine.sleep()  # the update keeps them
-    assert len(engine.buckets.buckets) == 2
-    buckets = StaticBuckets()
-    for rows in range(1, 7):
-        buckets.get(member.model, "past_key_values", (rows, 256, torch.float32, torch.device("cpu")))
-    assert [key[0] for key in buckets.buckets] == [3, 4, 5, 6]  # the least recently used went
+        held.append(weakref.ref(engine.buckets.bucket.cache.layers[0].keys))
+    assert len(compiled) == 2 and engine.buckets.shape.batch == 2 and held[0]() is held[1]()
+    gc.collect()
+    assert held[0]() is None and held[2]() is not None  # the 4-row bucket went when the 2-row one came
+    assert alive_when_allocating == [[], [False, False]]  # before it came: never two buckets at once
+    engine.sleep()
+    gc.collect()
+    assert engine.buckets.bucket is None and engine.buckets.shape is None and held[2]() is None
+
+
+def test_the_prefix_cache_is_gone_once_the_static_steps_begin(tiny_zoo, examples, monkeypatch):
+    """The prompts' keys and values are copied into the bucket: from the first static step on nothing holds the
+    prefix's own cache (it would be a second copy of the prompts' KV through the whole decoding)."""
+    member, prompts = _member_and_prompts(tiny_zoo, examples[:2], "qwen2")
+    made, refs, alive_at_step = hf.prefill, [], []
+
+    def prefill(*args):
+        prefix = made(*args)
+        refs.append(weakref.ref(prefix.cache.layers[0].keys))
+        return prefix
+
+    def spy(step, device):
+        def spied(*args):
+            gc.collect()
+            alive_at_step.append(refs[0]() is not None)
+            return step(*args)
+
+        return spied
+
+    monkeypatch.setattr(hf, "prefill", prefill)
+    monkeypatch.setattr(static_decode, "compile_step", spy)
+    steps = []
+    _rollout(member, prompts, SamplingParams(n=2, max_new_tokens=4, seed=2), "on", monkeypatch, steps)
+    assert steps[0].static and len(alive_at_step) == 3 and not any(alive_at_step)
+
+
+def test_a_static_cache_that_cannot_take_a_step_s_values_is_refused_before_it_is_allocated(
+    tiny_zoo, examples, monkeypatch, caplog
+):
+    """transformers 5.19 allocates a static layer's values in its keys' dtype, and a step writes its values in
+    place in the autocast dtype: a prefix of fp32 values decoded under bf16 autocast (here: its prefill without
+    it) cannot work, and is refused before any bucket is allocated, logged. Prefill and steps under the same
+    autocast decode statically where the installed transformers gives the values their own dtype."""
+    member, prompts = _member_and_prompts(tiny_zoo, examples[:1], "qwen2")
+    monkeypatch.setattr(static_decode, "fallback_reasons", [])
+    buckets, allocated = static_decode.StaticBuckets(), []
+    made = static_decode._Bucket
+    monkeypatch.setattr(static_decode, "_Bucket", lambda *args: allocated.append(args) or made(*args))
+    model = member.model.eval()
+    with torch.no_grad():
+        prefix = prefill(model, [prompts[0].inputs] * 2, member.policy(1.0).pad_id, False)
+        with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level(logging.WARNING, static_decode.__name__):
+            steps = static_decode.decode_steps(model, prefix, 4, "on", 0, buckets)
+    assert not steps.static and allocated == [] and buckets.bucket is None
+    assert len(static_decode.fallback_reasons) == 1 and "writes them in torch.bfloat16" in caplog.text
+
+    params = SamplingParams(n=2, max_new_tokens=6, seed=4, temperature=0.8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        today = _rollout(member, prompts, params, "off", monkeypatch, [])
+        static = []
+        got = _rollout(member, prompts, params, "on", monkeypatch, static)
+    assert static[0].static is not static_decode.values_in_keys_dtype()
+    assert [r[0] for r in got] == [r[0] for r in today]
+
+
+def test_rows_that_end_at_different_steps_give_today_s_tokens_and_ended_rows_are_fed_the_pad(
+    tiny_zoo, examples, monkeypatch
+):
+    """Sampled rows whose end tokens (taken from a first rollout) end them at three or more different steps, some
+    before the length limit and some at it: the static path's tokens and log-probs are today's loop's, and from
+    the step after its end a row is fed the pad token while the others are fed their own last token."""
+    member, prompts = _member_and_prompts(tiny_zoo, examples, "qwen2")
+    params = SamplingParams(n=3, max_new_tokens=9, seed=7, temperature=0.9)
+    first = _rollout(member, prompts, params, "off", monkeypatch, [])
+    member.model.generation_config.eos_token_id = member.eos_token_ids + [first[0][0][1], first[4][0][4]]
+    fed = []
+
+    def spy(step, device):
+        def spied(input_ids, *args):
+            fed.append(input_ids[:, 0].clone())
+            return step(input_ids, *args)
+
+        return spied
+
+    monkeypatch.setattr(static_decode, "compile_step", spy)
+    today = _rollout(member, prompts, params, "off", monkeypatch, [])
+    steps = []
+    got = _rollout(member, prompts, params, "on", monkeypatch, steps)
+    lengths = [len(r[0]) for r in got]
+    assert steps[0].static and len(set(lengths)) >= 3 and min(lengths) < 9 and max(lengths) == 9, lengths
+    for (ids, finish, logp, _), (ids2, finish2, logp2, _) in zip(today, got):
+        assert ids == ids2 and finish == finish2
+        assert torch.allclose(torch.tensor(logp), torch.tensor(logp2), atol=1e-5, rtol=0)
+    pad = member.policy(0.9).pad_id
+    for t, tokens in enumerate(fed):  # the call feeding each row's token t
+        want = [pad if n <= t + 1 else got[row][0][t] for row, n in enumerate(lengths)]
+        assert tokens[: len(lengths)].tolist() == want, t
+
+
+def test_a_static_step_that_raises_after_the_first_raises(tiny_zoo, examples, monkeypatch):
+    """Only the first static step may fall back (nothing decoded yet): a later one that raises ends the rollout
+    with its error, since the tokens before it came from the static cache that no other loop holds."""
+    member, prompts = _member_and_prompts(tiny_zoo, examples[:1], "qwen2")
+    monkeypatch.setattr(static_decode, "fallback_reasons", [])
+    calls = []
+
+    def third_raises(step, device):
+        def stepped(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("replay failed")
+            return step(*args)
+
+        return stepped
+
+    monkeypatch.setattr(static_decode, "compile_step", third_raises)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=1)
+    with pytest.raises(RuntimeError, match="replay failed"):
+        _rollout(member, prompts, params, "on", monkeypatch, [])
+    assert len(calls) == 3 and static_decode.fallback_reasons == []
+
+
+def test_a_process_compiles_at_most_max_shapes_static_steps(monkeypatch, caplog):
+    """Every new (rows bucket, length bucket, architecture, dtypes) is one more entry of the step's compiled code
+    (a full compile on CUDA, and past dynamo's recompile_limit an eager, silent one): past MAX_SHAPES a rollout
+    of a new shape decodes with today's loop, logged once, and dynamo holds no further entry; a known shape
+    still decodes statically (torch.compile's eager backend stands in for inductor)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    monkeypatch.setattr(static_decode, "MAX_SHAPES", 2)
+    monkeypatch.setattr(static_decode, "compiles", lambda device: True)  # a CPU standing in for CUDA
+    for name, empty in (("shapes", {}), ("refused", {}), ("fallback_reasons", [])):
+        monkeypatch.setattr(static_decode, name, empty)
+    monkeypatch.setattr(static_decode, "compile_step", lambda step, device: torch.compile(step, backend="eager"))
+    forward = next(
+        c for c in static_decode._Bucket.__init__.__code__.co_consts if getattr(c, "co_name", 0) == "forward"
+    )
+    torch._dynamo.reset()
+    prompt = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    static, buckets = [], StaticBuckets()
+    with caplog.at_level(logging.WARNING, static_decode.__name__), torch.no_grad():
+        for prompts in (1, 2, 3, 5, 2):  # rows 2, 4, 6, 10, 4 (n=2): buckets 2, 4, 8, 16, 4
+            hf.sample(model, [dict(prompt) for _ in range(prompts)], SamplingParams(n=2, max_new_tokens=2, seed=1),
+                      Policy(0), hf.Endings([127], None), hf.Decoding("on", buckets))  # fmt: skip
+            static.append(buckets.shape is not None and buckets.shape.batch == bucket_rows(2 * prompts))
+    entries = len(_debug_get_cache_entry_list(forward))
+    torch._dynamo.reset()
+    assert static == [True, True, False, False, True] and entries == 2
+    assert (
+        sorted(s.batch for s in static_decode.shapes) == [2, 4] and static_decode.shapes[max(static_decode.shapes)] == 2
+    )
+    assert sum("MAX_SHAPES" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_model_whose_static_layers_transformers_would_not_make_full_falls_back(tiny_zoo, examples, monkeypatch):
@@ -229,3 +402,38 @@ def test_rollout_hf_static_cache_reaches_the_hf_engine(tiny_zoo):
     assert make_engine("hf", member, RolloutConfig(hf_static_cache="off")).static_cache == "off"
     assert make_engine("hf", member, RolloutConfig(hf_static_cache="on")).static_cache == "on"
     assert make_engine("hf", member).static_cache == "auto"
+
+
+def test_evaluation_follows_rollout_hf_static_cache(tiny_zoo, tmp_path, monkeypatch):
+    """In-loop evaluation samples with the slot's own HF engine (its static cache) and, without a slot here, an
+    HF engine with rollout.hf_static_cache; `corl eval` takes --hf-static-cache: with the switch off no static
+    decoder is built (the mode each rollout's steps were chosen with is recorded)."""
+    import types
+
+    from cohort_helpers import cohort
+
+    from vlm_corl.commands import eval as eval_command
+    from vlm_corl.config import config_from_dict
+    from vlm_corl.config.schema import EvalConfig
+    from vlm_corl.training.eval_phase import evaluate_cohort
+
+    made, modes = static_decode.decode_steps, []
+    monkeypatch.setattr(hf, "decode_steps", lambda *args: modes.append((args[3], args[5])) or made(*args))
+    raw = cohort(tmp_path, [("q", tiny_zoo["qwen2_vl"]), ("p", tiny_zoo["qwen2_vl"])])
+    raw["rollout"] = {**raw.get("rollout", {}), "hf_static_cache": "off"}
+    cfg = config_from_dict(raw)
+    member = load_member(MemberConfig(id="q", model=str(tiny_zoo["qwen2_vl"]), trainable=False))
+    eval_cfg = EvalConfig(benchmarks=["easyvqa"], limit=3, every=1, max_new_tokens=2)
+    run = types.SimpleNamespace(cfg=cfg, members=[member], placement={"q": (0,)}, world=None, slots=[])
+    run.world = types.SimpleNamespace(rank=0, all_gather=lambda obj: [obj])
+    evaluate_cohort(run, eval_cfg, step=1)
+    assert modes and {mode for mode, _ in modes} == {"off"}
+    engine = hf.HFEngine(member, "on")  # the slot's engine: its own switch and static cache
+    run.slots = [types.SimpleNamespace(member=member, engine=engine)]
+    modes.clear()
+    evaluate_cohort(run, eval_cfg, step=2)
+    assert modes and all(mode == "on" and buckets is engine.buckets for mode, buckets in modes)
+
+    args = eval_command.eval_parser().parse_args(["--hf-static-cache", "off"])
+    assert eval_command._engine(args, member, [], {}, 1.0)[0].static_cache == "off"
+    assert eval_command.eval_parser().parse_args([]).hf_static_cache == "auto"

@@ -69,6 +69,13 @@ def eval_parser() -> argparse.ArgumentParser:
         help="answer sampler: hf (transformers, any machine) | vllm (one engine per model)",
     )
     parser.add_argument(
+        "--hf-static-cache",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="hf: decode over a static KV cache, steps replayed as CUDA graphs (auto: on CUDA), as "
+        "rollout.hf_static_cache does in training",
+    )
+    parser.add_argument(
         "--max-prompt-tokens",
         type=cli.positive_int,
         default=4096,
@@ -165,13 +172,13 @@ def model_dirs(paths: list[str]) -> list[Path]:
 
 
 def _engine(args, member: Member, benches: list[Benchmark], examples: dict, share: float):
-    """The sampler for one model and the longest prompt it takes: the HF engine (no limit), or a vLLM engine
-    with room for --max-prompt-tokens plus the longest benchmark answer."""
+    """The sampler for one model and the longest prompt it takes: the HF engine (--hf-static-cache; no limit), or
+    a vLLM engine with room for --max-prompt-tokens plus the longest benchmark answer."""
     from vlm_corl.evaluation.scoring import EVAL_IMAGE_PIXELS
     from vlm_corl.members.engines import make_engine
 
     if args.engine == "hf":
-        return make_engine("hf", member), 1 << 30
+        return make_engine("hf", member, RolloutConfig(hf_static_cache=args.hf_static_cache)), 1 << 30
     budget = VllmConfig(gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_bytes)
     rollout = RolloutConfig(
         engine="vllm",

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -228,6 +229,9 @@ class Prefix:
     cross_attention_mask: Tensor | None  # (R, 1, images, tiles) what response tokens attend to (Mllama)
     cache_arg: str  # the name of the forward argument that takes the cache (see `cache_argument`)
     decode_mask: bool = False  # one-token steps pass their attention mask ready-made (see `ready_decode_mask`)
+    # the same prefill run again (its R rows as made first, a fresh cache): the static decoding's fallback, which
+    # keeps this instead of the cache (R4-1: the cache's keys and values would be a second copy of the prompts')
+    again: Callable[[], Prefix] | None = field(default=None, repr=False)
 
     def select(self, rows: Tensor) -> None:
         """Keep only `rows` (e.g. the continuations still decoding), cache included."""
@@ -267,6 +271,7 @@ def prefill(model: torch.nn.Module, prompts: list[dict[str, Tensor]], pad_id: in
         None if cross is None else cross[rows, -1:],
         cache_arg,
         ready_decode_mask(unwrapped(model).config),
+        functools.partial(prefill, model, prompts, pad_id, mrope),
     )
 
 

@@ -9,24 +9,37 @@ and values are then copied into transformers' `StaticCache`, sized to a bucket o
 ready-made attention mask over the whole cache (positions not yet written are masked) and explicit positions.
 Rows that end stay in the batch, fed the pad token, their tokens cut off by their length as the loop already
 does between two sync points; the bucket's spare rows repeat row 0 and are never read. On CUDA the step is
-`torch.compile(mode="reduce-overhead")`, which captures it as a CUDA graph per bucket and replays it; on a CPU
-it runs eagerly (the same tokens and log-probs as today's loop: tests/test_static_decode.py).
+`torch.compile(mode="reduce-overhead")`, which captures it as a CUDA graph and replays it; on a CPU it runs
+eagerly (the same tokens and log-probs as today's loop: tests/test_static_decode.py).
 
-A model whose cache this does not fit (cross-attention states: Mllama; sliding-window or linear-attention
-layers; an attention implementation that needs transformers' own mask) keeps today's loop, and so does one
-whose first static step raises; either is logged once per reason (`fallback_reasons` keeps them).
+Memory: once the prompt's keys and values are in the bucket nothing holds the prefix's cache (a second copy of
+the prompt's KV during the whole decoding); a first step that raises prefills the prompts again for today's loop
+(`Prefix.again`). An engine holds one bucket at a time (`StaticBuckets`: another shape frees the old one before
+allocating), and none through the update (`HFEngine.sleep` clears it), which is what the memory plan counts.
+Compiling: every bucket shares one compiled code object; dynamo keeps one entry per shape (rows bucket, length
+bucket, architecture, dtypes), which a new bucket of a known shape reuses (only the CUDA graph is recorded
+again). Each new shape is a full compile, so a process compiles at most MAX_SHAPES of them (`shapes` counts
+them); a rollout of a further shape decodes with today's loop.
+
+The static path is refused before any bucket is allocated, logged once per reason (`fallback_reasons`), for a
+model whose cache it does not fit (cross-attention states: Mllama; sliding-window or linear-attention layers; an
+attention implementation that needs transformers' own mask), a static cache whose values could not take what a
+step writes (transformers 5.19 allocates them in the keys' dtype: fp32 keys and bf16 values under autocast), a
+shape past MAX_SHAPES, or a shape whose first step raised before; a static step that raises after the first
+raises (tokens were decoded from the static cache: no loop could take over from there).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from transformers import StaticCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from vlm_corl.members.batching import DecodeSteps, Prefix, unwrapped
 
@@ -34,8 +47,26 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
 LENGTH_BUCKET = 256  # cache positions are rounded up to a multiple of this: one graph serves many prompt lengths
+# Distinct static step shapes a process compiles (each a full dynamo + inductor compile of the decoder step): far
+# fewer than dynamo's recompile_limit (64, `compile_step`), past which it would run new shapes eagerly and
+# silently, over the whole bucket (slower than today's loop); a further shape decodes with today's loop, logged.
+MAX_SHAPES = 32
 
 fallback_reasons: list[str] = []  # every distinct reason the static path was refused, in order, each logged once
+shapes: dict[Shape, int] = {}  # every static step shape this process compiled (on CUDA): its rollouts
+refused: dict[Shape, str] = {}  # shapes whose first static step raised: later rollouts refuse them at once
+
+
+class Shape(NamedTuple):
+    """What one compiled static step is specialised to (and an engine's bucket is keyed by)."""
+
+    batch: int  # bucket_rows of the rollout's rows
+    length: int  # bucket_length of prompt + new tokens
+    architecture: str  # the model's class: every one shares the step's code object, each is its own compile
+    keys: torch.dtype  # the cache's keys and values
+    values: torch.dtype
+    autocast: torch.dtype | None  # the autocast dtype the step runs under (None: off)
+    device: torch.device
 
 
 def use_static_cache(mode: str, device: torch.device) -> bool:
@@ -57,15 +88,31 @@ def bucket_length(positions: int) -> int:
     return -(-positions // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
+def compiles(device: torch.device) -> bool:
+    """Whether the static step is compiled on `device` (CUDA; elsewhere it runs as it is)."""
+    return torch.device(device).type == "cuda"
+
+
 def compile_step(step, device: torch.device):
     """`step` as the decoding loop calls it: on CUDA compiled with mode reduce-overhead (captured as a CUDA graph
     at its first calls per shape, then replayed; shapes are fixed, so dynamic=False), elsewhere as it is."""
-    if torch.device(device).type != "cuda":
+    if not compiles(device):
         return step
-    # every bucket of every member's engine is one more compiled entry of the same code: dynamo's default of 8
-    # per code object would leave a cohort's later buckets silently eager
+    # every shape of every member's engine is one more compiled entry of the same code: dynamo's default of 8
+    # per code object would leave later shapes silently eager (MAX_SHAPES keeps the count below this)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(step, mode="reduce-overhead", dynamic=False)
+
+
+def step_shape(model: torch.nn.Module, prefix: Prefix, limit: int) -> Shape:
+    """The static step shape (and bucket) that decoding `limit` tokens after `prefix` would use."""
+    layer = prefix.cache.layers[0]
+    device = layer.keys.device
+    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    rows, length = prefix.attention_mask.shape
+    name = type(unwrapped(model)).__name__
+    return Shape(bucket_rows(rows), bucket_length(length + limit), name, layer.keys.dtype, layer.values.dtype,
+                 autocast, device)  # fmt: skip
 
 
 def unsupported(model: torch.nn.Module, prefix: Prefix) -> str | None:
@@ -91,15 +138,59 @@ def unsupported(model: torch.nn.Module, prefix: Prefix) -> str | None:
     return None
 
 
+def unwritable(model_type: str, shape: Shape) -> str | None:
+    """Why a static cache of `shape` could not take the values a decoding step writes (None when it can): a step
+    writes them in the autocast dtype when autocast is on (a Linear's output), else in the prefix's own dtype,
+    and the static layer copies them in place (`index_copy_`: equal dtypes or a RuntimeError)."""
+    held = shape.keys if values_in_keys_dtype() else shape.values
+    written = shape.values if shape.autocast is None else shape.autocast
+    if held == written:
+        return None
+    return (
+        f"{model_type}: the prompt's cache holds keys {shape.keys} and values {shape.values}; a static cache would "
+        f"hold the values in {held}{' (this transformers allocates them in the keys dtype)' * (held != shape.values)}"
+        f" but a decoding step writes them in {written}"
+    )
+
+
+@functools.cache
+def values_in_keys_dtype() -> bool:
+    """Whether the installed transformers allocates a static layer's values in its keys' dtype (5.19 does; 5.25
+    gives each its own), found by allocating a one-position layer."""
+    layer = StaticLayer(max_cache_len=1)
+    layer.lazy_initialization(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16))
+    return layer.values.dtype == torch.float32
+
+
+def _new_shape(shape: Shape) -> str | None:
+    """Count a rollout of `shape` where the step is compiled (`shapes`); why it is refused when it would be a
+    compile past MAX_SHAPES (None when it is not)."""
+    if not compiles(shape.device):
+        return None
+    if shape not in shapes:
+        if len(shapes) >= MAX_SHAPES:
+            return (
+                f"{MAX_SHAPES} static step shapes compiled already (MAX_SHAPES): rollouts of a new shape (rows, "
+                "positions, architecture, dtypes) decode with today's loop"
+            )
+        log.info("HF engine static_cache: static step shape %d of at most %d: %s", len(shapes) + 1, MAX_SHAPES, shape)
+    shapes[shape] = shapes.get(shape, 0) + 1
+    return None
+
+
 def decode_steps(
     model: torch.nn.Module, prefix: Prefix, limit: int, mode: str, pad_id: int, buckets: StaticBuckets | None = None
 ):
     """The decoding steps after `prefix` for up to `limit` new tokens: `StaticSteps` when `mode` asks for the
-    static cache on this device and the model fits it, else today's `EagerSteps` (the reason logged once); ended
-    rows are fed `pad_id`; `buckets`: the engine's static caches (a fresh set when None)."""
+    static cache on this device and it can work here, else today's `EagerSteps` (the reason logged once, decided
+    before any bucket is allocated); ended rows are fed `pad_id`; `buckets`: the engine's static cache (a fresh
+    one when None)."""
     if not use_static_cache(mode, prefix.last_logits.device):
         return EagerSteps(model, prefix, limit)
     reason = unsupported(model, prefix)
+    if reason is None:
+        shape = step_shape(model, prefix, limit)
+        reason = unwritable(unwrapped(model).config.model_type, shape) or refused.get(shape) or _new_shape(shape)
     if reason is not None:
         _fall_back(reason)
         return EagerSteps(model, prefix, limit)
@@ -132,35 +223,37 @@ class EagerSteps:
 
 
 class StaticBuckets:
-    """The static caches of one engine's model, one per bucket (rows, positions, dtype), each with its mask and
-    its compiled step, kept across rollouts: a later rollout of the same bucket copies its prompts into the same
-    tensors and replays the same graph (a new cache would be new static addresses: a recompile and a new
-    capture); they stay allocated through the member's update (a bucket of 64 rows x 512 positions of a
-    Qwen2-VL-2B: ~0.9 GB of bf16 keys and values). At most MAX_BUCKETS, the least recently used dropped."""
-
-    MAX_BUCKETS = 4
+    """An engine's static cache: one bucket (a `Shape`'s cache, its mask and its compiled step) at a time, kept
+    from one rollout to the next while the engine is awake, so a later rollout of the same shape copies its
+    prompts into the same tensors and replays the same graph. Another shape's bucket replaces it, the old one
+    freed before the new one is allocated; `HFEngine.sleep` frees it (`clear`) for the update. The memory plan
+    counts exactly that: one bucket while decoding, none after (a bucket of 128 rows x 2048 positions of a
+    Qwen2-VL-2B: 7.5 GB of bf16 keys and values)."""
 
     def __init__(self):
-        self.buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
+        self.shape: Shape | None = None
+        self.bucket: _Bucket | None = None
 
-    def get(self, model: torch.nn.Module, cache_arg: str, key: tuple) -> _Bucket:
-        """The bucket of `key` (rows, positions, dtype, device) for `model`, made at its first use."""
-        if key not in self.buckets:
-            self.buckets[key] = _Bucket(model, cache_arg, *key)
-            while len(self.buckets) > self.MAX_BUCKETS:
-                self.buckets.popitem(last=False)
-        self.buckets.move_to_end(key)
-        return self.buckets[key]
+    def get(self, model: torch.nn.Module, cache_arg: str, shape: Shape) -> _Bucket:
+        """The bucket of `shape` for `model`, made at its first use."""
+        if shape != self.shape:
+            self.clear()  # first: the old bucket's memory goes before the new one is taken
+            self.bucket, self.shape = _Bucket(model, cache_arg, shape), shape
+        return self.bucket
+
+    def clear(self) -> None:
+        """Drop the bucket (its compiled code stays with dynamo: a later bucket of its shape reuses it)."""
+        self.shape = self.bucket = None
 
 
 class _Bucket:
-    """A StaticCache of `batch` rows and `length` positions, its (batch, 1, 1, length) attention mask and the
-    model's one-token step over them (compiled on CUDA)."""
+    """A StaticCache of `shape.batch` rows and `shape.length` positions, its (batch, 1, 1, length) attention mask
+    and the model's one-token step over them (compiled on CUDA)."""
 
-    def __init__(self, model, cache_arg: str, batch: int, length: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, cache_arg: str, shape: Shape):
         config = unwrapped(model).config
-        self.cache = StaticCache(config=config, max_cache_len=length)  # StaticLayers only (`unsupported`)
-        self.mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
+        self.cache = StaticCache(config=config, max_cache_len=shape.length)  # StaticLayers only (`unsupported`)
+        self.mask = torch.zeros(shape.batch, 1, 1, shape.length, dtype=torch.bool, device=shape.device)
         cache = self.cache
 
         def forward(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *extra: Tensor) -> Tensor:
@@ -172,7 +265,7 @@ class _Bucket:
             return out.logits[:, -1]
 
         self.forward = forward
-        self.step = compile_step(forward, device)
+        self.step = compile_step(forward, shape.device)
 
     def load(self, source, rows: Tensor) -> int:
         """Hold `source`'s keys and values of `rows` (repeats allowed) in the first positions of every layer
@@ -193,26 +286,26 @@ class _Bucket:
 
 class StaticSteps:
     """One-token steps of fixed shapes over a static cache of `bucket_rows(R)` rows and `bucket_length(L +
-    limit)` positions (a bucket of `buckets`) holding the prefix's keys and values; a row that ends stays, fed
-    the pad token."""
+    limit)` positions (the bucket of `buckets`) holding the prefix's keys and values, and nothing of the prefix's
+    own cache; a row that ends stays, fed the pad token."""
 
     def __init__(self, model: torch.nn.Module, prefix: Prefix, limit: int, pad_id: int, buckets: StaticBuckets):
-        self.model, self.prefix, self.limit = model, prefix, limit
+        self.model, self.limit, self.again, self.buckets = model, limit, prefix.again, buckets
+        self.shape = step_shape(model, prefix, limit)
         rows, self.prompt_length = prefix.attention_mask.shape
-        self.rows, self.batch = rows, bucket_rows(rows)
-        self.length = bucket_length(self.prompt_length + limit)
-        device = prefix.last_logits.device
+        self.rows, self.batch, device = rows, self.shape.batch, self.shape.device
         # spare rows repeat row 0: real keys and a real mask, so their (unread) logits stay finite
         fill = torch.cat([torch.arange(rows), torch.zeros(self.batch - rows, dtype=torch.long)]).to(device)
-        dtype = prefix.cache.layers[0].keys.dtype
-        self.bucket = buckets.get(model, prefix.cache_arg, (self.batch, self.length, dtype, device))
+        self.bucket = buckets.get(model, prefix.cache_arg, self.shape)
         self.bucket.load(prefix.cache, fill)
         self.mask = self.bucket.mask
         self.mask.zero_()
         self.mask[:, 0, 0, : self.prompt_length] = prefix.attention_mask[fill].bool()
         start = prefix.attention_mask.long().sum(dim=1, keepdim=True)[fill]  # (B, 1) the first new token's place
-        self.start = start if prefix.rope_delta is None else start + prefix.rope_delta[fill]
-        self.fill, self.pad = fill, torch.tensor(pad_id, device=device)
+        self.mrope = prefix.rope_delta is not None
+        self.start = start + prefix.rope_delta[fill] if self.mrope else start
+        self.pad = torch.tensor(pad_id, device=device)
+        self.fill = fill
         # the cache's position argument where the installed transformers still takes one (older 5.x), else its
         # layers count the positions they hold
         self.cache_position = "cache_position" in inspect.signature(type(unwrapped(model)).forward).parameters
@@ -222,14 +315,14 @@ class StaticSteps:
 
     def logits(self, token_ids: Tensor, alive: Tensor, t: int) -> Tensor:
         """(R, V) next-token logits after feeding (R,) `token_ids` (the pad token where a row has ended), the t-th
-        new token of each row. The first step falls back to today's loop if it raises."""
+        new token of each row. The first step falls back to today's loop if it raises; a later one raises."""
         if self.fallback is not None:
             return self.fallback.logits(token_ids, alive, t)
         fed = torch.where(alive, token_ids, self.pad)[self.fill][:, None]  # (B, 1)
         position = self.prompt_length + t
         self.mask[:, 0, 0, position] = True
         pos = self.start + t  # (B, 1)
-        args = [fed, self.mask, pos if self.prefix.rope_delta is None else pos.unsqueeze(0).expand(3, -1, -1)]
+        args = [fed, self.mask, pos.unsqueeze(0).expand(3, -1, -1) if self.mrope else pos]
         if self.cache_position:
             args.append(torch.tensor([position], device=fed.device))
         if self.cuda:  # the graph's previous outputs are dead: its next replay may write over them
@@ -237,13 +330,22 @@ class StaticSteps:
         try:
             logits = self.bucket.step(*args)
         except Exception as err:  # noqa: BLE001 - any failure of the first step is a reason to keep today's loop
-            if self.calls:
+            if self.calls:  # tokens came from the static cache already: no other loop holds their keys
                 raise
-            _fall_back(f"{unwrapped(self.model).config.model_type}: the first static step raised {err!r}")
-            self.fallback = EagerSteps(self.model, self.prefix, self.limit)
-            return self.fallback.logits(token_ids, alive, t)
+            return self._fall_back(err).logits(token_ids, alive, t)
         self.calls += 1
         return logits[: self.rows].clone()  # a copy: the next replay writes over the graph's output
+
+    def _fall_back(self, err: Exception) -> EagerSteps:
+        """Today's loop after a first static step that raised `err`: the bucket freed, the prompts prefilled again
+        (their first cache was not kept), and the shape refused from now on (logged once)."""
+        reason = f"{unwrapped(self.model).config.model_type}: the first static step raised {err!r}"
+        refused[self.shape] = reason
+        _fall_back(reason)
+        self.buckets.clear()
+        self.bucket = None
+        self.fallback = EagerSteps(self.model, self.again(), self.limit)
+        return self.fallback
 
     def select(self, rows: Tensor) -> None:
         """Never called while static (`keeps_rows`); after a fallback, today's loop removes rows."""

@@ -11,6 +11,7 @@ from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.config.schema import EvalConfig
 from vlm_corl.distributed.world import shard
 from vlm_corl.evaluation.scoring import benchmark_examples, sample_records, score_records
+from vlm_corl.members.engines import make_engine
 from vlm_corl.registry import BENCHMARKS
 from vlm_corl.training.collapse import describe as describe_collapse
 from vlm_corl.training.collapse import eval_drops
@@ -107,12 +108,12 @@ def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dic
 
 
 def _eval_engine(run: CohortRun, member, bench):
-    """(engine, longest prompt) for an in-loop evaluation: the member's own vLLM rollout engine (synced after
+    """(engine, longest prompt) for an in-loop evaluation: the member's own rollout engine, vLLM (synced after
     every update; a partitioned ZeRO-3 member has no module the HF engine could run) with what its sequence
-    length leaves after the benchmark's answer, or the HF engine (None: evaluate_member's default)."""
+    length leaves after the benchmark's answer, or HF (its static cache and rollout.hf_static_cache, no new
+    engine's buckets beside it); an HF engine with rollout.hf_static_cache where this process has no slot of it."""
     r = run.cfg.rollout
+    engine = next((s.engine for s in run.slots if s.member is member), None)
     if member_engine(run.cfg, member.cfg) != "vllm":
-        return None, 1 << 30
-    return next(
-        s.engine for s in run.slots if s.member is member
-    ), r.max_prompt_tokens + r.max_new_tokens - bench.max_new_tokens
+        return engine or make_engine("hf", member, r), 1 << 30
+    return engine, r.max_prompt_tokens + r.max_new_tokens - bench.max_new_tokens

@@ -43,15 +43,16 @@ class HFEngine:
 
     def __init__(self, member, static_cache: str = "auto"):
         self.member, self.static_cache = member, static_cache
-        self.buckets = StaticBuckets()  # the static caches and captured steps, kept from one rollout to the next
+        self.buckets = StaticBuckets()  # the static cache and captured step, kept from one rollout to the next
 
     def sync_weights(self) -> None:
         """Sampling uses the member's live module; an EMA teacher's rollout-dtype copy takes its new weights."""
         self.member.refresh_rollout_copy()
 
     def sleep(self) -> None:
-        """Nothing released: the weights are the member's, and the static caches (`buckets`) stay allocated
-        through the update, so the next rollout replays their captured steps instead of compiling again."""
+        """The static cache (`buckets`) freed for the update, as the memory plan has it (the weights are the
+        member's); its compiled step stays, so the next rollout of its shape only records its graph again."""
+        self.buckets.clear()
 
     def wake(self) -> None:
         """Nothing to take back."""
@@ -105,8 +106,8 @@ class Endings:
 @dataclass(frozen=True)
 class Decoding:
     """How `sample` runs its one-token steps, which changes no token: `static_cache` (auto | on | off) chooses the
-    steps (`static_decode.decode_steps`), over the static caches of `buckets` (an engine's, kept across rollouts;
-    a fresh set when None)."""
+    steps (`static_decode.decode_steps`), over the static cache of `buckets` (an engine's, kept across rollouts
+    until it sleeps; a fresh one when None)."""
 
     static_cache: str = "auto"
     buckets: StaticBuckets | None = None
@@ -131,10 +132,10 @@ def sample(
     """
     decoding = decoding or Decoding()
     prefix = prefill(model, [p for p in prompt_inputs for _ in range(params.n)], policy.pad_id, policy.mrope)
-    rows, vocab = prefix.last_logits.shape
-    device = prefix.last_logits.device
-    limit = params.max_new_tokens
+    logits, limit = prefix.last_logits, params.max_new_tokens
+    (rows, vocab), device = logits.shape, logits.device
     steps = decode_steps(model, prefix, limit, decoding.static_cache, policy.pad_id, decoding.buckets)
+    del prefix  # over a static cache the prompts' keys and values are the bucket's now: the prefix's cache goes
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
     choose, eos = Chooser(params), torch.tensor(endings.eos_ids, device=device)
     samplable = _samplable(vocab, policy.suppressed, device)  # (V',) token ids the policy can emit
@@ -149,7 +150,6 @@ def sample(
     active, at = torch.arange(rows, device=device), slice(None)
     alive = torch.ones(rows, dtype=torch.bool, device=device)
     every, synced = sync_every(device), 0
-    logits = prefix.last_logits
     for t in range(limit):
         next_tokens, chosen = _choose_tokens(logits, samplable, params, choose, uniforms[at, t])
         for name, value in chosen.items():
