@@ -2,7 +2,9 @@
 every number filled for plain and LoRA members (ZeRO-2/3 on 2-4 gloo processes: slow, `make test-scale`), and each
 planted fault found and named with its phase, rank, member and exit status: an engine that ignores the push, a rank
 with too little memory, an output disk too small, a version outside the tested range, a member whose rollout
-raises. The vLLM member's preflight is tests/test_vllm_cohort.py's (the vLLM lane)."""
+raises, one rank of two that raises or hangs in the update while the other waits in a collective (its time limit,
+watchdog and agreement through the store: tests/preflight_fault.py plants it); the measured checkpoint disk check at
+its boundary. The vLLM member's preflight is tests/test_vllm_cohort.py's (the vLLM lane)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from cohort_helpers import cohort
 
@@ -61,7 +64,7 @@ def test_plain_and_lora_members_are_ready_with_every_number(tiny_zoo, tmp_path, 
         versions, "installed_version", lambda names: "4.57.0" if names == ("transformers",) else real(names)
     )
     path = _config(tmp_path, [("plain", tiny_zoo["qwen2_vl"]), ("adapted", tiny_zoo["internvl"])], lora=("adapted",))
-    code, report, out = _preflight(path, capsys)
+    code, report, out = _preflight(path, capsys, "data.batch_size=16")
     assert code == 0, out
     assert report["verdict"] == "ready" and report["failure"] is None
     assert "verdict: ready" in out
@@ -71,7 +74,8 @@ def test_plain_and_lora_members_are_ready_with_every_number(tiny_zoo, tmp_path, 
     for m in report["members"].values():
         assert m["rollout"]["responses"] == m["rollout"]["prompts"] * 4 > 0
         assert m["rollout_after_push"]["tokens"] > 0
-        assert m["update"]["trained_seqs"] >= 8  # the planned micro-batch (auto: 8 on a CPU), every sequence
+        # two micro-batches at the planned size (auto: 8 on a CPU): 4 prompts x 4 responses, every sequence
+        assert m["update"]["trained_seqs"] == 2 * report["settings"]["micro_batch_size"] == 16
         assert 0 <= m["push_gap_nats"] < 1e-3  # the HF engine samples from the policy itself
     assert report["members"]["adapted"]["perturbed"].endswith("LoRA B matrices")
     assert report["members"]["plain"]["perturbed"] == "the output head"
@@ -79,6 +83,10 @@ def test_plain_and_lora_members_are_ready_with_every_number(tiny_zoo, tmp_path, 
     for phase in ("load", "rollout", "update", "sync", "rollout_after_push", "push_check", "checkpoint"):
         assert rank["phases"][phase]["seconds"] >= 0 and rank["phases"][phase]["peak_gb"] > 0
     assert rank["phases"]["update"]["plan_gb"] > 0 and rank["phases"]["rollout"]["plan_gb"] > 0
+    # the peaks are compared with the plan of the batch the preflight ran (4 prompts), not the user's (16)
+    small, full = report["plan"]["ranks"][0], report["run_plan"]["ranks"][0]
+    assert report["settings"]["prompts"] == 4 and small["rollout_gb"] < full["rollout_gb"]
+    assert rank["phases"]["rollout"]["plan_gb"] == small["rollout_gb"]
     assert report["checkpoint"]["bytes"] > 0 and report["checkpoint"]["plan_bytes"] > 0
     assert _unfilled({k: v for k, v in report.items() if k not in ("versions", "failure")}) == []
     # nothing is left in output_dir but the report
@@ -209,3 +217,99 @@ def test_deepspeed_cohorts_on_gloo_processes_are_ready(tiny_zoo, tmp_path, procs
         assert m["update"]["trained_seqs"] > 0 and m["push_gap_nats"] < 1e-3
     if procs == 4:  # two ranks per member: one timed all-reduce per member group
         assert all(len([k for k in r["collectives"] if k.startswith("all_reduce")]) == 1 for r in report["ranks"])
+
+
+def test_preflight_collectives_wait_its_own_time_limit_and_nccl_raises(tiny_zoo, tmp_path, monkeypatch):
+    """The process group is made with --timeout (default PREFLIGHT_TIMEOUT_S), not train.dist_timeout_s, and on
+    CUDA with NCCL's blocking wait set first (a timeout raises in Python); gloo's environment is left alone."""
+    from vlm_corl.training import preflight_checks
+
+    class Launched(Exception):
+        pass
+
+    seen = []
+
+    def launch(timeout_s, need_group=False):
+        seen.append((timeout_s, os.environ.get("TORCH_NCCL_BLOCKING_WAIT")))
+        raise Launched
+
+    monkeypatch.setattr(preflight_checks, "launch_world", launch)
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    path = _config(tmp_path, [("a", tiny_zoo["qwen2_vl"]), ("b", tiny_zoo["qwen2_vl"])], dist_timeout_s=1800)
+    with pytest.raises(Launched):
+        main(["--config", str(path)])
+    monkeypatch.setattr(preflight_checks, "default_device", lambda: torch.device("cuda", 0))
+    with pytest.raises(Launched):
+        main(["--config", str(path), "--timeout", "42"])
+    assert seen == [(preflight_checks.PREFLIGHT_TIMEOUT_S, None), (42.0, "1")]
+    assert preflight_checks.PREFLIGHT_TIMEOUT_S < 1800
+
+
+def test_the_measured_checkpoint_disk_check_flips_at_the_runs_total(tmp_path, monkeypatch):
+    """One checkpoint of the largest member measured at twice its planned bytes: the run needs twice the plan's
+    whole (every member's files, keep_last + 1 copies, RUN/best/); exactly that much free passes, a byte less
+    stops with the disk's message."""
+    from types import SimpleNamespace
+
+    from vlm_corl.errors import UserError
+    from vlm_corl.planning.disk import DiskPlan
+    from vlm_corl.training import preflight_checks
+
+    disk = DiskPlan(members={"a": {"weights": 600.0, "small_files": 40.0}, "b": {"weights": 360.0}},
+                    copies=3, keep_last=2, best=200.0)  # fmt: skip
+    need = 2 * ((600 + 40 + 360) * 3 + 200)  # measured over planned = 1280 / 640
+    cfg = SimpleNamespace(output_dir=str(tmp_path))
+    real = preflight_checks.shutil.disk_usage
+    for free, fits in ((need, True), (need - 1, False), (need - 2000, False), (need + 2000, True)):
+        monkeypatch.setattr(preflight_checks.shutil, "disk_usage", lambda p, free=free: real(p)._replace(free=free))
+        written = {"member": "a", "bytes": 1280.0, "plan_bytes": 640.0}
+        if fits:
+            preflight_checks.check_checkpoint_disk(cfg, disk, written)
+        else:
+            with pytest.raises(UserError, match="3 checkpoints on disk at once") as err:
+                preflight_checks.check_checkpoint_disk(cfg, disk, written)
+            assert "keep_last" in str(err.value) and "output_dir" in str(err.value)
+        assert written["run_needs_bytes"] == need and written["free_bytes"] == free
+
+
+@pytest.mark.parametrize("kind", ["raise", pytest.param("hang", marks=pytest.mark.slow)])
+def test_one_rank_failing_in_the_update_ends_every_rank_with_its_verdict(tiny_zoo, tmp_path, kind):
+    """2 gloo ranks; in the update phase rank 0 enters an all-reduce over both, and rank 1 then raises (`raise`)
+    or never returns (`hang`): within the preflight's time limit (--timeout, the run's dist_timeout_s is 600 s)
+    every rank stops with exit status 3 and the verdict naming rank 1, member b and the update phase; rank 0's
+    preflight.json and rank 1's part say so (a hang: with rank 1's stack at the planted hang)."""
+    import json
+    import socket
+    import time
+
+    path = _config(tmp_path, [("a", tiny_zoo["qwen2_vl"]), ("b", tiny_zoo["qwen2_vl"])], dist_timeout_s=600)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    limit = 20 if kind == "raise" else 8
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(ROOT / "tests")}  # fmt: skip
+    command = [sys.executable, str(ROOT / "tests" / "preflight_fault.py"), kind, "--config", str(path), "--timeout",
+               str(limit)]  # fmt: skip
+    start = time.monotonic()
+    procs = [subprocess.Popen(command, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]  # the old code: both wait dist_timeout_s (600 s)
+    finally:
+        for p in procs:
+            p.kill()
+    seconds = time.monotonic() - start
+    assert [p.returncode for p in procs] == [3, 3], outs[0][-3000:] + outs[1][-3000:]
+    reports = [json.loads((tmp_path / "run" / name).read_text()) for name in ("preflight.json", "preflight.rank1.json")]
+    for report in reports:
+        failure = report["failure"]
+        assert report["verdict"] == "failed" and (failure["phase"], failure["rank"]) == ("update", 1), failure
+        assert failure["member"] == "b" and failure["exit_status"] == 3
+        assert ("planted fault on rank 1" if kind == "raise" else "did not finish within 8 s") in failure["error"]
+    assert [r["rank"] for r in reports[0]["ranks"]] == [0, 1] and reports[0]["missing_ranks"] == []
+    if kind == "hang":
+        assert "rank 0 waits in a collective" in reports[0]["failure"]["error"]
+        assert re.search(r'preflight_fault.py", line \d+ in update_phase', reports[1]["watchdog"]["stacks"])
+    assert "verdict: failed at update on rank 1 member b" in outs[0] or "stops at update" in outs[0], outs[0][-2000:]
+    print(f"{kind}: every rank ended in {seconds:.1f} s")

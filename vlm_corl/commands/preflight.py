@@ -7,13 +7,18 @@ member on its own ranks: load, engine build, one rollout of a few real prompts, 
 planned size, one push and sleep/wake cycle, and the rollout guard's number after the push; per rank each phase's
 peak against `corl plan`'s and the member groups' all-reduce; one checkpoint of the largest member written and
 deleted. The verdict is `ready` (exit 0) or the first failure with its phase, rank, member and the fix to try
-(exit 2: yours to fix; 3: measured, such as a push that does not reach the engine); preflight.json holds every
-number (--out; default OUTPUT_DIR/preflight.json). Nothing else is left in output_dir.
+(exit 2: yours to fix; 3: measured, such as a push that does not reach the engine, or a hang); preflight.json
+holds every number (--out; default OUTPUT_DIR/preflight.json; the ranks after 0 write preflight.rank1.json ... beside
+it). Nothing else is left in output_dir.
+
+Each phase has a deadline, --timeout seconds (default 300; the load phase three times that), which is also the
+collectives' timeout in place of train.dist_timeout_s: a phase that hangs, or a rank whose failure leaves the others
+in a collective, ends in the same verdict on every rank (the failing phase and rank; for a hang every thread's stack
+in preflight.json) within that limit, not in the launcher's kill.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -22,6 +27,7 @@ from typing import Sequence
 
 from vlm_corl import cli
 from vlm_corl.config import ConfigError
+from vlm_corl.training.preflight_watch import PREFLIGHT_TIMEOUT_S
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.preflight") -> int:
@@ -35,6 +41,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.pref
         default=None,
         help="cap rollout.max_new_tokens for the preflight's rollouts (time; default: the configured length)",
     )
+    parser.add_argument(
+        "--timeout",
+        type=cli.positive_float,
+        default=PREFLIGHT_TIMEOUT_S,
+        help=f"seconds each phase may take, and the collectives' timeout (default {PREFLIGHT_TIMEOUT_S:g}; the "
+        "load phase three times it); past it the verdict names the phase and the rank that hung",
+    )
     args = cli.parse(parser, argv)
     from vlm_corl.config import load_config
 
@@ -44,14 +57,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.pref
         print(f"{args.config}: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from vlm_corl.training.preflight_checks import run_preflight
+    from vlm_corl.training.preflight_checks import PreflightOptions, run_preflight
 
-    report = run_preflight(cfg, max_new_tokens=args.max_new_tokens)
+    out = Path(args.out) if args.out else Path(cfg.output_dir) / "preflight.json"
+    options = PreflightOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout, out=out)
+    report = run_preflight(cfg, options)
     if int(os.environ.get("RANK", 0)) != 0:
         return exit_status(report)
-    out = Path(args.out) if args.out else Path(cfg.output_dir) / "preflight.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(render(report))
     print(f"preflight.json: {out}")
     return exit_status(report)
@@ -89,6 +101,8 @@ def render(report: dict) -> str:
             f"checkpoint of {ck['member']}: {ck['bytes'] / 1e9:.3f} GB in {ck['seconds']:.1f}s (planned "
             f"{ck['plan_bytes'] / 1e9:.3f} GB)"
         )
+    if report.get("missing_ranks"):
+        lines.append(f"ranks {report['missing_ranks']} sent no report (they hang or died)")
     lines += [f"warning: {w}" for w in report["warnings"]]
     f = report.get("failure")
     if f is None:

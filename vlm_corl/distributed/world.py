@@ -92,6 +92,11 @@ class World:
             dist.all_gather_object(parts, obj)
         return parts
 
+    def kv_store(self):
+        """The launch's key-value store, which outlives a failed collective (None in one process, or where torch
+        does not expose it)."""
+        return _store() if self.distributed else None
+
     def report(self, step: int, phase: str) -> None:
         """Record where this rank is (step, phase) in the launch's key-value store, so that after a failed
         collective the surviving ranks can tell which rank stopped where."""

@@ -13,12 +13,19 @@ differences that make them a test:
   |log pi_train - log pi_rollout| per token of the engine's sampled tokens, `algo.rollout_is`'s `is_abs_dlogp`)
   and applies the guard itself (`check_rollout_mismatch`): a push that does not reach the engine leaves it
   sampling from the unmoved weights, several nats per token away.
+
+The update runs two micro-batches per rank (a ZeRO-2 member accumulates its gradients over them), and each phase's
+peak is compared with the plan of this small config (the user's plan is reported beside it, `run_plan`). A hang or
+one rank's failure ends in the same verdict on every rank within the preflight's own time limit
+(`vlm_corl.training.preflight_watch`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import resource
 import shutil
 import time
@@ -32,15 +39,24 @@ import torch
 from vlm_corl.config import CohortConfig
 from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.distributed.exchange import exchange
-from vlm_corl.distributed.world import World, launch_world, place_members
+from vlm_corl.distributed.world import World, default_device, launch_world, place_members
 from vlm_corl.errors import UserError
 from vlm_corl.members.memory import GB
-from vlm_corl.planning.check import check_disk, check_launch, held_bytes, resolve_micro_batch, size
-from vlm_corl.planning.cohort import CohortPlan, with_changes
-from vlm_corl.planning.disk import checkpoint_disk
+from vlm_corl.planning.check import check_disk, check_launch, held_bytes, launch_hardware, resolve_micro_batch, size
+from vlm_corl.planning.cohort import CohortPlan, plan_cohort, with_changes
+from vlm_corl.planning.disk import DiskPlan, checkpoint_disk
 from vlm_corl.training.grpo import group_advantages
 from vlm_corl.training.numerics import RolloutMismatchStopped, check_rollout_mismatch
 from vlm_corl.training.phase_timer import PhaseTimer
+from vlm_corl.training.preflight_watch import (
+    GRACE_S,
+    PREFLIGHT_TIMEOUT_S,
+    Agreement,
+    Failure,
+    PreflightFailed,
+    Watchdog,
+    nccl_environment,
+)
 from vlm_corl.training.release import giving_back, release_run
 from vlm_corl.training.render_ahead import render_phase
 from vlm_corl.training.rollout_phase import extract_phase, rollout_phase
@@ -57,28 +73,20 @@ OVER_PLAN = 1.10  # a measured phase peak this far over the plan's is a warning:
 MEASURED_PHASES = ("rollout", "update", "sync", "rollout_after_push", "update_after_push")
 PLAN_OF_PHASE = {"rollout": "rollout", "rollout_after_push": "rollout", "update": "update",
                  "update_after_push": "update", "sync": "resident"}  # fmt: skip
+MICRO_BATCHES = 2  # per rank in each update: a ZeRO-2 member's second gradient partition during accumulation
 
 
 @dataclass
-class Failure:
-    """The first thing that went wrong: where (phase, rank, member), what, the fix to try, and the exit status
-    (2: the user's to fix, such as the config, the memory plan, the disk; 3: measured, such as a push that does
-    not reach the engine, or a fault of the install)."""
+class PreflightOptions:
+    """What `corl preflight`'s command line sets beside the config: the rollouts' length cap, the timed
+    all-reduce's MB, the time limit (each phase's deadline and the collectives' timeout, not
+    train.dist_timeout_s), and where preflight.json goes (None: nowhere; the ranks after 0 write their part
+    beside it, preflight.rank1.json ...)."""
 
-    phase: str
-    rank: int
-    member: str | None
-    error: str
-    fix: str
-    exit_status: int
-
-
-class PreflightFailed(Exception):
-    """Every rank stops at the same phase with the same `Failure` (the lowest rank's that failed)."""
-
-    def __init__(self, failure: Failure):
-        super().__init__(f"{failure.phase}: {failure.error}")
-        self.failure = failure
+    max_new_tokens: int | None = None
+    collective_mb: int | None = None
+    timeout_s: float = PREFLIGHT_TIMEOUT_S
+    out: Path | None = None
 
 
 def classify(err: BaseException, phase: str) -> tuple[str, int]:
@@ -119,21 +127,26 @@ class RankReport:
 
 
 class Preflight:
-    """Named phases over every rank: `with pf.phase(name, member)` runs one, records its seconds and peak and any
-    exception (with the member it concerns), then every rank learns whether some rank failed and, if so, all raise
-    the same `PreflightFailed` (the lowest failing rank's), so no rank waits in a collective the others left."""
+    """Named phases over every rank: `with pf.phase(name, member)` runs one under its deadline, records its
+    seconds and peak and any exception (with the member it concerns), then every rank learns through the store
+    whether some rank failed and, if so, all raise the same `PreflightFailed` (the first published), so no rank
+    waits in a collective the others left. `end` writes this rank's report, whoever ends the rank."""
 
-    def __init__(self, world: World, members: list[str], plan: CohortPlan | None = None):
-        self.world, self.plan = world, plan
+    def __init__(self, world: World, report: dict, options: PreflightOptions):
+        self.world, self.plan, self.report, self.options = world, None, report, options
         self.timer = PhaseTimer(world, 0)
         cuda = world.device.type == "cuda"
-        self.rank = RankReport(world.rank, members, "cuda_allocator" if cuda else "process_rss")
+        self.rank = RankReport(world.rank, [], "cuda_allocator" if cuda else "process_rss")
+        self.began, self.run = time.perf_counter(), None
+        self.agreement = Agreement(world)
+        self.watchdog = Watchdog(self.agreement, options.timeout_s, self._stopped)
 
     @contextmanager
     def phase(self, name: str, member: str | None = None):
         """Run the body as phase `name` (of `member`, when one member's), then agree over the ranks."""
         failure = None
         start = time.perf_counter()
+        self.watchdog.arm(name, member or ", ".join(self.rank.members) or None)
         try:
             with self.timer(name):
                 yield
@@ -145,9 +158,35 @@ class Preflight:
             failure = Failure(name, self.world.rank, who, f"{type(err).__name__}: {err}"[:2000], fix, status)
             log.debug("preflight: %s failed on rank %d:\n%s", name, self.world.rank, traceback.format_exc())
         self.rank.phases[name] = {"seconds": round(time.perf_counter() - start, 3), **self._peak(name)}
-        failed = [f for f in self.world.all_gather(failure) if f is not None]
-        if failed:
-            raise PreflightFailed(failed[0])
+        verdict = self.agreement.arrive(name, failure)
+        self.watchdog.disarm()
+        if verdict is not None:
+            raise PreflightFailed(verdict)
+
+    def _stopped(self, failure: Failure, stacks: str | None) -> None:
+        """The watchdog's end of this rank: the verdict and this rank's threads' stacks (hang) in its report."""
+        self.report.update(
+            verdict="failed", failure=asdict(failure), watchdog={"rank": self.world.rank, "stacks": stacks}
+        )
+        self.end()
+
+    def end(self) -> dict:
+        """This rank's end: its phases shared in the store; rank 0 merges every rank's it finds (all of them
+        after `ready`; within a few GRACE_S after a failure, a hung rank's never) and writes preflight.json, the
+        other ranks their own part beside it; then it waits (at most the time limit) until every rank has ended:
+        a launcher kills the others when the first process exits."""
+        report, world, own = self.report, self.world, asdict(self.rank)
+        self.agreement.share("rank", own)
+        wait = (self.options.timeout_s if report["verdict"] == "ready" else 3 * GRACE_S) if world.is_main else 0
+        parts = self.agreement.collect("rank", own, wait)
+        report["ranks"] = [parts[r] for r in sorted(parts)]
+        report["missing_ranks"] = [r for r in range(world.size) if r not in parts] if world.is_main else []
+        report["warnings"] += _peak_warnings(report["ranks"])
+        report["seconds"] = round(time.perf_counter() - self.began, 1)
+        write_report(report, self.options.out, world.rank)
+        self.agreement.share("ended", True)
+        self.agreement.collect("ended", True, self.options.timeout_s)
+        return report
 
     def _peak(self, name: str) -> dict:
         if self.world.device.type == "cuda":
@@ -162,12 +201,13 @@ class Preflight:
 
 def preflight_config(cfg: CohortConfig, world_size: int, max_new_tokens: int | None, work: Path) -> CohortConfig:
     """The config the preflight's two steps run: the user's members, engines, data, DeepSpeed and micro-batch
-    (resolved), a batch of the fewest prompts that fill one update micro-batch on each member's ranks, two steps,
+    (resolved), a batch of the fewest prompts that fill MICRO_BATCHES update micro-batches on each member's ranks
+    (fewer where data.batch_size is smaller), two steps,
     its own work directory (on output_dir's disk) and nothing written there but what start_run writes, the rollout
     guard's measurement on (algo.rollout_is), no plan or disk check (done on the user's config already)."""
     widest = max(len(ranks) for ranks in place_members(cfg.members, world_size).values())
     k = cfg.rollout.n
-    per_rank = max(1, math.ceil(int(cfg.train.micro_batch_size) / k))
+    per_rank = max(1, math.ceil(MICRO_BATCHES * int(cfg.train.micro_batch_size) / k))
     batch = min(cfg.data.batch_size, max(2, widest * per_rank))
     changes = {
         "output_dir": str(work),
@@ -341,55 +381,82 @@ def install_report(cfg: CohortConfig) -> dict:
     return {"verdict": None, "failure": None, "versions": versions, "cuda": cuda_line(), "warnings": warnings}
 
 
-def run_preflight(cfg: CohortConfig, max_new_tokens: int | None = None, collective_mb: int | None = None) -> dict:
-    """The preflight of `cfg` on this launch: every rank runs it; returns world rank 0's report (the other
-    ranks': their own), with `verdict` "ready" or "failed" and `failure` (phase, rank, member, error, fix,
-    exit_status) for the first failure. Nothing is left in output_dir but what it held before."""
-    began, report = time.perf_counter(), install_report(cfg)
-    work = Path(cfg.output_dir) / ".preflight"
+def run_preflight(cfg: CohortConfig, options: PreflightOptions | None = None) -> dict:
+    """The preflight of `cfg` on this launch: every rank runs it and writes its report (`options.out`); returns
+    world rank 0's report (the other ranks': their own), with `verdict` "ready" or "failed" and `failure`
+    (phase, rank, member, error, fix, exit_status) for the first failure. Nothing is left in output_dir but what
+    it held before (and preflight.json where `out` puts it there)."""
+    options = options or PreflightOptions()
+    report, work = install_report(cfg), Path(cfg.output_dir) / ".preflight"
+    for name, value in nccl_environment(default_device().type).items():
+        os.environ.setdefault(name, value)  # read when the process group is made; a user's own setting wins
     with giving_back():
-        world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)
-        pf = Preflight(world, [])
-        run = None
+        world = launch_world(options.timeout_s, need_group=cfg.train.deepspeed is not None)
+        pf = Preflight(world, report, options)
         try:
-            with pf.phase("plan"):
-                cfg, plan = plan_phase(cfg, world)
-            pf.plan = plan
-            report["plan"] = None if plan is None else plan.to_dict()
-            small = preflight_config(cfg, world.size, max_new_tokens, work)
-            report["settings"] = {"micro_batch_size": int(cfg.train.micro_batch_size), "prompts": small.data.batch_size,
-                                  "n": small.rollout.n, "max_new_tokens": small.rollout.max_new_tokens}  # fmt: skip
-            with pf.phase("load"):  # the run's start: data, members, their optimizers and engines
-                run = start_run(small)
-            pf.rank.members = [m.id for m in run.members]
-            tag_engines(run)
-            _steps(run, pf, report)
-            with pf.phase("collectives"):
-                mb = collective_mb or (64 if world.device.type == "cuda" else 4)
-                pf.rank.collectives = collectives(run, mb)
-                pf.rank.collectives["exchange"] = {"seconds": pf.rank.phases["exchange"]["seconds"]}
-            largest, planned = largest_member(cfg, plan)
-            with pf.phase("checkpoint", largest):
-                written = checkpoint_probe(run, largest, work)
-                written["plan_bytes"] = planned
-                report["checkpoint"] = written
-                if world.is_main:
-                    _check_checkpoint_disk(cfg, plan, written)
+            _phases(cfg, pf, work)
             report["verdict"] = "ready"
         except PreflightFailed as stop:
-            report["verdict"] = "failed"
-            report["failure"] = asdict(stop.failure)
+            report["verdict"], report["failure"] = "failed", asdict(stop.failure)
         finally:
-            ranks = world.all_gather(asdict(pf.rank))
-            if run is not None:
-                release_run(run)
-            world.barrier()
-            if world.is_main:
-                shutil.rmtree(work, ignore_errors=True)
-    report["ranks"] = ranks
-    report["warnings"] += _peak_warnings(ranks)
-    report["seconds"] = round(time.perf_counter() - began, 1)
+            pf.watchdog.disarm()
+        with pf.watchdog.lock:  # held by a watchdog that is ending the process: this waits for its exit
+            pf.end()
+        if pf.run is not None:
+            release_run(pf.run)
+        if world.is_main:
+            shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+def _phases(cfg: CohortConfig, pf: Preflight, work: Path) -> None:
+    """Every phase in order (`pf.run`: the run once loaded); the first failure raises PreflightFailed."""
+    world, report = pf.world, pf.report
+    with pf.phase("plan"):
+        cfg, plan = plan_phase(cfg, world)
+        small = preflight_config(cfg, world.size, pf.options.max_new_tokens, work)
+        pf.plan = small_plan(small, world, plan)
+    report["plan"] = None if pf.plan is None else pf.plan.to_dict()  # what the phases' peaks are compared with
+    report["run_plan"] = None if plan is None else plan.to_dict()  # the user's config's, for the run itself
+    report["settings"] = {"micro_batch_size": int(cfg.train.micro_batch_size), "prompts": small.data.batch_size,
+                          "n": small.rollout.n, "max_new_tokens": small.rollout.max_new_tokens}  # fmt: skip
+    with pf.phase("load"):  # the run's start: data, members, their optimizers and engines
+        pf.run = start_run(small)
+    pf.rank.members = [m.id for m in pf.run.members]
+    tag_engines(pf.run)
+    _steps(pf.run, pf, report)
+    with pf.phase("collectives"):
+        mb = pf.options.collective_mb or (64 if world.device.type == "cuda" else 4)
+        pf.rank.collectives = collectives(pf.run, mb)
+        pf.rank.collectives["exchange"] = {"seconds": pf.rank.phases["exchange"]["seconds"]}
+    largest, planned = largest_member(cfg, plan)
+    with pf.phase("checkpoint", largest):
+        written = checkpoint_probe(pf.run, largest, work)
+        written["plan_bytes"] = planned
+        report["checkpoint"] = written
+        if world.is_main and plan is not None and plan.disk is not None:
+            check_checkpoint_disk(cfg, plan.disk, written)
+
+
+def small_plan(small: CohortConfig, world: World, plan: CohortPlan | None) -> CohortPlan | None:
+    """The plan of the config the preflight runs (its small batch, on this launch), by the same planner as the
+    user's: the measured peaks are compared with it (the user's plan is sized for the full batch, so a measured
+    phase would always look small beside it). None where the user's config is not planned."""
+    if plan is None:
+        return None
+    return plan_cohort(small, launch_hardware(small, world.device, world.size))
+
+
+def write_report(report: dict, out: Path | None, rank: int) -> None:
+    """preflight.json at `out` (world rank 0), preflight.rank<r>.json beside it (rank r: its own part), written
+    whole or not at all (a rank may be ended while it writes)."""
+    if out is None:
+        return
+    path = out if rank == 0 else out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    partial.replace(path)
 
 
 def _steps(run: CohortRun, pf: Preflight, report: dict) -> None:
@@ -458,22 +525,28 @@ def _every_members(world: World, updates: dict) -> dict:
     return merged
 
 
-def _check_checkpoint_disk(cfg: CohortConfig, plan: CohortPlan | None, written: dict) -> None:
-    """The measured checkpoint scaled to the whole run (the plan's total disk times measured over planned bytes of
-    the member written) against the free space of output_dir's disk: a plan that under-counts the files is found
-    here, not when the disk fills."""
-    if plan is None or plan.disk is None or not written["plan_bytes"]:
+def checkpoint_need(disk: DiskPlan, written: dict) -> float:
+    """Bytes the run's checkpoints will take by the measured one: the plan's total (each checkpoint times the
+    copies on disk at once, train.keep_last + 1, and RUN/best/) scaled by the largest member's measured over
+    planned bytes (what under-counts it under-counts the others alike)."""
+    return disk.total * written["bytes"] / written["plan_bytes"]
+
+
+def check_checkpoint_disk(cfg: CohortConfig, disk: DiskPlan, written: dict) -> None:
+    """The measured checkpoint scaled to the whole run (`checkpoint_need`) against the free space of
+    output_dir's disk: a plan that under-counts the files is found here, not when the disk fills. Raises
+    UserError when it does not fit; records both numbers in `written`."""
+    if not written["plan_bytes"]:
         return
-    ratio = written["bytes"] / written["plan_bytes"]
-    need = plan.disk.total * ratio
+    need = checkpoint_need(disk, written)
     free = shutil.disk_usage(Path(cfg.output_dir)).free
     written["run_needs_bytes"], written["free_bytes"] = need, free
     if need > free:
         raise UserError(
             f"checkpoint disk: one checkpoint of {written['member']} took {size(written['bytes'])} (planned "
-            f"{size(written['plan_bytes'])}), so the run's checkpoints need about {size(need)}, but output_dir "
-            f"{cfg.output_dir} has {size(free)} free: free space there, lower train.keep_last, or choose an "
-            "output_dir on a larger disk"
+            f"{size(written['plan_bytes'])}), so the run's {disk.copies} checkpoints on disk at once need about "
+            f"{size(need)}, but output_dir {cfg.output_dir} has {size(free)} free: free space there, lower "
+            "train.keep_last, or choose an output_dir on a larger disk"
         )
 
 
