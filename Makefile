@@ -5,7 +5,7 @@ SETUP := $(VENV)/.setup-done
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo lint test test-scale test-e2e test-slow test-vllm gpu-bundle models-doc
+.PHONY: setup demo lint test test-scale test-e2e test-slow test-vllm test-gpu-stack gpu-bundle models-doc
 
 # torch/torchvision first, by exact pins (an unpinned torch pulls a multi-GB build from the index).
 $(SETUP): pyproject.toml
@@ -60,6 +60,18 @@ test-vllm: setup $(VLLM_VENV)/.setup-done
 	$(PY) -m vlm_corl.commands.zoo --out out/zoo-small --size small --families qwen2_vl,qwen2_5_vl,gemma3,internvl
 	for arch in idefics3 llava_onevision; do $(PY) -m vlm_corl.commands.zoo --arch $$arch --out out/zoo-small/generic-$$arch --size small; done
 	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py tests/test_zero3_stream.py
+
+## The GPU paths' tests at the versions a GPU node with vLLM gets (torch 2.13, transformers 5.19: the vLLM lane's
+## environment), beside the default suite's newest: cache layouts, dtypes and compile behaviour differ between them
+## (a static cache's values in its keys' dtype under 5.19). The tiny zoo is built where torchvision is (.venv);
+## tests/gpu_stack/sitecustomize.py loads processors without it in every process of the lane.
+GPU_STACK_TESTS := tests/test_static_decode.py tests/test_static_compiled.py tests/test_planner_counts.py \
+	tests/test_host_plan.py tests/test_gpu_paths.py tests/test_release.py tests/test_async_checkpoint.py \
+	tests/test_throughput.py tests/test_update_speed.py tests/test_rollout.py
+test-gpu-stack: setup $(VLLM_VENV)/.setup-done
+	$(PY) -m vlm_corl.commands.zoo --out out/zoo-tiny --size tiny
+	PYTHONPATH=tests/gpu_stack VLM_CORL_TINY_ZOO=out/zoo-tiny $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
+		$(GPU_STACK_TESTS)
 
 ## What bench/gpu_check.sh installs on a lent GPU machine that has no package index (Python 3.12, CUDA torch,
 ## transformers 5.17, accelerate, peft, safetensors, tokenizers): pure-Python and cp312 wheels of what the check

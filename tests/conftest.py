@@ -3,6 +3,7 @@ the recording stand-in for `vllm` (tests/fake_vllm.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import load_examples
 from vlm_corl.members.member import load_member
 from vlm_corl.models.warmstart import Schedule, warm_start
-from vlm_corl.models.zoo import build_zoo
+from vlm_corl.models.zoo import build_zoo, member_dir
 
 # One torch thread: on a shared 2-core machine two threads collapse 20-30x as soon as another process is busy.
 torch.set_num_threads(1)
@@ -25,7 +26,14 @@ ZOO_FAMILIES = shipped_families()
 
 @pytest.fixture(scope="session")
 def tiny_zoo(tmp_path_factory) -> dict:
-    """{family: path} of every family's tiny member (seed 0), built once (~5 s) into a session temp dir."""
+    """{family: path} of every family's tiny member (seed 0), built once (~5 s) into a session temp dir, or read
+    from VLM_CORL_TINY_ZOO (`corl zoo --size tiny` run where every processor can be built: the GPU stack's lane)."""
+    prebuilt = os.environ.get("VLM_CORL_TINY_ZOO")
+    if prebuilt:
+        zoo = {family: member_dir(prebuilt, family) for family in ZOO_FAMILIES}
+        missing = [family for family, path in zoo.items() if not (path / "config.json").is_file()]
+        assert not missing, f"VLM_CORL_TINY_ZOO={prebuilt} lacks {missing}: build it with corl zoo --size tiny"
+        return zoo
     return build_zoo(tmp_path_factory.mktemp("zoo"), families=list(ZOO_FAMILIES), size="tiny", seed=0)
 
 

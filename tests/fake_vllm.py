@@ -105,6 +105,8 @@ def fake_vllm(monkeypatch):
 
     events = []
     monkeypatch.setattr(engine_module, "sleep_mode_supported", lambda: True)
+    # a CUDA machine has torchvision: no stand-ins (the GPU stack's lane runs where it is missing)
+    monkeypatch.setattr(engine_module, "patch_for_vllm_cpu", lambda config=None: None)
     monkeypatch.setattr(engine_module.torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     FakeLLM.instances = []
     matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
