@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from cohort_helpers import cohort, metrics, trained_fields, weights
@@ -123,6 +124,7 @@ def test_a_full_disk_during_a_background_write_keeps_the_previous_checkpoint(tin
 # checkpoint step 4 starts its trainer state (the member's weights already on disk, the checkpoint incomplete).
 KILLER = """
 import os, runpy, signal, sys, threading
+import pytest
 import torch
 real_save = torch.save
 def save(obj, f, *args, **kwargs):
@@ -318,3 +320,54 @@ def test_keep_best_waits_for_the_background_write_of_the_same_member(tiny_zoo, t
         assert weights(directory).keys() == weights(tiny_zoo["qwen2_vl"]).keys()
         assert AutoConfig.from_pretrained(directory).model_type == "qwen2_vl"
     assert json.loads((run / "best" / "best.json").read_text())["q"]["step"] == 2
+
+
+# Run under torchrun as `python FAILER CONFIG`: rank 1's background writer fails writing checkpoint step 2 (its
+# trainer state), while rank 0's writes all succeed.
+FAILER = """
+import errno, os, runpy, sys, threading
+import pytest
+import torch
+real_save = torch.save
+def save(obj, f, *args, **kwargs):
+    if os.environ["RANK"] == "1" and threading.current_thread().name == "checkpoint-2":
+        raise OSError(errno.EIO, "Input/output error")
+    return real_save(obj, f, *args, **kwargs)
+torch.save = save
+sys.argv = ["vlm_corl.train", "--config", *sys.argv[1:]]
+runpy.run_module("vlm_corl.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+def test_one_rank_failing_its_background_write_stops_every_rank_and_keeps_the_previous_checkpoint(tiny_zoo, tmp_path):
+    """Two ranks (torchrun, gloo), each writing its member in the background; rank 1's writer fails on
+    checkpoint step 2. Every rank learns it at the same point (the errors are gathered before the checkpoint is
+    completed), reports it and exits (none waits forever in a collective the other never joins), and step 1
+    stays the latest checkpoint, step 2's partial directory removed."""
+    members = [("a", tiny_zoo["qwen2_vl"]), ("b", tiny_zoo["qwen2_vl"])]
+    cfg = cohort(tmp_path, members, reward=REWARD)
+    cfg["train"].update(max_steps=4, save_every=1, async_checkpoint=True, dist_timeout_s=120)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    failer, logs = tmp_path / "failer.py", tmp_path / "logs"
+    failer.write_text(FAILER)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*launcher, "--log-dir", str(logs), "--redirects", "3", str(failer), str(path)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")},
+        capture_output=True,
+        text=True,
+        timeout=400,  # a rank left waiting in a collective would hold the launcher for dist_timeout_s and more
+    )
+    assert done.returncode != 0
+    reports = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log")}
+    assert sorted(reports) == ["0", "1"], done.stderr[-3000:]
+    assert "Input/output error" in reports["1"], reports["1"][-3000:]  # its own error
+    assert "rank 1 failed writing checkpoint step 2: OSError: [Errno 5] Input/output error" in reports["0"], reports[
+        "0"
+    ][-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert latest_checkpoint(tmp_path / "run") == checkpoints / "step-1"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-1"]
