@@ -113,6 +113,9 @@ def test_masking_truncated_responses_trains_on_fewer_tokens(tiny_zoo, tmp_path):
     for masked in (False, True):
         algo = {"mask_truncated": masked}
         cfg = _config(tiny_zoo, tmp_path / str(masked), algo, max_steps=1, reward="shorter_is_better")
+        # one micro-batch: each prompt runs once either way (update_tokens counts the positions the passes ran; cut
+        # in two, a group split by the mask's shorter batch would run its prompt twice)
+        cfg["train"]["micro_batch_size"] = 16
         run_cohort(config_from_dict(cfg))
         runs[masked] = {r["member"]: r["update_tokens"] for r in metrics(tmp_path / str(masked) / "run")}
     assert all(0 < runs[True][m] < runs[False][m] for m in ("q", "l")), runs
