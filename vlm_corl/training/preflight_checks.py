@@ -402,6 +402,7 @@ def run_preflight(cfg: CohortConfig, options: PreflightOptions | None = None) ->
             pf.watchdog.disarm()
         with pf.watchdog.lock:  # held by a watchdog that is ending the process: this waits for its exit
             pf.end()
+        pf.watchdog.close()
         if pf.run is not None:
             release_run(pf.run)
         if world.is_main:
@@ -448,10 +449,14 @@ def small_plan(small: CohortConfig, world: World, plan: CohortPlan | None) -> Co
 
 
 def write_report(report: dict, out: Path | None, rank: int) -> None:
-    """preflight.json at `out` (world rank 0), preflight.rank<r>.json beside it (rank r: its own part), written
-    whole or not at all (a rank may be ended while it writes)."""
-    if out is None:
+    """preflight.json at `out` (world rank 0), and after a failure preflight.rank<r>.json beside it (rank r: its
+    own part; rank 0 may have ended without it), each written whole or not at all (a rank may be ended while it
+    writes)."""
+    if out is None or (rank != 0 and report["verdict"] == "ready"):  # rank 0's report holds every rank's then
         return
+    if rank == 0 and report["verdict"] == "ready":  # an earlier failed preflight's parts would read as this one's
+        for stale in out.parent.glob(f"{out.stem}.rank*{out.suffix}"):
+            stale.unlink(missing_ok=True)
     path = out if rank == 0 else out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")

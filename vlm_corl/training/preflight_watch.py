@@ -84,24 +84,26 @@ class Agreement:
     def __init__(self, world: World):
         self.world = world
         self.store = world.kv_store()
+        # torchrun's store outlives a restart of the workers: each attempt agrees under its own keys
+        self.key = f"{KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def publish(self, failure: Failure) -> Failure:
         """Offer `failure` as the verdict; returns the verdict (an earlier rank's failure, if one was first)."""
         if self.store is None:
             return failure
-        return Failure(**json.loads(self.store.compare_set(f"{KEY}/verdict", "", json.dumps(asdict(failure)))))
+        return Failure(**json.loads(self.store.compare_set(f"{self.key}/verdict", "", json.dumps(asdict(failure)))))
 
     def verdict(self) -> Failure | None:
         """The published verdict, if any."""
-        if self.store is None or not self.store.check([f"{KEY}/verdict"]):
+        if self.store is None or not self.store.check([f"{self.key}/verdict"]):
             return None
-        return Failure(**json.loads(self.store.get(f"{KEY}/verdict")))
+        return Failure(**json.loads(self.store.get(f"{self.key}/verdict")))
 
     def missing(self, phase: str) -> list[int]:
         """The ranks that have not yet finished `phase`."""
         if self.store is None:
             return []
-        return [r for r in range(self.world.size) if not self.store.check([f"{KEY}/arrived/{phase}/{r}"])]
+        return [r for r in range(self.world.size) if not self.store.check([f"{self.key}/arrived/{phase}/{r}"])]
 
     def arrive(self, phase: str, failure: Failure | None) -> Failure | None:
         """This rank's end of `phase` (its failure published first): waits until every rank has arrived or a
@@ -112,7 +114,7 @@ class Agreement:
             return failed[0] if failed else None
         if failure is not None:
             self.publish(failure)
-        self.store.set(f"{KEY}/arrived/{phase}/{self.world.rank}", "1")
+        self.store.set(f"{self.key}/arrived/{phase}/{self.world.rank}", "1")
         while True:
             verdict = self.verdict()
             if verdict is not None:
@@ -124,7 +126,7 @@ class Agreement:
     def share(self, name: str, value: object) -> None:
         """Publish this rank's `value` (JSON) under `name`."""
         if self.store is not None:
-            self.store.set(f"{KEY}/{name}/{self.world.rank}", json.dumps(value, default=str))
+            self.store.set(f"{self.key}/{name}/{self.world.rank}", json.dumps(value, default=str))
 
     def collect(self, name: str, own: object, wait_s: float) -> dict[int, object]:
         """{rank: value} of every rank's `share(name, ...)` found within `wait_s` (this rank's `own` always;
@@ -135,8 +137,8 @@ class Agreement:
         try:
             while len(found) < self.world.size and time.monotonic() < deadline:
                 for r in range(self.world.size):
-                    if r not in found and self.store.check([f"{KEY}/{name}/{r}"]):
-                        found[r] = json.loads(self.store.get(f"{KEY}/{name}/{r}"))
+                    if r not in found and self.store.check([f"{self.key}/{name}/{r}"]):
+                        found[r] = json.loads(self.store.get(f"{self.key}/{name}/{r}"))
                 time.sleep(0 if len(found) == self.world.size else POLL_S)
         except (RuntimeError, OSError):
             pass
@@ -184,7 +186,9 @@ class Watchdog:
         self.agreement, self.timeout_s, self.stop = agreement, timeout_s, stop
         self.lock = threading.Lock()
         self._armed: tuple[str, str | None, float] | None = None
-        threading.Thread(target=self._watch, name="preflight-watchdog", daemon=True).start()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="preflight-watchdog", daemon=True)
+        self._thread.start()
 
     def arm(self, phase: str, member: str | None) -> None:
         self._armed = (phase, member, time.monotonic() + phase_deadline(phase, self.timeout_s))
@@ -192,10 +196,14 @@ class Watchdog:
     def disarm(self) -> None:
         self._armed = None
 
+    def close(self) -> None:
+        """Stop the thread (the preflight has ended)."""
+        self._closed.set()
+        self._thread.join()
+
     def _watch(self) -> None:
         seen = None  # when this thread first saw a verdict the main thread has not taken
-        while True:
-            time.sleep(POLL_S)
+        while not self._closed.wait(POLL_S):
             armed = self._armed
             if armed is None:
                 seen = None
