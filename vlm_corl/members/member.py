@@ -87,8 +87,9 @@ class Member:
         self.deepspeed = None  # a DeepSpeedUpdate when train.deepspeed is set (vlm_corl.members.deepspeed_update)
         self.peft = None  # PEFT's wrapper of a LoRA member (its adapters are injected into `model` itself)
         self.lora_scaling: dict[str, float] = {}  # adapted layer -> alpha / r (vlm_corl.members.lora)
-        # An EMA teacher's copy in the rollout dtype for HF rollouts (its fp32 weights are what the EMA steps
-        # move); refreshed by the HF engine's sync (`refresh_rollout_copy`)
+        # The copy in the rollout dtype that HF rollouts sample from, where weights that move (a trained member's
+        # fp32 masters, an EMA teacher's fp32 weights) are served lower (`precision.samples_from_copy`); built
+        # once and refreshed in place by the HF engine's sync (`refresh_rollout_copy`)
         self.rollout_copy: torch.nn.Module | None = None
 
     @property
@@ -110,15 +111,20 @@ class Member:
 
     @property
     def generation_module(self) -> torch.nn.Module:
-        """The module HF rollouts and scoring passes run: the live model, or under DeepSpeed ZeRO-3 with the HF
-        engine the full copy refreshed after every update (a partitioned member has none: see `partitioned`)."""
+        """The module HF rollouts, evaluation and scoring passes run: the rollout-dtype copy where there is one
+        (a trained member's or an EMA teacher's, `rollout_copy`, fresh from the sync after every update), the
+        live model, or under DeepSpeed ZeRO-3 with the HF engine the full copy refreshed after every update (a
+        partitioned member has none: see `partitioned`). Never what the update or a checkpoint reads: those use
+        the weights themselves (`train_module`, `full_weights`)."""
         if self.rollout_copy is not None:
             return self.rollout_copy
         return self.deepspeed.full_model if self.deepspeed is not None else self.model
 
     @torch.no_grad()
     def refresh_rollout_copy(self) -> None:
-        """Copy the current weights into the rollout-dtype copy, where there is one (an EMA teacher)."""
+        """Copy the current weights into the rollout-dtype copy, where there is one (a trained member's, an EMA
+        teacher's), in place: its tensors keep their addresses, so captured CUDA graphs replay over the new
+        weights."""
         if self.rollout_copy is None:
             return
         for copied, weight in zip(self.rollout_copy.parameters(), self.model.parameters()):  # one structure
@@ -242,9 +248,10 @@ class Member:
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
 
     def rollout_autocast(self) -> torch.autocast:
-        """Autocast to the rollout dtype around HF rollouts and evaluation, when it is below the weights' (fp32
-        masters sampled in bf16). Under torch.no_grad (as the HF engine runs it) autocast caches its weight casts
-        for the whole context: a rollout casts each weight once, not once per decoded token."""
+        """Autocast to the rollout dtype around HF rollouts and evaluation, when it is below the weights' (a LoRA
+        member's fp32 base sampled in bf16; a no-op over a rollout copy, already in the rollout dtype). Under
+        torch.no_grad (as the HF engine runs it) autocast caches its weight casts for the whole context: a rollout
+        casts each weight once, not once per decoded token."""
         weights = next((self.model if self.partitioned else self.generation_module).parameters()).dtype
         lower = serves_lower(self.rollout_dtype, weights)
         return torch.autocast(self.device.type, dtype=self.rollout_dtype if lower else torch.bfloat16, enabled=lower)
@@ -374,7 +381,7 @@ class Member:
             trainer = host_copy({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
             if self.checkpoint_dtype != torch.float32 and self.peft is None:
                 trainer["masters"] = host_copy({n: p for n, p in self.model.named_parameters() if p.requires_grad})
-        model, files = self.generation_module, self.processor if self.is_vision else self.tokenizer
+        model, files = self.model, self.processor if self.is_vision else self.tokenizer
 
         def write_files(directory: Path) -> None:
             if self.peft is not None:
@@ -406,7 +413,7 @@ class Member:
             state = {name: _saved(t, dtype) for name, t in self.full_weights() if write}
         if not write:
             return
-        _write_model(self.model if self.streams_weights else self.generation_module, directory, state, dtype)
+        _write_model(self.model, directory, state, dtype)  # the weights themselves, never the rollout copy
         (self.processor if self.is_vision else self.tokenizer).save_pretrained(directory)
 
     def sum_over_ranks(self, value: float | dict[str, float]) -> float | dict[str, float]:

@@ -22,7 +22,7 @@ from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.data.records import ViewError, parse_view
 from vlm_corl.members.engines import RolloutEngine, make_engine
 from vlm_corl.members.member import Member, load_member
-from vlm_corl.members.precision import rollout_copy, serves_lower
+from vlm_corl.members.precision import rollout_copy, samples_from_copy
 from vlm_corl.members.render import Renderer, Wording
 
 if TYPE_CHECKING:
@@ -81,9 +81,12 @@ def build_slots(
 ) -> list[Slot]:
     """The slots of `specs` whose member this process hosts (`members`), with their engines (each member's own:
     members[i].engine or rollout.engine) and renderers; builds an EMA teacher where a slot is one. Engines are
-    built in the order `config.engine_layout.vllm_engines_by_rank` counts them: members, then teachers."""
+    built in the order `config.engine_layout.vllm_engines_by_rank` counts them: members, then teachers, after
+    the trained members' rollout copies (`keep_rollout_copy`), which a vLLM engine's memory check then sees."""
     local = {m.id: m for m in members}
     kind = {m.id: member_engine(cfg, m.cfg) for m in members}
+    for m in members:
+        keep_rollout_copy(m, kind[m.id])
     teachers = [spec.member_id for spec in specs if spec.teacher and spec.member_id in local]
     # The vLLM engines of this process share its device: each gets an equal part of the memory budget.
     share = 1.0 / max(1, sum(kind[mid] == "vllm" for mid in [*local, *teachers]))
@@ -132,6 +135,24 @@ def check_views(examples: Sequence[Example], slots: Sequence[SlotSpec | Slot], f
     return {sid: len(ids) for sid, ids in missing.items()}
 
 
+def keep_rollout_copy(member: Member, engine: str) -> None:
+    """Give a trained member on the `engine` its rollout-dtype copy to sample from where
+    `precision.samples_from_copy` says so (plain or ZeRO-2 full fine-tuning of fp32 masters served in bf16 by the
+    HF engine): built once, after its trainer state is restored when resuming, and refreshed in place at every
+    sync (`Member.refresh_rollout_copy`). The update and the checkpoints keep reading the masters."""
+    stage = member.deepspeed.stage if member.deepspeed is not None else None
+    weights = next(member.model.parameters()).dtype
+    lora = member.peft is not None
+    if samples_from_copy(member.cfg.trainable, lora, stage, engine, member.rollout_dtype, weights):
+        member.rollout_copy = rollout_copy(member.model, member.device, member.rollout_dtype)
+        if member.deepspeed is not None:
+            # the copy took along the forward prologue and epilogue ZeRO-2's engine hooks onto the module it wraps
+            # (memory logs, profilers, its step bookkeeping): no engine's business in a rollout, and Python that
+            # a compiled static step would break its graph on
+            for hooks in (member.rollout_copy._forward_pre_hooks, member.rollout_copy._forward_hooks):
+                hooks.clear()
+
+
 def load_teacher(student: Member, resume_from: Path | None, hf_rollouts: bool = True) -> Member:
     """The EMA teacher: the student's initial weights, or the teacher saved in the checkpoint when resuming.
     With `hf_rollouts` (the HF engine) and a rollout dtype below fp32 it also gets a copy in that dtype to
@@ -143,7 +164,7 @@ def load_teacher(student: Member, resume_from: Path | None, hf_rollouts: bool = 
     # rolls out and is saved like its student (rollout and checkpoint dtypes).
     teacher.model.float().eval()
     teacher.checkpoint_dtype, teacher.rollout_dtype = student.checkpoint_dtype, student.rollout_dtype
-    if hf_rollouts and serves_lower(teacher.rollout_dtype, torch.float32):
+    if samples_from_copy(True, False, None, "hf" if hf_rollouts else "vllm", teacher.rollout_dtype, torch.float32):
         teacher.rollout_copy = rollout_copy(teacher.model, teacher.device, teacher.rollout_dtype)
     return teacher
 
