@@ -221,10 +221,28 @@ def test_an_engine_holds_one_static_cache_at_a_time_and_none_once_it_sleeps(tiny
     assert engine.buckets.bucket is None and engine.buckets.shape is None and held[2]() is None
 
 
-def test_the_prefix_cache_is_gone_once_the_static_steps_begin(tiny_zoo, examples, monkeypatch):
+def _tiny_qwen2() -> torch.nn.Module:
+    """A one-layer Qwen2 made here, not from the zoo, so the test runs under any transformers (5.19's lane too)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _tiny_sample(model, prompts: int, mode: str, buckets: StaticBuckets, new_tokens: int = 4):
+    """`hf.sample`'s tokens for `prompts` distinct three-token prompts, two sampled rows each."""
+    one = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    params = SamplingParams(n=2, max_new_tokens=new_tokens, seed=1, temperature=0.8)
+    with torch.no_grad():
+        return hf.sample(model, [dict(one) for _ in range(prompts)], params, Policy(0, 0.8), hf.Endings([127], None),
+                         hf.Decoding(mode, buckets))[0]  # fmt: skip
+
+
+def test_the_prefix_cache_is_gone_once_the_static_steps_begin(monkeypatch):
     """The prompts' keys and values are copied into the bucket: from the first static step on nothing holds the
     prefix's own cache (it would be a second copy of the prompts' KV through the whole decoding)."""
-    member, prompts = _member_and_prompts(tiny_zoo, examples[:2], "qwen2")
     made, refs, alive_at_step = hf.prefill, [], []
 
     def prefill(*args):
@@ -242,38 +260,34 @@ def test_the_prefix_cache_is_gone_once_the_static_steps_begin(tiny_zoo, examples
 
     monkeypatch.setattr(hf, "prefill", prefill)
     monkeypatch.setattr(static_decode, "compile_step", spy)
-    steps = []
-    _rollout(member, prompts, SamplingParams(n=2, max_new_tokens=4, seed=2), "on", monkeypatch, steps)
-    assert steps[0].static and len(alive_at_step) == 3 and not any(alive_at_step)
+    buckets = StaticBuckets()
+    _tiny_sample(_tiny_qwen2(), 2, "on", buckets)
+    assert buckets.bucket is not None and len(alive_at_step) == 3 and not any(alive_at_step)
 
 
-def test_a_static_cache_that_cannot_take_a_step_s_values_is_refused_before_it_is_allocated(
-    tiny_zoo, examples, monkeypatch, caplog
-):
+def test_a_static_cache_that_cannot_take_a_step_s_values_is_refused_before_it_is_allocated(monkeypatch, caplog):
     """transformers 5.19 allocates a static layer's values in its keys' dtype, and a step writes its values in
     place in the autocast dtype: a prefix of fp32 values decoded under bf16 autocast (here: its prefill without
     it) cannot work, and is refused before any bucket is allocated, logged. Prefill and steps under the same
-    autocast decode statically where the installed transformers gives the values their own dtype."""
-    member, prompts = _member_and_prompts(tiny_zoo, examples[:1], "qwen2")
+    bf16 autocast over fp32 weights decode statically where the installed transformers gives the values their
+    own dtype (5.25), and are refused where it does not (5.19: fp32 keys, so fp32 values): today's tokens."""
+    model = _tiny_qwen2()
     monkeypatch.setattr(static_decode, "fallback_reasons", [])
-    buckets, allocated = static_decode.StaticBuckets(), []
+    buckets, allocated = StaticBuckets(), []
     made = static_decode._Bucket
     monkeypatch.setattr(static_decode, "_Bucket", lambda *args: allocated.append(args) or made(*args))
-    model = member.model.eval()
+    prompt = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
     with torch.no_grad():
-        prefix = prefill(model, [prompts[0].inputs] * 2, member.policy(1.0).pad_id, False)
+        prefix = prefill(model, [prompt, prompt], 0, False)
         with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level(logging.WARNING, static_decode.__name__):
             steps = static_decode.decode_steps(model, prefix, 4, "on", 0, buckets)
     assert not steps.static and allocated == [] and buckets.bucket is None
     assert len(static_decode.fallback_reasons) == 1 and "writes them in torch.bfloat16" in caplog.text
 
-    params = SamplingParams(n=2, max_new_tokens=6, seed=4, temperature=0.8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        today = _rollout(member, prompts, params, "off", monkeypatch, [])
-        static = []
-        got = _rollout(member, prompts, params, "on", monkeypatch, static)
-    assert static[0].static is not static_decode.values_in_keys_dtype()
-    assert [r[0] for r in got] == [r[0] for r in today]
+        today = _tiny_sample(model, 2, "off", StaticBuckets())
+        got = _tiny_sample(model, 2, "on", buckets)
+    assert (buckets.bucket is not None) is not static_decode.values_in_keys_dtype() and got == today
 
 
 def test_rows_that_end_at_different_steps_give_today_s_tokens_and_ended_rows_are_fed_the_pad(
@@ -339,34 +353,25 @@ def test_a_process_compiles_at_most_max_shapes_static_steps(monkeypatch, caplog)
     of a new shape decodes with today's loop, logged once, and dynamo holds no further entry; a known shape
     still decodes statically (torch.compile's eager backend stands in for inductor)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
-    model = Qwen2ForCausalLM(config).eval()
+    model = _tiny_qwen2()
     monkeypatch.setattr(static_decode, "MAX_SHAPES", 2)
     monkeypatch.setattr(static_decode, "compiles", lambda device: True)  # a CPU standing in for CUDA
     for name, empty in (("shapes", {}), ("refused", {}), ("fallback_reasons", [])):
         monkeypatch.setattr(static_decode, name, empty)
     monkeypatch.setattr(static_decode, "compile_step", lambda step, device: torch.compile(step, backend="eager"))
-    forward = next(
-        c for c in static_decode._Bucket.__init__.__code__.co_consts if getattr(c, "co_name", 0) == "forward"
-    )
+    code = static_decode._Bucket.__init__.__code__.co_consts
+    forward = next(c for c in code if getattr(c, "co_name", None) == "forward")  # every bucket's step
     torch._dynamo.reset()
-    prompt = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
     static, buckets = [], StaticBuckets()
-    with caplog.at_level(logging.WARNING, static_decode.__name__), torch.no_grad():
+    with caplog.at_level(logging.WARNING, static_decode.__name__):
         for prompts in (1, 2, 3, 5, 2):  # rows 2, 4, 6, 10, 4 (n=2): buckets 2, 4, 8, 16, 4
-            hf.sample(model, [dict(prompt) for _ in range(prompts)], SamplingParams(n=2, max_new_tokens=2, seed=1),
-                      Policy(0), hf.Endings([127], None), hf.Decoding("on", buckets))  # fmt: skip
+            _tiny_sample(model, prompts, "on", buckets, new_tokens=2)
             static.append(buckets.shape is not None and buckets.shape.batch == bucket_rows(2 * prompts))
     entries = len(_debug_get_cache_entry_list(forward))
     torch._dynamo.reset()
     assert static == [True, True, False, False, True] and entries == 2
-    assert (
-        sorted(s.batch for s in static_decode.shapes) == [2, 4] and static_decode.shapes[max(static_decode.shapes)] == 2
-    )
+    assert {shape.batch: n for shape, n in static_decode.shapes.items()} == {2: 1, 4: 2}  # rollouts per shape
     assert sum("MAX_SHAPES" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -433,6 +438,7 @@ def test_evaluation_follows_rollout_hf_static_cache(tiny_zoo, tmp_path, monkeypa
     modes.clear()
     evaluate_cohort(run, eval_cfg, step=2)
     assert modes and all(mode == "on" and buckets is engine.buckets for mode, buckets in modes)
+    assert engine.buckets.bucket is None  # freed after the evaluation: nothing of it through the next prefill
 
     args = eval_command.eval_parser().parse_args(["--hf-static-cache", "off"])
     assert eval_command._engine(args, member, [], {}, 1.0)[0].static_cache == "off"

@@ -81,6 +81,8 @@ def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dic
             records, answered = sample_records(
                 m, examples[mine.start : mine.stop], bench, engine=engine, max_prompt_tokens=room
             )
+            if member_engine(run.cfg, m.cfg) == "hf":  # its static cache freed: the next rollout's prefill comes
+                engine.sleep()  # before that rollout's bucket, as the memory plan has it (its wake: a no-op)
             shares[m.id] = (records, [mine.start + i for i in answered])
         merged: dict[str, tuple[list, list]] = {}
         for part in run.world.all_gather(shares):  # rank order: a member's shards in question order
