@@ -59,7 +59,7 @@ $(VLLM_VENV)/.setup-done: pyproject.toml
 test-vllm: setup $(VLLM_VENV)/.setup-done
 	$(PY) -m vlm_corl.commands.zoo --out out/zoo-small --size small --families qwen2_vl,qwen2_5_vl,gemma3,internvl
 	for arch in idefics3 llava_onevision; do $(PY) -m vlm_corl.commands.zoo --arch $$arch --out out/zoo-small/generic-$$arch --size small; done
-	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py tests/test_zero3_stream.py
+	VLM_CORL_SMALL_ZOO=out/zoo-small $(VLLM_VENV)/bin/python -m pytest -m slow tests/test_vllm_engine.py tests/test_vllm_cohort.py tests/test_zero3_stream.py tests/test_vllm_release.py
 
 ## The GPU paths' tests at the versions a GPU node with vLLM gets (torch 2.13, transformers 5.19: the vLLM lane's
 ## environment), beside the default suite's newest: cache layouts, dtypes and compile behaviour differ between them
