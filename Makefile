@@ -67,11 +67,12 @@ test-vllm: setup $(VLLM_VENV)/.setup-done
 ## tests/gpu_stack/sitecustomize.py loads processors without it in every process of the lane.
 GPU_STACK_TESTS := tests/test_static_decode.py tests/test_static_compiled.py tests/test_planner_counts.py \
 	tests/test_host_plan.py tests/test_gpu_paths.py tests/test_release.py tests/test_async_checkpoint.py \
-	tests/test_throughput.py tests/test_update_speed.py tests/test_rollout.py
+	tests/test_throughput.py tests/test_update_speed.py tests/test_rollout.py tests/test_planner_rollout_copy.py \
+	tests/test_rollout_copy_run.py tests/test_update_work.py
 test-gpu-stack: setup $(VLLM_VENV)/.setup-done
 	$(PY) -m vlm_corl.commands.zoo --out out/zoo-tiny --size tiny
-	PYTHONPATH=tests/gpu_stack VLM_CORL_TINY_ZOO=out/zoo-tiny $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
-		$(GPU_STACK_TESTS)
+	PYTHONPATH=$(CURDIR)/tests/gpu_stack VLM_CORL_TINY_ZOO=$(CURDIR)/out/zoo-tiny $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
+		$(GPU_STACK_TESTS) -k "not easy_vqa_renders"   # that one builds the released video processors: torchvision
 
 ## What bench/gpu_check.sh installs on a lent GPU machine that has no package index (Python 3.12, CUDA torch,
 ## transformers 5.17, accelerate, peft, safetensors, tokenizers): pure-Python and cp312 wheels of what the check

@@ -33,6 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def tests_env(**extra: str) -> dict[str, str]:
+    """A subprocess's environment: one torch thread, tests/ importable before what PYTHONPATH already holds (the GPU
+    stack's lane puts its sitecustomize there), and `extra`."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    return {**ENV, "PYTHONPATH": path, **extra}
+
+
 def python_m(module: str, *args, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m module args...` in the repository (one OpenMP thread), its output captured."""
     return subprocess.run(

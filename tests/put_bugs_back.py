@@ -1,6 +1,6 @@
-"""Put each bug of issue 32 (item 9) and issue 45 (item 7) back, run the test that pins it, and report exit code
-and first message line, then the same test on the clean tree: `python tests/put_bugs_back.py [N ...]` prints one
-JSON line per bug.
+"""Put each bug of issue 32 (item 9), issue 45 (item 7) and issue 55 (items 2, 4, 6) back, run the test that pins
+it, and report exit code and first message line, then the same test on the clean tree:
+`python tests/put_bugs_back.py [N ...]` prints one JSON line per bug.
 
 Each entry is (kind, file, the code as it is, the bug, the test). The file is restored after every run, also when the
 run fails; run it on a clean tree (`git status`), never while other work edits the same files.
@@ -14,6 +14,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 T = "tests/test_mutations.py::"
 GPU = "tests/test_gpu_schedules.py::"
+P = "tests/test_preflight.py::"
+S = "tests/test_static_decode.py::"
 BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
     # kind, file, old, new, test
     (
@@ -225,6 +227,282 @@ BUGS = [  # kind, file, the code as it is, the bug, the test that pins it
         'adapter_sync = m.lora is not None and cfg.rollout.vllm.lora_sync == "adapter"',
         "adapter_sync = False",
         "tests/test_host_plan.py::test_a_lora_engine_serving_its_adapter_backs_its_base_up_on_the_host_while_it_sleeps",
+    ),
+    # issue 55, items 2, 4 and 6: the static decoder, the bf16 rollout copy and its plan, the release, background
+    # checkpoints, the preflight, the GPU check's budget and the update's counts (review 4, R4-1..R4-13)
+    (
+        "rollout copy",
+        "vlm_corl/training/slots.py",
+        "    if samples_from_copy(member.cfg.trainable, lora, stage, engine, member.rollout_dtype, weights):",
+        "    if samples_from_copy(not member.cfg.trainable, lora, stage, engine, member.rollout_dtype, weights):",
+        "tests/test_static_compiled.py::test_a_trained_member_on_its_bf16_copy_decodes_statically_with_the_eager_loops_tokens[qwen2]",
+    ),
+    (
+        "rollout copy",
+        "vlm_corl/members/member.py",
+        "        if self.rollout_copy is None:\n            return",
+        "        if self.rollout_copy is None or self.cfg.trainable:\n            return",
+        "tests/test_rollout_copy_run.py::test_a_trained_members_rollouts_sample_its_masters_through_the_bf16_copy_also_after_a_resume",
+    ),
+    (
+        "checkpoint",
+        "vlm_corl/members/member.py",
+        "        _write_model(self.model, directory, state, dtype)  # the weights themselves, never the rollout copy",
+        "        _write_model(self.model if self.streams_weights else self.generation_module, directory, state, dtype)",
+        "tests/test_static_compiled.py::test_the_copy_follows_the_masters_at_each_sync_and_checkpoints_keep_the_masters",
+    ),
+    (
+        "memory plan",
+        "vlm_corl/planning/cohort.py",
+        '        add("rollout_copy", layout.rollout_bytes * shape.params, "resident")',
+        '        add("rollout_copy", layout.rollout_bytes * shape.params, "rollout")',
+        "tests/test_planner_rollout_copy.py::test_a_trained_member_on_cuda_samples_from_its_copy_and_decodes_over_a_bucket",
+    ),
+    (
+        "memory plan",
+        "vlm_corl/planning/estimates.py",
+        "    rows, length = bucket_rows(batch.prompts * batch.n), "
+        "bucket_length(batch.prompt_tokens + batch.new_tokens)",
+        "    rows, length = batch.prompts * batch.n, batch.prompt_tokens + batch.new_tokens",
+        "tests/test_planner_rollout_copy.py::test_a_trained_member_on_cuda_samples_from_its_copy_and_decodes_over_a_bucket",
+    ),
+    (
+        "memory plan",
+        "vlm_corl/planning/estimates.py",
+        "    return max(rollout_bytes, weights_bytes), max(rollout_bytes, weights_bytes)",
+        "    return max(rollout_bytes, weights_bytes), rollout_bytes",
+        "tests/test_planner_rollout_copy.py::test_a_lora_members_fp32_base_under_autocast_counts_fp32_keys_and_values",
+    ),
+    (
+        "memory plan",
+        "vlm_corl/planning/cohort.py",
+        "    static = hw.cuda and use_static_cache(r.hf_static_cache, _device(True)) and _static_fits(m, shape)",
+        "    static = use_static_cache(r.hf_static_cache, _device(True)) and _static_fits(m, shape)",
+        "tests/test_planner_rollout_copy.py::test_no_copy_or_bucket_where_they_do_not_apply",
+    ),
+    (
+        "host plan",
+        "vlm_corl/planning/host.py",
+        '        pinned = parts.get("optimizer", 0.0) * pinned_rounding(m.lora is not None, shapes[m.id])',
+        '        pinned = parts.get("optimizer", 0.0)',
+        "tests/test_planner_rollout_copy.py::test_pinned_checkpoint_copies_round_each_tensor_to_a_power_of_two",
+    ),
+    (
+        "static decode memory",
+        "vlm_corl/members/engines/hf.py",
+        "    del prefix  #",
+        "    prefix  #",
+        S + "test_the_prefix_cache_is_gone_once_the_static_steps_begin",
+    ),
+    (
+        "static decode memory",
+        "vlm_corl/members/engines/hf.py",
+        "        self.buckets.clear()\n",
+        "",
+        S + "test_an_engine_holds_one_static_cache_at_a_time_and_none_once_it_sleeps",
+    ),
+    (
+        "static decode memory",
+        "vlm_corl/members/static_decode.py",
+        "            self.clear()  # first",
+        "            pass  # first",
+        S + "test_an_engine_holds_one_static_cache_at_a_time_and_none_once_it_sleeps",
+    ),
+    (
+        "static decode dtype",
+        "vlm_corl/members/static_decode.py",
+        "reason = unwritable(unwrapped(model).config.model_type, shape) or refused.get(shape)",
+        "reason = refused.get(shape)",
+        S + "test_a_static_cache_that_cannot_take_a_step_s_values_is_refused_before_it_is_allocated",
+    ),
+    (
+        "static decode ended rows",
+        "vlm_corl/members/static_decode.py",
+        "fed = torch.where(alive, token_ids, self.pad)[self.fill][:, None]",
+        "fed = token_ids[self.fill][:, None]",
+        S + "test_rows_that_end_at_different_steps_give_today_s_tokens_and_ended_rows_are_fed_the_pad",
+    ),
+    (
+        "static decode later failure",
+        "vlm_corl/members/static_decode.py",
+        "            if self.calls:  # tokens",
+        "            if False:  # tokens",
+        S + "test_a_static_step_that_raises_after_the_first_raises",
+    ),
+    (
+        "compile bound",
+        "vlm_corl/members/static_decode.py",
+        "        if len(shapes) >= MAX_SHAPES:",
+        "        if False:",
+        S + "test_a_process_compiles_at_most_max_shapes_static_steps",
+    ),
+    (
+        "eval switch",
+        "vlm_corl/training/eval_phase.py",
+        '        return engine or make_engine("hf", member, r), 1 << 30',
+        '        return engine or make_engine("hf", member), 1 << 30',
+        S + "test_evaluation_follows_rollout_hf_static_cache",
+    ),
+    (
+        "eval switch",
+        "vlm_corl/commands/eval.py",
+        'make_engine("hf", member, RolloutConfig(hf_static_cache=args.hf_static_cache))',
+        'make_engine("hf", member)',
+        S + "test_evaluation_follows_rollout_hf_static_cache",
+    ),
+    (
+        "two threads mutate one module",
+        "vlm_corl/members/member.py",
+        "    view = copy.copy(model)  # the live module's parameters, buffers and submodules; its own attributes",
+        "    view = model",
+        "tests/test_async_checkpoint.py::test_two_overlapping_saves_of_one_module_leave_it_untouched",
+    ),
+    (
+        "overlapping writes of one member",
+        "vlm_corl/training/eval_phase.py",
+        "        run.checkpoints.written()  # a background checkpoint's thread may be writing the same modules",
+        "        pass",
+        "tests/test_async_checkpoint.py::test_keep_best_waits_for_the_background_write_of_the_same_member",
+    ),
+    (
+        "vLLM teardown of groups not its own",
+        "vlm_corl/training/release.py",
+        "        run.sink.close()\n    close_vllm_engines()\n",
+        "        run.sink.close()\n",
+        "tests/test_release.py::test_a_vllm_engine_tears_down_no_callers_group_and_no_group_after_a_failed_collective",
+    ),
+    (
+        "teardown after a failed collective",
+        "vlm_corl/training/release.py",
+        "    if dist.is_initialized() and not collectives_failed(sys.exc_info()[1]):",
+        "    if dist.is_initialized():",
+        "tests/test_release.py::test_a_run_destroys_its_member_groups_before_letting_its_slots_go_unless_its_collectives_failed",
+    ),
+    (
+        "graph pool outlives the run",
+        "vlm_corl/training/release.py",
+        '            if "torch._dynamo" in sys.modules:',
+        "            if False:",
+        "tests/test_release.py::test_on_cuda_the_release_empties_the_allocators_cache_after_collecting",
+    ),
+    (
+        "frames kept through __context__",
+        "vlm_corl/training/release.py",
+        "        pending += [e.__cause__, e.__context__]",
+        "        pending += [e.__cause__]",
+        "tests/test_release.py::test_an_interrupted_runs_frames_are_cleared_through_the_exceptions_context",
+    ),
+    (
+        "rank agreement",
+        "vlm_corl/training/preflight_checks.py",
+        "verdict = self.agreement.arrive(name, failure)",
+        "verdict = next((f for f in self.world.all_gather(failure) if f is not None), None)",
+        P + "test_one_rank_failing_in_the_update_ends_every_rank_with_its_verdict[raise]",
+    ),
+    (
+        "preflight timeout",
+        "vlm_corl/training/preflight_checks.py",
+        "world = launch_world(options.timeout_s, need_group=cfg.train.deepspeed is not None)",
+        "world = launch_world(cfg.train.dist_timeout_s, need_group=cfg.train.deepspeed is not None)",
+        P + "test_preflight_collectives_wait_its_own_time_limit_and_nccl_raises",
+    ),
+    (
+        "preflight timeout",
+        "vlm_corl/training/preflight_watch.py",
+        'return {"TORCH_NCCL_BLOCKING_WAIT": "1"} if device_type == "cuda" else {}',
+        "return {}",
+        P + "test_preflight_collectives_wait_its_own_time_limit_and_nccl_raises",
+    ),
+    (
+        "disk plan",
+        "vlm_corl/training/preflight_checks.py",
+        'return disk.total * written["bytes"] / written["plan_bytes"]',
+        'return disk.one * written["bytes"] / written["plan_bytes"]',
+        P + "test_the_measured_checkpoint_disk_check_flips_at_the_runs_total",
+    ),
+    (
+        "preflight plan",
+        "vlm_corl/training/preflight_checks.py",
+        "pf.plan = small_plan(small, world, plan)",
+        "pf.plan = plan",
+        P + "test_plain_and_lora_members_are_ready_with_every_number",
+    ),
+    (
+        "preflight accumulation",
+        "vlm_corl/training/preflight_checks.py",
+        "MICRO_BATCHES = 2  #",
+        "MICRO_BATCHES = 1  #",
+        P + "test_plain_and_lora_members_are_ready_with_every_number",
+    ),
+    (
+        "peak lookup",
+        "vlm_corl/training/throughput.py",
+        "    return max(found, key=lambda entry: len(entry[0]), default=None)",
+        "    return found[0] if found else None",
+        "tests/test_throughput.py::test_each_part_gets_its_own_peak_the_most_specific_name_first",
+    ),
+    (
+        "metrics attribution",
+        "vlm_corl/training/throughput.py",
+        'if self.sampled is None or row["member"] in self.sampled:',
+        "if True:",
+        "tests/test_throughput.py::test_the_busy_share_goes_only_on_the_rows_of_the_slots_the_sampled_gpu_hosts",
+    ),
+    (
+        "hang on exit",
+        "vlm_corl/training/throughput.py",
+        "            self.proc.kill()",
+        "            self.proc.wait()",
+        "tests/test_throughput.py::test_stopping_the_busy_sampler_kills_an_nvidia_smi_that_ignores_termination",
+    ),
+    (
+        "device budget",
+        "bench/gpu_check.py",
+        "        elif expected > left:",
+        "        elif left < 15:",
+        "tests/test_bench_device.py::test_a_check_the_budget_left_cannot_cover_is_skipped_and_the_result_stays_ok",
+    ),
+    (
+        "work count",
+        "vlm_corl/members/update.py",
+        "positions += ran.positions",
+        "positions += sum(map(sequence_length, mb))",
+        "tests/test_update_work.py::test_update_tokens_are_the_positions_the_forward_passes_ran",
+    ),
+    (
+        "power of two",
+        "vlm_corl/planning/cohort.py",
+        "for size in sorted({rows, *(2**i for i in range(rows.bit_length()) if 2**i <= rows)}, reverse=True):",
+        "for size in sorted({2**i for i in range(rows.bit_length()) if 2**i <= rows}, reverse=True):",
+        "tests/test_update_work.py::test_auto_micro_batch_prefers_all_rows_to_the_power_of_two_below",
+    ),
+    (
+        "sort order",
+        "vlm_corl/members/update.py",
+        "ordered = sorted(groups.values(), key=lambda group: max(map(sequence_length, group)))",
+        "ordered = sorted(groups.values(), key=lambda group: max(map(sequence_length, group)), reverse=True)",
+        "tests/test_update_work.py::test_update_micro_batches_come_in_the_exact_length_sorted_order",
+    ),
+    (
+        "mixed devices",
+        "vlm_corl/members/member.py",
+        'return all(p.is_floating_point() and p.device.type in ("cuda", "meta") for p in params)',
+        'return any(p.is_floating_point() and p.device.type in ("cuda", "meta") for p in params)',
+        "tests/test_update_work.py::test_adamw_is_not_fused_when_some_parameters_are_on_the_host",
+    ),
+    (
+        "host sync",
+        "vlm_corl/training/grpo.py",
+        "    return weights, {k: v.double() for k, v in sums.items()}",
+        "    return weights, {k: torch.tensor(float(v), dtype=torch.float64) for k, v in sums.items()}",
+        "tests/test_bench_step_audit.py::test_step_audit_runs_at_its_smallest_size_and_no_figure_grew",
+    ),
+    (
+        "host sync",
+        "vlm_corl/members/engines/hf.py",
+        "        left = 0 if t + 1 == limit else int(alive.sum())  # one read from the device per synchronisation",
+        "        left = 0 if t + 1 == limit or not bool(alive.any()) else int(alive.sum())",
+        "tests/test_bench_step_audit.py::test_step_audit_runs_at_its_smallest_size_and_no_figure_grew",
     ),
 ]
 

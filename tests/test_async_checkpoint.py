@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cohort_helpers import cohort, metrics, trained_fields, weights
+from cohort_helpers import cohort, metrics, tests_env, trained_fields, weights
 
 from vlm_corl.commands.train import main
 from vlm_corl.config import config_from_dict
@@ -139,7 +138,7 @@ runpy.run_module("vlm_corl.train", run_name="__main__", alter_sys=True)
 
 def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tiny_zoo, tmp_path):
     members = [("qwen", tiny_zoo["qwen2_vl"])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    env = tests_env()
     killer = tmp_path / "killer.py"
     killer.write_text(KILLER)
 
@@ -193,7 +192,7 @@ def test_two_processes_write_in_the_background_what_one_writes_at_the_step(tiny_
     (the end-of-step poll, the next save, the run's end): the same checkpoints and rows as one process writing
     at the step."""
     members = [("qwen", tiny_zoo["qwen2_vl"]), ("llama", tiny_zoo["mllama"])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    env = tests_env()
     runs = {}
     for name, procs, background in (("one", 1, False), ("two", 2, True)):
         cfg = cohort(tmp_path / name, members, reward=REWARD)
@@ -356,7 +355,7 @@ def test_one_rank_failing_its_background_write_stops_every_rank_and_keeps_the_pr
     done = subprocess.run(
         [*launcher, "--log-dir", str(logs), "--redirects", "3", str(failer), str(path)],
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")},
+        env=tests_env(),
         capture_output=True,
         text=True,
         timeout=400,  # a rank left waiting in a collective would hold the launcher for dist_timeout_s and more

@@ -98,16 +98,7 @@ def test_greedy_static_decoding_keeps_ended_rows_fed_the_pad_token(tiny_zoo, exa
     params = SamplingParams(n=3, max_new_tokens=8, temperature=0.0)
     first = _rollout(member, prompts, params, "off", monkeypatch, [])
     member.model.generation_config.eos_token_id = member.eos_token_ids + [first[0][0][1]]
-    fed = []
-
-    def spy(step, device):
-        def spied(input_ids, *args):
-            fed.append(input_ids[:, 0].clone())
-            return step(input_ids, *args)
-
-        return spied
-
-    monkeypatch.setattr(static_decode, "compile_step", spy)
+    fed = _record_fed_tokens(monkeypatch)
     steps = []
     today = _rollout(member, prompts, params, "off", monkeypatch, [])
     got = _rollout(member, prompts, params, "on", monkeypatch, steps)
@@ -300,16 +291,7 @@ def test_rows_that_end_at_different_steps_give_today_s_tokens_and_ended_rows_are
     params = SamplingParams(n=3, max_new_tokens=9, seed=7, temperature=0.9)
     first = _rollout(member, prompts, params, "off", monkeypatch, [])
     member.model.generation_config.eos_token_id = member.eos_token_ids + [first[0][0][1], first[4][0][4]]
-    fed = []
-
-    def spy(step, device):
-        def spied(input_ids, *args):
-            fed.append(input_ids[:, 0].clone())
-            return step(input_ids, *args)
-
-        return spied
-
-    monkeypatch.setattr(static_decode, "compile_step", spy)
+    fed = _record_fed_tokens(monkeypatch)
     today = _rollout(member, prompts, params, "off", monkeypatch, [])
     steps = []
     got = _rollout(member, prompts, params, "on", monkeypatch, steps)
@@ -443,3 +425,18 @@ def test_evaluation_follows_rollout_hf_static_cache(tiny_zoo, tmp_path, monkeypa
     args = eval_command.eval_parser().parse_args(["--hf-static-cache", "off"])
     assert eval_command._engine(args, member, [], {}, 1.0)[0].static_cache == "off"
     assert eval_command.eval_parser().parse_args([]).hf_static_cache == "auto"
+
+
+def _record_fed_tokens(monkeypatch) -> list:
+    """The (B,) token ids each static step is fed, in order (the step itself runs unchanged)."""
+    fed = []
+
+    def spy(step, device):
+        def spied(input_ids, *args):
+            fed.append(input_ids[:, 0].clone())
+            return step(input_ids, *args)
+
+        return spied
+
+    monkeypatch.setattr(static_decode, "compile_step", spy)
+    return fed

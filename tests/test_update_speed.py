@@ -57,8 +57,9 @@ def test_auto_takes_the_largest_micro_batch_whose_plan_fits_the_card(monkeypatch
     if size < rows:  # the next size tried does not fit: auto is the largest that does
         bigger = min(2 * size, rows)
         assert not plan_cohort(with_changes(cfg, {"train.micro_batch_size": bigger}), card).fits
-    # a smaller card gets a smaller micro-batch (the plan's update activations grow with it)
-    small, small_plan = micro_batch_for(cfg, Hardware(1, 64 * GB))
+    # a smaller card gets a smaller micro-batch (the plan's update activations grow with it); below ~67 GB the
+    # rollout phase alone (InternVL's static bucket and prefill beside vLLM's share) no longer fits
+    small, small_plan = micro_batch_for(cfg, Hardware(1, 68 * GB))
     assert small_plan.fits and small < size
     # a card too small for any: 1, with the plan that does not fit (the memory check then says what to change)
     least, none_fits = micro_batch_for(cfg, Hardware(1, 40 * GB))
