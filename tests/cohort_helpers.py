@@ -85,6 +85,7 @@ MEASURED = (
     "plan_gb",
     "peak_over_plan",
     *("rollout_tokens_per_s", "update_tokens_per_s", "update_mfu", "gpu_busy_"),  # vlm_corl.training.throughput
+    "update_tokens",  # the positions the passes ran: padding and shared prompts follow the rows' split over ranks
 )
 
 

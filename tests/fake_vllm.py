@@ -43,8 +43,18 @@ class FakeLLM:
         self.worker = types.SimpleNamespace(model_runner=(V2_RUNNER if v2 else V1_RUNNER)(), use_v2_model_runner=v2)
         self.prompt_ids = None  # None: echo the request's own ids
         self.weights_valid = True  # the engine loaded the checkpoint
-        self.llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset_encoder"))
+        self.shut_down = False  # closed by the run's release (`_shutdown`)
+        self.llm_engine = types.SimpleNamespace(
+            reset_encoder_cache=lambda: self.calls.append("reset_encoder"),
+            engine_core=types.SimpleNamespace(shutdown=self._shutdown),  # vLLM 0.32's in-process client
+        )
         FakeLLM.instances.append(self)
+
+    def _shutdown(self):
+        """`EngineCore.shutdown` as vLLM 0.32 runs it: its last act, the process-group teardown, looked up by name
+        in `vllm.v1.engine.core` (what the release stubs out while it closes engines)."""
+        self.shut_down = True
+        sys.modules["vllm.v1.engine.core"].cleanup_dist_env_and_memory()
 
     def generate(self, requests, sampling, use_tqdm=False, tokenization_kwargs=None, lora_request=None):
         self.calls.append(("generate", tokenization_kwargs))
@@ -97,6 +107,10 @@ def fake_vllm(monkeypatch):
     vllm.LLM = FakeLLM
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", vllm)
+    vllm.__path__ = []  # a package: the release reaches vllm.v1.engine.core to close engines
+    for name in ("vllm.v1", "vllm.v1.engine", "vllm.v1.engine.core"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["vllm.v1.engine.core"].cleanup_dist_env_and_memory = _destroys_the_default_group
     from vlm_corl.members.engines import vllm as engine_module
 
     for name in engine_module.VLLM_ENVIRONMENT:  # each test starts as a new process would: the build sets them
@@ -114,3 +128,9 @@ def fake_vllm(monkeypatch):
     engine_module.MODEL_RUNNERS.clear()
     torch.set_float32_matmul_precision(matmul)  # what a build changed, whatever the engine put back
     torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def _destroys_the_default_group(shutdown_ray: bool = False) -> None:
+    """vLLM 0.32's `cleanup_dist_env_and_memory`: destroys the default process group when there is one."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

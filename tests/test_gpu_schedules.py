@@ -190,6 +190,7 @@ def test_each_engine_sleeps_for_the_update_and_only_a_trained_members_is_pushed(
 
     (engine,) = FakeLLM.instances
     assert "GARBAGE" not in engine.calls  # never sampled from discarded weights
+    assert engine.shut_down  # by the release, not left to vLLM's finalizer (R4-5)
     assert [call for who, call in recording_vllm if call == "update"] == ["update", "update"]  # once a step
     if on_vllm == "trained":
         step = ["generate", ("sleep", 2), "update", ("wake_up", ("weights",)), "push", ("wake_up", ("kv_cache",))]

@@ -24,9 +24,10 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from vlm_corl.distributed.world import World
+if TYPE_CHECKING:  # `corl preflight --help` imports this module for its default: no torch at import
+    from vlm_corl.distributed.world import World
 
 log = logging.getLogger("vlm_corl")
 
