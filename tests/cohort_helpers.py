@@ -33,6 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def bench_json(script: str, *args) -> dict:
+    """The JSON a `bench/` script prints, run in the repository with `args` (one OpenMP thread); it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, script, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 def tests_env(**extra: str) -> dict[str, str]:
     """A subprocess's environment: one torch thread, tests/ importable before what PYTHONPATH already holds (the GPU
     stack's lane puts its sitecustomize there), and `extra`."""

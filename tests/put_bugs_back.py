@@ -536,7 +536,13 @@ def main(only: list[str]) -> int:
             path.write_text(source)
         after = run(test)
         missed += before[0] == 0 or after[0] != 0
-        row = {"n": n, "kind": kind, "file": name, "test": test, "bug": (bug.strip().splitlines() or ["(the code removed)"])[0]}
+        row = {
+            "n": n,
+            "kind": kind,
+            "file": name,
+            "test": test,
+            "bug": (bug.strip().splitlines() or ["(the code removed)"])[0],
+        }
         print(json.dumps({**row, "with_bug": before, "clean": after}), flush=True)
     return 1 if missed else 0
 

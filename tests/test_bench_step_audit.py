@@ -9,13 +9,7 @@ with the rollout correction's sums (14 without), 0.25 per decoded step (two read
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from cohort_helpers import bench_json
 
 SYNCS_PER_MICRO_BATCH = 13  # the update, algo.rollout_is token_truncated: its sums read once per update
 SYNCS_PER_DECODE_STEP = 1 / 8  # one read of the rows still decoding per synchronisation (every 8 steps on a GPU)
@@ -25,17 +19,10 @@ UPDATE_FLOPS_OVER_IDEAL = 0.542
 
 
 def test_step_audit_runs_at_its_smallest_size_and_no_figure_grew(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "bench/step_audit.py", "--size", "smallest", "--rollout-is", "token_truncated"]
-        + ["--cache-dir", str(tmp_path / "cache")],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = bench_json(
+        "bench/step_audit.py",
+        *("--size", "smallest", "--rollout-is", "token_truncated", "--cache-dir", tmp_path / "cache"),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
     rollout, update = out["rollout"], out["update"]
     assert (out["P"], out["K"], out["T"]) == (2, 2, 8)
     for phase in (rollout, update):

@@ -131,11 +131,16 @@ def unsupported(model: torch.nn.Module, prefix: Prefix) -> str | None:
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers or [prefix.cache]})
         return f"{config.model_type}: cache layers {', '.join(kinds)} (a static cache copies full-attention ones)"
-    # transformers decides the static layers from the config on its own: they must be plain full attention too
-    static = {type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers}  # unallocated
+    static = static_layer_kinds(config)
     if static != {"StaticLayer"}:
         return f"{config.model_type}: static cache layers {', '.join(sorted(static))}"
     return None
+
+
+def static_layer_kinds(config) -> set[str]:
+    """The layer classes of the StaticCache transformers builds for `config` (decided from the config on its own,
+    unallocated): the static path needs plain full-attention `StaticLayer`s only (the planner asks too)."""
+    return {type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers}
 
 
 def unwritable(model_type: str, shape: Shape) -> str | None:

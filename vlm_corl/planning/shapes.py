@@ -193,14 +193,14 @@ def static_decodable(config) -> bool:
     `static_decode.unsupported` that the config alone decides (full attention without a sliding window in every
     layer, no cross-attention layers, plain static cache layers); its attention implementation is the member's
     (sdpa: `cohort`)."""
-    from transformers import StaticCache
+    from vlm_corl.members.static_decode import static_layer_kinds
 
     text = config.get_text_config()
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
     if layer_types != {"full_attention"} or sliding or getattr(text, "cross_attention_layers", None):
         return False
-    return {type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=1).layers} == {"StaticLayer"}
+    return static_layer_kinds(config) == {"StaticLayer"}
 
 
 Shapes = dict[str, ModelShape]  # member id -> its model's shape, one plan's (`cohort_shapes`)
