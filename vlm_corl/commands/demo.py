@@ -343,7 +343,7 @@ def readme_table(runs: list[dict]) -> str:
         *rows,
         "",
         f"**Cohort gain {first['gain_points']:+.1f} points**; the band {band} (from `docs/demo/`, written by "
-        "`python -m vlm_corl.demo --seed S --publish docs/demo`).",
+        "`corl demo --seed S --publish docs/demo`).",
         "",
     ])  # fmt: skip
 

@@ -52,7 +52,7 @@ def released_stand_ins(config: str, overrides: Sequence[str]) -> list[str]:
             f"{MODELS} ({known}). To plan before downloading, name the member's directory like one of those "
             "(or its Hugging Face repository, as models.json lists it), or add the model's config.json as "
             "configs/models/NAME/config.json with its repository in configs/models/models.json. A tiny model the "
-            "zoo builds is planned once built (python -m vlm_corl.zoo --out DIR, as the config's header says)"
+            "zoo builds is planned once built (corl zoo --out DIR, as the config's header says)"
         )
     return out
 

@@ -133,7 +133,7 @@ def read_cache(path: str | os.PathLike) -> dict[str, CacheRecord]:
         except ValueError as e:
             raise CacheError(
                 f"{where}: not a JSON object ({e}); a paraphrase cache has one object per line, "
-                f"as written by python -m data_tools.paraphrase"
+                f"as written by corl paraphrase"
             ) from e
         if not isinstance(row, dict):
             raise CacheError(f"{where}: expected a JSON object, got {type(row).__name__}")

@@ -34,7 +34,7 @@ def planned_methods(bases: Path) -> dict[str, Method]:
     if missing:
         raise UserError(
             f"--bases {bases}: no built base model {', '.join(missing)} there (a model folder with "
-            "probe_samples.json): give the base folder of a `python -m vlm_corl.experiments.easyvqa --out DIR` run "
+            "probe_samples.json): give the base folder of a `corl experiment --out DIR` run "
             "(DIR/base) whose base models are built"
         )
     ranking = probe_all(bases.parent, list(base_recipes(FULL)))["ranking"]

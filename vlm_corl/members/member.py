@@ -525,13 +525,13 @@ def member_family(cfg: MemberConfig, path: str | Path) -> Family:
     path = model_source(cfg, path)[0] if Path(path).is_dir() else path
     where = f"member {cfg.id!r} ({path})"
     if not Path(path).is_dir():
-        raise MemberLoadError(f"{where}: the model directory does not exist (python -m vlm_corl.zoo builds tiny ones)")
+        raise MemberLoadError(f"{where}: the model directory does not exist (corl zoo builds tiny ones)")
     try:
         detected = detect_family(path, cfg.family, cfg.trust_remote_code)
     except (OSError, KeyError, json.JSONDecodeError) as err:
         raise MemberLoadError(
             f"{where}: cannot read the model type from config.json ({brief(err)}); it must be a "
-            "Hugging Face model directory (python -m vlm_corl.zoo builds tiny ones)"
+            "Hugging Face model directory (corl zoo builds tiny ones)"
         ) from err
     except ValueError as err:  # no registered family, and the generic one cannot serve it
         raise MemberLoadError(f"{where}: {err}") from err

@@ -83,7 +83,7 @@ def check_launch(cfg: CohortConfig, device: torch.device, processes: int, is_mai
     if mode == "error":
         raise ConfigError(
             [
-                message + ". Plan it with `python -m vlm_corl.plan --config FILE --suggest`, or set "
+                message + ". Plan it with `corl plan --config FILE --suggest`, or set "
                 "train.check_memory: warn to try anyway"
             ],
             ["train.check_memory"],

@@ -129,7 +129,7 @@ def check_views(examples: Sequence[Example], slots: Sequence[SlotSpec | Slot], f
         detail = "; ".join(f"{sid}: {len(ids)} of {len(examples)} (e.g. {ids[0]!r})" for sid, ids in missing.items())
         raise ViewError(
             f"training examples lack the view a slot renders ({detail}). Give the data paraphrases "
-            "(data.paraphrases, made by `python -m data_tools.paraphrase`), pick another view, or set "
+            "(data.paraphrases, made by `corl paraphrase`), pick another view, or set "
             "data.view_fallback=original to use the original wording for those examples"
         )
     return {sid: len(ids) for sid, ids in missing.items()}

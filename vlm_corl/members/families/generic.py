@@ -89,7 +89,7 @@ def remote_auto_class(model_type: str, auto_map: dict, trust_remote_code: bool) 
 
 
 def _no_zoo_builder(size: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
-    raise NotImplementedError("generic members are built by `python -m vlm_corl.zoo --arch MODEL_TYPE`")
+    raise NotImplementedError("generic members are built by `corl zoo --arch MODEL_TYPE`")
 
 
 @dataclass(frozen=True)
