@@ -27,6 +27,7 @@ from typing import Sequence
 
 from vlm_corl import cli
 from vlm_corl.config import ConfigError
+from vlm_corl.errors import UserError
 from vlm_corl.training.preflight_watch import PREFLIGHT_TIMEOUT_S
 
 
@@ -60,13 +61,27 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.pref
     from vlm_corl.training.preflight_checks import PreflightOptions, run_preflight
 
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "preflight.json"
+    check_paths(out, Path(cfg.output_dir))
     options = PreflightOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout, out=out)
     report = run_preflight(cfg, options)
     if int(os.environ.get("RANK", 0)) != 0:
         return exit_status(report)
     print(render(report))
-    print(f"preflight.json: {out}")
+    if report.get("unwritten"):
+        print(f"preflight.json: could not be written ({report['unwritten']}); the verdict above stands")
+    else:
+        print(f"preflight.json: {out}")
     return exit_status(report)
+
+
+def check_paths(out: Path, output_dir: Path) -> None:
+    """Before any model loads (minutes of a GPU node): --out must name a file in a folder this process can write,
+    and output_dir (where the checks load, write and delete a checkpoint) a folder it can write; else a UserError
+    naming the path and what to do (exit 2)."""
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; give the file's path, e.g. --out {out / 'preflight.json'}")
+    cli.output_dir(out.parent, "--out's folder")
+    cli.output_dir(output_dir, "output_dir")
 
 
 def exit_status(report: dict) -> int:

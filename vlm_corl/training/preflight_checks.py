@@ -183,7 +183,9 @@ class Preflight:
         report["missing_ranks"] = [r for r in range(world.size) if r not in parts] if world.is_main else []
         report["warnings"] += _peak_warnings(report["ranks"])
         report["seconds"] = round(time.perf_counter() - self.began, 1)
-        write_report(report, self.options.out, world.rank)
+        unwritten = write_report(report, self.options.out, world.rank)
+        if unwritten:  # after the write: the verdict is still printed, with why the file is not there
+            report["unwritten"] = unwritten
         self.agreement.share("ended", True)
         self.agreement.collect("ended", True, self.options.timeout_s)
         return report
@@ -448,12 +450,21 @@ def small_plan(small: CohortConfig, world: World, plan: CohortPlan | None) -> Co
     return plan_cohort(small, launch_hardware(small, world.device, world.size))
 
 
-def write_report(report: dict, out: Path | None, rank: int) -> None:
+def write_report(report: dict, out: Path | None, rank: int) -> str | None:
     """preflight.json at `out` (world rank 0), and after a failure preflight.rank<r>.json beside it (rank r: its
     own part; rank 0 may have ended without it), each written whole or not at all (a rank may be ended while it
-    writes)."""
+    writes). A write that fails (the disk filled, the folder went away) returns why, in place of raising: the
+    verdict the minutes of checks found is printed all the same."""
     if out is None or (rank != 0 and report["verdict"] == "ready"):  # rank 0's report holds every rank's then
-        return
+        return None
+    try:
+        _write_report(report, out, rank)
+    except OSError as err:
+        return f"{err.filename or out}: {err.strerror or err}"
+    return None
+
+
+def _write_report(report: dict, out: Path, rank: int) -> None:
     if rank == 0 and report["verdict"] == "ready":  # an earlier failed preflight's parts would read as this one's
         for stale in out.parent.glob(f"{out.stem}.rank*{out.suffix}"):
             stale.unlink(missing_ok=True)
