@@ -43,7 +43,7 @@ def test_category_step_sums_by_hand():
     assert yes_no["answer_entropy"] == [pytest.approx(math.log(2)), 1] and yes_no["answer_acc"] == [0.0, 0]
     # windows add sums and counts over steps; pooled answers give the category's spread
     window = window_metrics([stats, stats])
-    assert window["category/color/agreement"] == 0.5 and window["category/yes/no/pseudo_label_acc"] is None
+    assert window["category/color/agreement"] == 0.5 and window["category/yes_no/pseudo_label_acc"] is None
     assert window["category/color/distinct_pooled"] == 2 and window["category/color/questions"] == 4
     assert window["category/color/answer_entropy_pooled"] == pytest.approx(
         -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))

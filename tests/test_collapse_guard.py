@@ -91,6 +91,7 @@ def test_a_category_collapse_is_flagged_and_the_guard_rolls_back(pair, tmp_path,
     assert stopped["step"] == summary["steps"] == flag_step  # the steps it trained, not train.max_steps
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == flag_step and "category/shape/agreement" in rows[-1]
+    assert "category/yes_no/agreement" in rows[-1]  # easy-vqa's yes/no: one level of the key, not two
     evidence = stopped["warning"]  # the late window's shape answers: mostly the peer's "circle", agreed with
     assert evidence["agreement_late"] >= 0.9 > evidence["agreement_early"] and evidence["top_answer_late"] == "circle"
     # the batch rule saw nothing: the collapse hid inside the shape questions
@@ -102,7 +103,7 @@ def test_a_category_collapse_is_flagged_and_the_guard_rolls_back(pair, tmp_path,
     assert all(int(p.name.split("-")[1]) >= flag_step for p in (checkpoints / "collapsed").glob("step-*"))
     # evaluated from step 0 per category; the best model is kept whatever the guard did
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
-    assert evals[0]["step"] == 0 and "accuracy_shape" in evals[0]
+    assert evals[0]["step"] == 0 and "accuracy_shape" in evals[0] and "accuracy_yes_no" in evals[0]
     best = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
     assert set(best) == {"strong"} and (tmp_path / "run" / "best" / "strong" / "model.safetensors").is_file()
 

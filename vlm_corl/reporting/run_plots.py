@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from matplotlib.figure import Figure
 
 from vlm_corl.errors import UserError
+from vlm_corl.training.category_metrics import path_safe
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -199,15 +200,20 @@ CATEGORY_PLOT_KEYS = ("agreement", "answer_entropy_pooled", "pseudo_label_acc", 
 
 def category_lines(rows: Rows) -> dict[str, list[dict]]:
     """One line per (slot, category) of the rows' running-window `category/<c>/<metric>` keys, labelled
-    "slot: c", each row holding the bare metric names (a category name may contain "/": yes/no)."""
+    "slot: c" with the category's real name where `category_stats` holds it (the key's `c` is its `path_safe`
+    name; a row written before keys were made safe holds "yes/no" there and joins the same line), each row
+    holding the bare metric names."""
+    names = {path_safe(c): c for row in rows for c in row.get("category_stats") or {}}
     out: dict[tuple[str, str], dict[int, dict]] = {}
     for row in rows:
         for key, value in row.items():
             if key.startswith(CATEGORY_PREFIX):
                 category, metric = key[len(CATEGORY_PREFIX) :].rsplit("/", 1)
-                line = out.setdefault((row["member"], category), {})
+                safe = path_safe(category)
+                names.setdefault(safe, category)
+                line = out.setdefault((row["member"], safe), {})
                 line.setdefault(row["step"], {"step": row["step"]})[metric] = value
-    return {f"{slot}: {c}": list(steps.values()) for (slot, c), steps in out.items()}
+    return {f"{slot}: {names[c]}": list(steps.values()) for (slot, c), steps in out.items()}
 
 
 def eval_category_lines(eval_rows: Rows) -> dict[str, list[dict]]:

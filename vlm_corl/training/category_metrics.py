@@ -7,7 +7,8 @@ row keeps the step's raw sums and reports running-window means:
 
 - `category_stats` (nested, in metrics.jsonl only): {category: {"questions": q, metric: [sum, count], ...,
   "answers": {answer key: count}}} for this step, metric in STATS. Sums and counts add across steps.
-- `category/<c>/<metric>` (flat, also in TensorBoard): sum of sums / sum of counts over the slot's last
+- `category/<c>/<metric>` (flat, also in TensorBoard), `<c>` the category's `path_safe` name (`yes/no` ->
+  `yes_no`, so a tag is never split into extra levels): sum of sums / sum of counts over the slot's last
   `logging.category_window` rows (None where the count is 0), plus over the same rows' pooled answers
   `category/<c>/answer_entropy_pooled` (entropy, nats, of all the slot's answers to the category's questions,
   classes by `metrics.answer_key`) and `category/<c>/distinct_pooled` (how many classes).
@@ -25,6 +26,7 @@ What each metric sums, per question of the category (gold is read for diagnostic
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -44,6 +46,14 @@ STATS = (
 )
 MAX_ANSWER_KEYS = 32  # distinct answers kept per category and step (the rest pooled under OTHER)
 OTHER = "<other>"
+UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def path_safe(category: str) -> str:
+    """`category` as one level of a metric key, tracker tag or path: each character outside [A-Za-z0-9_.-] made
+    `_` (easy-vqa's `yes/no` -> `yes_no`; a `/` made TensorBoard show `category/yes/no/agreement` as extra
+    levels). The real name stays in `category_stats`, samples and warnings."""
+    return UNSAFE.sub("_", str(category))
 
 
 def category_step_stats(
@@ -125,7 +135,7 @@ def window_metrics(step_stats: Sequence[dict]) -> dict[str, float | int | None]:
     """The flat `category/<c>/<metric>` keys of a row from the `category_stats` of the slot's last rows."""
     out: dict[str, float | int | None] = {}
     for category, c in sorted(pooled(step_stats).items()):
-        prefix = f"category/{category}/"
+        prefix = f"category/{path_safe(category)}/"
         out.update({prefix + k: ratio(c[k]) for k in STATS})
         out[prefix + "answer_entropy_pooled"], out[prefix + "distinct_pooled"] = pooled_diversity(c["answers"])
         out[prefix + "questions"] = c["questions"]

@@ -13,6 +13,7 @@ from vlm_corl.distributed.world import shard
 from vlm_corl.evaluation.scoring import benchmark_examples, sample_records, score_records
 from vlm_corl.members.engines import make_engine
 from vlm_corl.registry import BENCHMARKS
+from vlm_corl.training.category_metrics import path_safe
 from vlm_corl.training.collapse import describe as describe_collapse
 from vlm_corl.training.collapse import eval_drops
 from vlm_corl.training.guard import improved, save_best, write_best
@@ -102,8 +103,8 @@ def evaluate_cohort(run: CohortRun, eval_cfg: EvalConfig, step: int) -> list[dic
                     "accuracy": result["accuracy"],
                     "n": result["n"],
                     "skipped_too_long": len(examples) - len(answered),
-                    **{f"accuracy_{t}": a for t, a in result["by_type"].items()},
-                    **{f"n_{t}": counts[t] for t in result["by_type"]},
+                    **{f"accuracy_{path_safe(t)}": a for t, a in result["by_type"].items()},  # tags: yes_no
+                    **{f"n_{path_safe(t)}": counts[t] for t in result["by_type"]},
                 }
             )
     return rows
