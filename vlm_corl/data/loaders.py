@@ -561,7 +561,7 @@ def _lost_image(value: Any) -> bool:
         return bool(value) and all(_lost_image(v) for v in value)
     if isinstance(value, Mapping) and set(value) <= {"bytes", "path"}:
         return not value.get("bytes") and not value.get("path")
-    return value is None or value == ""
+    return value is None or (isinstance(value, str) and not value)  # `== ""` on an array compares elementwise
 
 
 def _images(value: Any, root: Path) -> tuple[ImageSource, ...]:
@@ -585,6 +585,11 @@ def _image(item: Any, root: Path) -> ImageSource:
                 reason="image_url",
             )
         return str(root / item)  # an absolute path stays as it is
+    if hasattr(item, "shape") and hasattr(item, "dtype"):  # an array a Python dataset gave that is no picture
+        raise _BadField(
+            f"an image array must be uint8 of shape HxW, HxWx3 or HxWx4 (PIL.Image.fromarray), got "
+            f"{type(item).__name__} of shape {tuple(item.shape)} and dtype {item.dtype}"
+        )
     raise _BadField(f"an image must be a path, bytes or a {{'bytes', 'path'}} mapping, got {type(item).__name__}")
 
 

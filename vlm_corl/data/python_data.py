@@ -114,8 +114,10 @@ def fingerprint(data: object) -> str:
 def _digest_value(value: Any) -> str:
     if isinstance(value, bytes):
         return hashlib.sha256(value).hexdigest()
+    if hasattr(value, "detach"):  # a torch tensor: its repr elides the middle of a large one
+        value = value.detach().cpu().numpy()
     if hasattr(value, "tobytes") and hasattr(value, "size"):  # a PIL image (or an array)
-        return hashlib.sha256(value.tobytes()).hexdigest() + str(getattr(value, "size", ""))
+        return hashlib.sha256(value.tobytes()).hexdigest() + str(getattr(value, "shape", getattr(value, "size", "")))
     return repr(value)
 
 
@@ -168,11 +170,27 @@ def _rows(data: object, source: str, fields, require_answer: bool) -> Iterator[E
 
 
 def _encoded(value: Any) -> Any:
-    """A PIL image as PNG bytes (lossless; the loaders read images as paths or bytes); lists likewise."""
+    """A PIL image, or a picture as an array or tensor (`_picture`), as PNG bytes (lossless; the loaders read
+    images as paths or bytes); lists likewise. An array that is no picture stays: the loader skips its row as a
+    bad record naming its shape and dtype."""
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [_encoded(v) for v in value]
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        picture = _picture(value)
+        value = value if picture is None else picture
     if hasattr(value, "save") and hasattr(value, "mode") and hasattr(value, "size"):
         buffer = io.BytesIO()
         value.save(buffer, format="PNG")
         return buffer.getvalue()
     return value
+
+
+def _picture(value: Any) -> Any:
+    """A numpy array or torch tensor that is a picture (uint8, HxW, HxWx1, HxWx3 or HxWx4: what
+    PIL.Image.fromarray reads) as a PIL image; None for any other array (floats, channels first, ...)."""
+    from PIL import Image
+
+    array = value.detach().cpu().numpy() if hasattr(value, "detach") else value
+    if str(array.dtype) != "uint8" or not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (1, 3, 4))):
+        return None
+    return Image.fromarray(array[:, :, 0] if array.ndim == 3 and array.shape[2] == 1 else array)
