@@ -5,6 +5,7 @@ Members never share parameters, optimizer state or gradients: each call touches 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -24,9 +25,11 @@ from vlm_corl.members.rollout import Policy
 from vlm_corl.training.grpo import (
     aggregate_loss,
     cispo_loss,
+    clip_counts,
     clipped_surrogate,
     gspo_surrogate,
     kl_penalty,
+    policy_entropy,
     rollout_is_weights,
     sapo_loss,
     selective_logprobs,
@@ -70,25 +73,31 @@ def response_logprobs(
 
 @dataclass(frozen=True)
 class Ran:
-    """What a log-prob pass computed: its logits' dtype (the forward's compute dtype) and the input positions its
-    forward passes ran (padding included: it is computed too), the work behind `update_tokens`."""
+    """What a log-prob pass computed: its logits' dtype (the forward's compute dtype), the input positions its
+    forward passes ran (padding included: it is computed too), the work behind `update_tokens`, and when asked
+    the policy's token entropy (B, T) from the same logits (`grpo.policy_entropy`, no gradient), else None."""
 
     dtype: torch.dtype
     positions: int
+    entropy: torch.Tensor | None = None
 
 
-def _logprobs_and_dtype(model, prompt_inputs, responses, policy: Policy):
-    """`response_logprobs`, and what the passes ran (`Ran`)."""
-    dtypes = []
+def _logprobs_and_dtype(model, prompt_inputs, responses, policy: Policy, entropy: bool = False):
+    """`response_logprobs`, and what the passes ran (`Ran`; its entropy with `entropy`)."""
+    dtypes, entropies = [], []
 
     # (B, t, V) logits -> (B, t) log-probs of the targets under the policy
     def policy_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         dtypes.append(logits.dtype)
+        if entropy:  # before the log-probs: their backward writes its gradient over these logits
+            entropies.append(policy_entropy(logits, policy.temperature, policy.suppressed))
         return selective_logprobs(logits, targets, policy.temperature, policy.suppressed, inplace_backward=True)
 
     logp, mask, positions = _per_position(model, prompt_inputs, responses, policy, policy_logp)
+    # the shared-prompt path calls policy_logp for the first position, then the rest: the same order as its log-probs
+    ran = Ran(dtypes[0], positions, torch.cat(entropies, dim=1) if entropy else None)
     # Padding targets are the (suppressed, -inf) pad token: zero them, or the masked loss is -inf * 0 = nan.
-    return torch.where(mask.bool(), logp, 0.0), mask, Ran(dtypes[0], positions)
+    return torch.where(mask.bool(), logp, 0.0), mask, ran
 
 
 @torch.no_grad()
@@ -195,73 +204,107 @@ def _policy_update(member, seqs: list[Sequence], algo, train, rollout, totals: t
     sums gradients over its ranks). With one update per rollout batch and no KL, the rollout policy is the
     current one: old log-probs are the current ones detached (no extra forward pass), and sequences with
     zero advantage contribute exactly zero loss, so they are skipped but still counted in the normaliser.
-    Returns loss, grad_norm, lr, clip_frac (over all the member's ranks), nonfinite_skipped (the optimizer
-    steps skipped because the loss or the gradient norm was not finite) and compute_dtype (this rank's logits').
+    Returns loss, grad_norm, lr, the clip fractions, kl, entropy (`update_stats`), trained_seqs, update_tokens,
+    nonfinite_skipped (the optimizer steps skipped because the loss or the gradient norm was not finite),
+    compute_dtype (this rank's logits') and with algo.rollout_is the mismatch figures (`rollout_mismatch`), all
+    over the member's ranks but is_ratio_min / is_ratio_max: this rank's (the log phase takes them over the ranks,
+    `step_metrics.member_stats`).
     """
     trained = [s for s in seqs if s.trained]
-    total_tokens, total_seqs = totals or (sum(len(s.token_ids) for s in trained), len(trained))
+    totals = totals or (sum(len(s.token_ids) for s in trained), len(trained))
     need_all = algo.kl_beta > 0 or algo.updates_per_batch > 1
     work = trained if need_all else [s for s in trained if s.advantage != 0.0]
     micro, real = _micro_batches(member, work, seqs[0], train.micro_batch_size)
     member.model.train()
-    old = _old_logprobs(member, micro, algo, rollout)
+    old, sums = _old_logprobs(member, micro, algo, rollout, real)
     lr = member.lr  # the rate this step uses (the schedule advances inside member.step)
     policy = member.policy(rollout.temperature)
-    # Sums stay on the device (float64, as Python floats would add them): one host sync per update, not several per
-    # micro-batch.
-    loss_sum = clipped_tokens = torch.zeros((), dtype=torch.float64, device=member.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=member.device)
     grad_norm, skipped, ran, positions = 0.0, 0, None, 0  # ran: the last pass's (`Ran`); positions: all passes
-    mismatch = dict.fromkeys(MISMATCH_SUMS, loss_sum)  # float64 zeros on the device (added to out of place)
-    norm = (total_tokens, total_seqs, algo.drgrpo_norm or rollout.max_new_tokens)
+    norm = (*totals, algo.drgrpo_norm or rollout.max_new_tokens)
     for n_pass in range(algo.updates_per_batch):
         for i, (mb, old_logp) in enumerate(zip(micro, old)):
-            loss, clipped, mask, sums, ran = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
+            loss, _, _, mb_sums, ran = _micro_batch_loss(member, mb, old_logp, algo, policy, norm)
             positions += ran.positions
-            if sums and n_pass == 0 and i < real:
-                mismatch = {k: v + sums.get(k, 0.0) for k, v in mismatch.items()}
-            if i >= real:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
-                loss, mask = loss * 0.0, mask * 0
+            if i < real:
+                sums = add_sums(sums, mb_sums if n_pass == 0 else {k: mb_sums[k] for k in EVERY_PASS if k in mb_sums})
+            else:  # a filler: runs the passes DeepSpeed's collectives expect, adds nothing
+                loss = loss * 0.0
             member.backward(loss)
             loss_sum = loss_sum + loss.detach().double()
-            clipped_tokens = clipped_tokens + (clipped * mask).sum().double()
         grad_norm, applied = member.step(train.grad_clip, loss=loss_sum)
         skipped += not applied
-    summed = _rank_sums(member, loss_sum, clipped_tokens, len(work), positions, mismatch)
-    stats = {
-        "loss": summed["loss"] / algo.updates_per_batch,
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "clip_frac": summed["clipped"] / max(total_tokens * algo.updates_per_batch, 1),
-        "trained_seqs": int(summed["trained"]),
+    summed = _rank_sums(member, {"loss": loss_sum, **sums}, {"trained": len(work), "positions": positions})
+    stats = {"loss": summed["loss"] / algo.updates_per_batch, "grad_norm": grad_norm, "lr": lr}
+    stats.update(update_stats(summed, algo, totals))
+    stats.update(
+        trained_seqs=int(summed["trained"]),
         # input positions through the forward and backward passes, all ranks: the update's work (~6 x parameters
         # FLOPs per token), so its speed can be read against the device's; a prompt shared by a micro-batch's
         # responses ran once (`_per_position`), and every pass of algo.updates_per_batch counts
-        "update_tokens": int(summed["tokens"]),
-        "nonfinite_skipped": skipped,  # optimizer steps the numerical guard skipped (Member.step)
+        update_tokens=int(summed["positions"]),
+        nonfinite_skipped=skipped,  # optimizer steps the numerical guard skipped (Member.step)
         # what the forward computed in (bf16 under autocast, DeepSpeed's or ours); None: no micro-batch ran
-        "compute_dtype": None if ran is None else str(ran.dtype).removeprefix("torch."),
-    }
+        compute_dtype=None if ran is None else str(ran.dtype).removeprefix("torch."),
+    )
     if algo.rollout_is != "none":
-        stats.update(rollout_mismatch({k[3:]: v for k, v in summed.items() if k.startswith("is_")}))
+        stats.update(rollout_mismatch(summed))
     return stats
 
 
-def _rank_sums(
-    member, loss_sum: torch.Tensor, clipped_tokens: torch.Tensor, trained: int, positions: int, mismatch: dict
-) -> dict:
-    """The update's sums over all the member's ranks, in one collective: the loss, the clipped tokens, the sequences
-    trained, the input positions their passes ran, and the off-policy mismatch sums (keys "is_..."); the device's
-    sums (float64) read in one host sync."""
-    loss, clipped, *is_sums = torch.stack([loss_sum, clipped_tokens, *mismatch.values()]).tolist()
-    return member.sum_over_ranks(
-        {
-            "loss": loss,
-            "clipped": clipped,
-            "trained": trained,
-            "tokens": positions,
-            **{f"is_{k}": v for k, v in zip(mismatch, is_sums)},
-        }
-    )
+# The update's device-side sums of a micro-batch (`_micro_batch_loss`): the clip's counts and the KL to the
+# reference add up over every pass of algo.updates_per_batch (like the loss); the entropy (`entropy_tokens`: the
+# tokens it is over) and the off-policy mismatch sums (`MISMATCH_SUMS`) are of the rollout policy: the first pass.
+EVERY_PASS = ("clip_low", "clip_high", "ref_kl")
+
+
+def add_sums(sums: dict, more: dict) -> dict:
+    """`sums` plus `more` (0-d device tensors, out of place): keys ending in _min / _max take the min / max."""
+    out = dict(sums)
+    for k, v in more.items():
+        if k not in out:
+            out[k] = v
+        elif k.endswith("_min"):
+            out[k] = torch.minimum(out[k], v)
+        elif k.endswith("_max"):
+            out[k] = torch.maximum(out[k], v)
+        else:
+            out[k] = out[k] + v
+    return out
+
+
+def update_stats(summed: dict, algo, totals: tuple[int, int]) -> dict:
+    """The update's researcher-facing figures from its sums over the member's ranks (`_rank_sums`): clip_frac,
+    clip_frac_low and clip_frac_high (`grpo.clip_counts` over the trained tokens, gspo: sequences, times the
+    passes; None under sapo, which clips nothing), kl (mean `kl_estimator` value to the reference per trained
+    token and pass; None without algo.kl_beta), entropy (the rollout policy's mean token entropy over the tokens
+    the update ran a forward on, `_old_logprobs`; None when none ran) and with algo.rollout_is the importance
+    weight before the cap over the finite response tokens (`grpo.rollout_is_weights`' ratio): is_ratio_mean, and
+    this rank's is_ratio_min, is_ratio_max (None without such a token)."""
+    passes = algo.updates_per_batch
+    out = dict.fromkeys(("clip_frac", "clip_frac_low", "clip_frac_high"))
+    if algo.policy_loss != "sapo":
+        n = max((totals[1] if algo.policy_loss == "gspo" else totals[0]) * passes, 1)
+        low, high = summed["clip_low"], summed["clip_high"]
+        out.update(clip_frac=(low + high) / n, clip_frac_low=low / n, clip_frac_high=high / n)
+    out["kl"] = summed["ref_kl"] / max(totals[0] * passes, 1) if algo.kl_beta > 0 else None
+    counted = summed["entropy_tokens"]
+    out["entropy"] = summed["entropy"] / counted if counted else None
+    if algo.rollout_is != "none":
+        seen = summed["tokens"] > 0  # finite response tokens
+        out["is_ratio_mean"] = summed["ratio"] / summed["tokens"] if seen else None
+        out["is_ratio_min"] = summed["ratio_min"] if seen else None  # this rank's: `step_metrics.member_stats`
+        out["is_ratio_max"] = summed["ratio_max"] if seen else None
+    return out
+
+
+def _rank_sums(member, sums: dict[str, torch.Tensor], counts: dict[str, int]) -> dict:
+    """The update's device sums (float64, 0-d) read in one host sync, then summed with the host `counts` over all
+    the member's ranks in one collective; extremes (keys ending in _min / _max) stay this rank's."""
+    values = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
+    extremes = {k: v for k, v in values.items() if k.endswith(("_min", "_max"))}
+    summed = member.sum_over_ranks({**{k: v for k, v in values.items() if k not in extremes}, **counts})
+    return {**summed, **extremes}
 
 
 def sequence_length(seq: Sequence) -> int:
@@ -294,38 +337,56 @@ def _micro_batches(member, work: list[Sequence], any_seq: Sequence, size: int) -
     return micro + [[replace(any_seq, advantage=0.0)]] * (member.micro_batch_count(real) - real), real
 
 
-def _old_logprobs(member, micro: list[list[Sequence]], algo, rollout) -> list[torch.Tensor | None]:
+def _old_logprobs(member, micro: list[list[Sequence]], algo, rollout, real: int) -> tuple[list, dict]:
     """Per micro-batch, the rollout policy's log-probs, taken before the first of several updates on one rollout
     batch (algo.updates_per_batch > 1); else None each: the rollout policy is the current one, whose log-probs
-    each micro-batch's pass gives (detached) with no extra forward pass."""
+    each micro-batch's pass gives (detached) with no extra forward pass. And the update's sums (`SUMS`) started:
+    zeros, plus the policy's entropy over the first `real` micro-batches where this pass computed it."""
+    zero = torch.zeros((), dtype=torch.float64, device=member.device)
+    sums = {**dict.fromkeys(SUMS, zero), "ratio_min": zero + math.inf, "ratio_max": zero - math.inf}
     if algo.updates_per_batch <= 1:
-        return [None] * len(micro)
+        return [None] * len(micro), sums
+    old = []
     with torch.no_grad():
-        return [_logprobs(member, mb, member.policy(rollout.temperature))[0] for mb in micro]
+        for i, mb in enumerate(micro):
+            logp, mask, ran = _logprobs(member, mb, member.policy(rollout.temperature), entropy=i < real)
+            old.append(logp)
+            sums = add_sums(sums, _entropy_sums(ran, mask) if i < real else {})
+    return old, sums
+
+
+def _entropy_sums(ran: Ran, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A pass's token entropy summed over its response tokens, and their count (float64 device tensors)."""
+    return {"entropy": (ran.entropy * mask).sum().double(), "entropy_tokens": mask.sum().double()}
 
 
 def _micro_batch_loss(member, mb: list[Sequence], old_logp, algo, policy: Policy, norm: tuple[int, int, int]):
     """One micro-batch's share of the loss (normalised by the whole batch's `norm` = (tokens, responses,
-    Dr.GRPO constant)), its clipped-token mask, response mask, the off-policy mismatch sums ({} without the
-    correction) and what its pass ran (`Ran`: its logits' dtype, its input positions). `old_logp` None: the
-    rollout policy is the current one (its log-probs, detached)."""
-    logp, mask, ran = _logprobs(member, mb, policy)
+    Dr.GRPO constant)), its clipped-token mask, response mask, its sums for the update's figures (0-d float64
+    device tensors: `grpo.clip_counts`' clip_low / clip_high, ref_kl with algo.kl_beta, the policy's entropy
+    with `old_logp` None, the off-policy mismatch sums of `grpo.rollout_is_weights` with algo.rollout_is) and
+    what its pass ran (`Ran`: its logits' dtype, its input positions). `old_logp` None: the rollout policy is
+    the current one (its log-probs, detached; its entropy from this pass)."""
+    logp, mask, ran = _logprobs(member, mb, policy, entropy=old_logp is None)
+    sums = _entropy_sums(ran, mask) if old_logp is None else {}
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = torch.tensor([s.advantage for s in mb], device=logp.device)
     token_loss, clipped = policy_token_loss(logp, old_logp, adv, mask, algo)
-    sums = {}
+    sums["clip_low"], sums["clip_high"] = clip_counts(clipped, adv, mask, algo.policy_loss)
     if algo.rollout_is != "none":
         # The rollout engine sampled from its own copy of the policy (other kernels, precision): weigh each
         # token's policy-gradient term by pi_train / pi_rollout (per token or per sequence, truncated or masked
         # at C), pi_train at rollout time.
-        weights, sums = rollout_is_weights(
+        weights, mismatch = rollout_is_weights(
             old_logp, _rollout_logp(mb, mask), mask, algo.rollout_is_cap, algo.rollout_is
         )
-        token_loss = token_loss * weights
+        token_loss, sums = token_loss * weights, {**sums, **mismatch}
     if algo.kl_beta > 0:
         with torch.no_grad():
             ref_logp = _logprobs(member, mb, policy, model=member.reference)[0]
-        token_loss = token_loss + algo.kl_beta * kl_penalty(logp, ref_logp, algo.kl_estimator)
+        kl = kl_penalty(logp, ref_logp, algo.kl_estimator)
+        token_loss = token_loss + algo.kl_beta * kl
+        sums["ref_kl"] = (kl.detach() * mask).sum().double()
     loss = aggregate_loss(token_loss, mask, algo.loss_agg, total_tokens=norm[0], total_seqs=norm[1], const_norm=norm[2])
     return loss, clipped, mask, sums, ran
 
@@ -350,8 +411,12 @@ def _rollout_logp(mb: list[Sequence], mask: torch.Tensor) -> torch.Tensor:
     return torch.tensor([r + [0.0] * (t - len(r)) for r in rows], dtype=torch.float32, device=mask.device)
 
 
-# what `grpo.rollout_is_weights` sums over a micro-batch, added up over a member's batch
-MISMATCH_SUMS = ("tokens", "abs_dlogp", "kl", "capped", "nonfinite", "seqs", "capped_seqs")
+# what `grpo.rollout_is_weights` sums over a micro-batch, added up over a member's batch (its extremes ratio_min and
+# ratio_max apart: `add_sums` takes their min and max)
+MISMATCH_SUMS = ("tokens", "abs_dlogp", "kl", "capped", "nonfinite", "seqs", "capped_seqs", "ratio")
+# every sum an update keeps on the device (`_micro_batch_loss`'s): the same keys on every rank of a member, whatever
+# its micro-batches held, so that their one collective adds like with like
+SUMS = ("clip_low", "clip_high", "ref_kl", "entropy", "entropy_tokens", *MISMATCH_SUMS)
 
 
 def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
@@ -369,9 +434,9 @@ def rollout_mismatch(sums: dict[str, float]) -> dict[str, float]:
     }
 
 
-def _logprobs(member, mb: list[Sequence], policy: Policy, model=None):
-    """(log-probs, mask, what the pass ran: `Ran`) of a micro-batch under the member's training module (or `model`, the
-    KL anchor)."""
+def _logprobs(member, mb: list[Sequence], policy: Policy, model=None, entropy: bool = False):
+    """(log-probs, mask, what the pass ran: `Ran`, with the token entropy when `entropy`) of a micro-batch under the
+    member's training module (or `model`, the KL anchor)."""
     model = model if model is not None else member.train_module
     with member.autocast(model):
-        return _logprobs_and_dtype(model, [s.prompt_inputs for s in mb], [s.token_ids for s in mb], policy)
+        return _logprobs_and_dtype(model, [s.prompt_inputs for s in mb], [s.token_ids for s in mb], policy, entropy)

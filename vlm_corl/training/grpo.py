@@ -120,6 +120,26 @@ def sapo_loss(
     return -gate * adv, torch.zeros_like(ratio, dtype=torch.bool)
 
 
+def clip_counts(clipped: Tensor, advantages: Tensor, mask: Tensor, policy_loss: str) -> tuple[Tensor, Tensor]:
+    """(low, high): how often the objective's clip was active, at the level it clips, as 0-d float64 tensors.
+
+    clipped: (B, T) bool, the objectives' second output; advantages: (B,); mask: (B, T) 1 on response tokens.
+    grpo counts tokens, gspo sequences (its clip acts on one ratio per sequence); low: the ratio under the lower
+    bound with A < 0, high: over the upper bound with A > 0 (a clip with the other sign never binds: the
+    surrogate's min keeps the unclipped term), as TRL's clip_ratio/low_mean and high_mean. cispo counts tokens
+    whose weight was capped: all high (no lower bound). sapo clips nothing: (0, 0).
+    """
+    active = clipped & mask.bool()
+    if policy_loss == "gspo":
+        active = active.any(dim=-1, keepdim=True)
+    if policy_loss == "cispo":
+        low, high = torch.zeros_like(active), active
+    else:
+        adv = advantages.view(-1, 1)
+        low, high = active & (adv < 0), active & (adv > 0)
+    return low.sum().double(), high.sum().double()
+
+
 def rollout_is_weights(
     train_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float, mode: str = "token_truncated"
 ) -> tuple[Tensor, dict]:
@@ -143,7 +163,9 @@ def rollout_is_weights(
     (|log pi_train - log pi_rollout|) and kl (k3 estimate of KL(pi_rollout || pi_train): r - 1 - log r) over
     them, capped (those tokens whose weight the cap changed: truncated or zeroed; in the sequence modes the tokens
     of the capped sequences), nonfinite (tokens), seqs (sequences with a response token), capped_seqs (token
-    modes: sequences with a capped token; sequence modes: sequences with R_i > C)).
+    modes: sequences with a capped token; sequence modes: sequences with R_i > C), ratio (the weight before the
+    cap: r_t, or R_i on each of sequence i's tokens, summed over the finite tokens), and its extremes ratio_min /
+    ratio_max over them (inf / -inf when there is none: a caller takes the min / max of these, not the sum)).
     """
     real = mask.bool()
     finite = torch.isfinite(rollout_logp) & real
@@ -166,8 +188,14 @@ def rollout_is_weights(
         capped_seqs = (above & usable).squeeze(-1) & real.any(dim=-1)
     else:
         raise ValueError(f"mode must be one of {ROLLOUT_IS[1:]}, got {mode!r}")
+    # the weight before the cap, per token (a sequence mode's R_i on each of its tokens), in float64: R_i overflows
+    # float32 long before a mismatch large enough to matter
+    raw = (delta if mode.startswith("token_") else delta.sum(dim=-1, keepdim=True)).double().exp()
     sums = {
         "tokens": finite.sum(),
+        "ratio": torch.where(finite, raw, 0.0).sum(),
+        "ratio_min": torch.where(finite, raw, math.inf).min(),
+        "ratio_max": torch.where(finite, raw, -math.inf).max(),
         "abs_dlogp": delta.abs().sum(),
         "kl": torch.where(finite, ratio - 1.0 - delta, 0.0).sum(),
         "capped": over.sum(),
@@ -281,12 +309,31 @@ def token_stats(
 ) -> tuple[Tensor, Tensor]:
     """(`token_entropy`, `token_self_certainty`) of the policy of `logits` (tempered, `suppressed` ids removed),
     (..., V) -> (...) each, computed `chunk_rows` rows at a time. No gradients."""
+    entropy, certainty = _chunked(logits, (temperature, tuple(suppressed), chunk_rows), (_entropy, _self_certainty))
+    return entropy, certainty
+
+
+@torch.no_grad()
+def policy_entropy(
+    logits: Tensor, temperature: float = 1.0, suppressed: Sequence[int] = (), chunk_rows: int | None = None
+) -> Tensor:
+    """`token_entropy` of the policy of `logits` (tempered, `suppressed` ids removed), (..., V) -> (...) fp32,
+    `chunk_rows` rows at a time: the update's `entropy` metric from its own forward's logits, never a (..., V)
+    fp32 copy of them. No gradients."""
+    return _chunked(logits, (temperature, tuple(suppressed), chunk_rows), (_entropy,))[0]
+
+
+def _chunked(logits: Tensor, how: tuple, fns: tuple) -> list[Tensor]:
+    """Each of `fns` (fp32 log-probs (rows, V) -> (rows,)) over the policy of `logits`, how = (temperature,
+    suppressed ids, chunk rows or None), one chunk of rows upcast at a time; (...) each."""
+    temperature, suppressed, chunk_rows = how
     rows = _rows(logits)
-    out = torch.empty(2, rows.shape[0], device=logits.device)
+    out = torch.empty(len(fns), rows.shape[0], device=logits.device)
     for s, e in _spans(rows.shape[0], chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1])):
         logp = torch.log_softmax(_policy_chunk(rows[s:e], temperature, suppressed), dim=-1)
-        out[0, s:e], out[1, s:e] = _entropy(logp), _self_certainty(logp)
-    return out[0].view(logits.shape[:-1]), out[1].view(logits.shape[:-1])
+        for i, fn in enumerate(fns):
+            out[i, s:e] = fn(logp)
+    return [o.view(logits.shape[:-1]) for o in out]
 
 
 def _rows(logits: Tensor) -> Tensor:

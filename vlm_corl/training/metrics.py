@@ -33,7 +33,10 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from torch import Tensor
+
 from vlm_corl.data.answers import answers_equivalent, choice_letter, group_equivalent, normalize_answer
+from vlm_corl.training.grpo import nonzero_variance_groups
 from vlm_corl.training.rewards import CohortBatch, RewardOutput, member_votes
 
 
@@ -131,6 +134,11 @@ def pairwise_agreement(batch: CohortBatch, vote_threshold: float = 0.0) -> list[
     return out
 
 
+def zero_variance_frac(rewards: Tensor) -> float:
+    """The share of (B, K) `rewards`' groups whose K rewards are all equal (no GRPO gradient); 0.0 for none."""
+    return 1.0 - nonzero_variance_groups(rewards).float().mean().item() if len(rewards) else 0.0
+
+
 def member_metrics(
     n: int, batch: CohortBatch, out: RewardOutput, lengths: list[list[int]], gold: list[str | None]
 ) -> dict:
@@ -156,6 +164,9 @@ def member_metrics(
         "answer_entropy_batch": batch_entropy(answers, choices),
         "unparsed_rate": sum(a is None for _, a in flat) / len(flat),
         "response_len": statistics.fmean(x for row in lengths for x in row),
+        "response_len_min": min(x for row in lengths for x in row),
+        "response_len_max": max(x for row in lengths for x in row),
+        "zero_variance_frac": zero_variance_frac(rewards),
         "pseudo_label_acc": _mean([float(answers_equivalent(gold[j], labels[j], choices[j])) for j in with_gold]),
         "answer_acc": _mean(
             [float(answers_equivalent(gold[j], a, choices[j])) for j, a in flat if gold[j] is not None]

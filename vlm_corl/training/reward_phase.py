@@ -8,6 +8,7 @@ import torch
 from vlm_corl.data.records import Example
 from vlm_corl.distributed.exchange import exchange
 from vlm_corl.training.dynamic_sampling import StepRollouts, resample, sub_shards
+from vlm_corl.training.metrics import zero_variance_frac
 from vlm_corl.training.render_ahead import RenderAhead
 from vlm_corl.training.reward_funcs import Scorers, add_function_rewards, function_rewards
 from vlm_corl.training.rewards import CohortBatch, RewardOutput, add_overlong_penalty
@@ -42,7 +43,8 @@ def resample_phase(
 ) -> tuple[StepRollouts, dict[str, int]]:
     """DAPO's dynamic sampling (algo.resample_zero_variance): the step's questions no trained member learns from
     are replaced by fresh ones, round by round (`vlm_corl.training.dynamic_sampling`); returns the step's
-    rollouts and the metrics {resampled_groups, resample_rounds, zero_variance_left}."""
+    rollouts and the metrics {resampled_groups, resample_rounds, zero_variance_left, zero_variance_frac_before:
+    per slot, the share of its groups with equal rewards before the rounds}."""
 
     def again(positions: list[int], resample_round: int, avoid: set[int]) -> StepRollouts | None:
         count = min(len(positions), run.sampler.available(avoid))
@@ -56,7 +58,9 @@ def resample_phase(
         return StepRollouts(indices, batch, groups, exchanged, reward_phase(run, batch, exchanged, step)[1], seconds)
 
     owners = [owner(s) for s in run.slots]
-    return resample(rolled, trained_slots(run), run.cfg.algo.resample_max_rounds, again, run.shards, owners)
+    before = [zero_variance_frac(r) for r in rolled.scored.rewards]
+    rolled, counts = resample(rolled, trained_slots(run), run.cfg.algo.resample_max_rounds, again, run.shards, owners)
+    return rolled, {**counts, "zero_variance_frac_before": before}
 
 
 def trained_slots(run: CohortRun) -> list[bool]:

@@ -4,6 +4,7 @@ collapse detector's flags, and the step's sampled questions for samples.jsonl.""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vlm_corl.data.records import Example
@@ -18,8 +19,11 @@ from vlm_corl.training.rewards import CohortBatch
 from vlm_corl.training.samples import SampleSettings, sample_rows, samples_due
 from vlm_corl.training.setup import CohortRun
 
-# the update stats each member's metrics row carries (members/update.py: policy_update)
-UPDATE_KEYS = ("loss", "grad_norm", "lr", "nonfinite_skipped", "update_tokens", "compute_dtype")
+# the update stats each member's metrics row carries (members/update.py: policy_update, update_stats); docs/metrics.md
+UPDATE_KEYS = (
+    *("loss", "grad_norm", "lr", "nonfinite_skipped", "update_tokens", "compute_dtype"),
+    *("clip_frac", "clip_frac_low", "clip_frac_high", "kl", "entropy"),
+)
 
 
 @dataclass
@@ -59,9 +63,10 @@ def _gather_step_facts(run: CohortRun, updates: dict, rollout_s: dict, timer: Ph
         for s in run.slots
     }
     updates_all, seconds, memory = {}, {}, {}
-    for part in run.world.all_gather((updates, rollout_s, mine)):
-        for mid, stats in part[0].items():
-            updates_all.setdefault(mid, stats)
+    parts = run.world.all_gather((updates, rollout_s, mine))
+    for mid in {mid for part in parts for mid in part[0]}:
+        updates_all[mid] = member_stats([part[0][mid] for part in parts if mid in part[0]])
+    for part in parts:
         for sid, sec in part[1].items():
             seconds[sid] = max(seconds.get(sid, 0.0), sec)
         for sid, values in part[2].items():
@@ -71,11 +76,20 @@ def _gather_step_facts(run: CohortRun, updates: dict, rollout_s: dict, timer: Ph
     return updates_all, seconds, memory
 
 
-def overlong_metrics(algo, truncated: list, n: int) -> dict:
-    """With algo.overlong_penalty or algo.mask_truncated: slot n's share of responses cut at the length budget
-    (`truncated_frac`; with mask_truncated, those are the responses left out of the loss)."""
-    if not (algo.overlong_penalty or algo.mask_truncated):
-        return {}
+def member_stats(ranks: list[dict]) -> dict:
+    """One member's update stats from each of its ranks (`update.policy_update`'s, all over the member's ranks
+    already, equal on each) but the importance ratio's extremes, each rank's own: their min and max."""
+    stats = dict(ranks[0])
+    for key, pick in (("is_ratio_min", min), ("is_ratio_max", max)):
+        values = [r[key] for r in ranks if r.get(key) is not None and math.isfinite(r[key])]
+        if key in stats:
+            stats[key] = pick(values) if values else None
+    return stats
+
+
+def overlong_metrics(truncated: list, n: int) -> dict:
+    """Slot n's share of responses cut at the length budget rollout.max_new_tokens (`truncated_frac`; with
+    algo.mask_truncated, those are the responses left out of the loss)."""
     flags = [t for group in truncated[n] for t in group]
     return {"truncated_frac": sum(flags) / max(len(flags), 1)}
 
@@ -107,8 +121,10 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
         row.update({k: v for k, v in stats.items() if k.startswith("is_")})  # algo.rollout_is mismatch
         row["tokens_per_s"] = sum(map(sum, o.lengths[n])) / o.rollout_s[s.id]
         if o.truncated is not None:
-            row.update(overlong_metrics(run.cfg.algo, o.truncated, n))
-        row.update(o.resampled)
+            row.update(overlong_metrics(o.truncated, n))
+        row.update({k: v for k, v in o.resampled.items() if k != "zero_variance_frac_before"})
+        if "zero_variance_frac_before" in o.resampled:  # one per slot (`dynamic_sampling.resample`)
+            row["zero_variance_frac_before"] = o.resampled["zero_variance_frac_before"][n]
         row.update(o.memory.get(s.id, {}))
         rows.append(row)
     return rows, run.collapse.flag(rows)
