@@ -384,7 +384,7 @@ def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
     except UserError as err:
         raise ConfigError([str(err)], ["output_dir"]) from None
     found = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if set(found) <= {"config.yaml", "plan.json"}:  # a launch that stopped before its first step
+    if not _held_run(found):
         return
     if not cfg.train.overwrite:
         go_on = "continue it with train.resume=true, " if latest_checkpoint(run_dir) else ""
@@ -400,6 +400,12 @@ def _claim_run_dir(cfg: CohortConfig, run_dir: Path, clear: bool) -> None:
         for name in found:
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _held_run(found: list[str]) -> bool:
+    """Whether the RUN_FILES `found` in a run directory are a run's: only config.yaml and plan.json are a
+    launch that stopped before its first step."""
+    return not set(found) <= {"config.yaml", "plan.json"}
 
 
 def _check_resumed_config(state: dict, cfg: CohortConfig, checkpoint: Path) -> None:
@@ -426,11 +432,14 @@ def _resume_point(cfg: CohortConfig, run_dir: Path) -> Path | None:
         return None
     found = latest_checkpoint(run_dir, warn=True)
     if found is None and cfg.train.resume is True:
+        held = [name for name in RUN_FILES if (run_dir / name).exists()]
+        start = (  # train.resume=auto would claim the directory and be refused for the run in it
+            f"start it again with train.resume=false train.overwrite=true (this removes the run there: "
+            f"{', '.join(held)}), or choose another output_dir"
+            if _held_run(held)
+            else "start it with train.resume=auto (a later launch resumes its newest checkpoint)"
+        )
         raise ConfigError(
-            [
-                f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: use "
-                "train.resume=auto to start fresh when there is none"
-            ],
-            ["train.resume"],
+            [f"train.resume=true but {run_dir}/checkpoints holds no complete checkpoint: {start}"], ["train.resume"]
         )
     return found
