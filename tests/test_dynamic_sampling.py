@@ -6,15 +6,20 @@ the loop, and runs with each option: tests/test_dynamic_sampling_runs.py."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from cohort_helpers import on_ranks
 
+from vlm_corl.config.schema import MemberConfig
 from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.distributed.world import shard
+from vlm_corl.registry import REWARDS
 from vlm_corl.training.dynamic_sampling import StepRollouts, merge, resample, sub_shards
+from vlm_corl.training.reward_phase import trained_slots
 from vlm_corl.training.rewards import RewardOutput, add_overlong_penalty, cohort_zero_variance, overlong_penalty
+from vlm_corl.training.slots import slot_specs
 
 # ---- which questions no trained member learns from ------------------------------------------------------
 
@@ -33,6 +38,30 @@ def test_a_question_is_zero_variance_only_when_every_trained_slot_has_equal_rewa
     assert cohort_zero_variance(rewards, [True, True, False]).tolist() == [True, False, False, True]
     assert cohort_zero_variance(rewards, [True, False, False]).tolist() == [True, False, True, True]
     assert cohort_zero_variance(rewards, [False, False, False]).tolist() == [False] * 4
+
+
+def test_under_ema_teachers_only_the_students_decide():
+    """peers_ema: the slots are a, a.teacher, b, b.teacher (their layout from the reward registry), and the run's
+    trained slots are the students alone. On q0 both students are flat while both teachers vary: no trained model
+    learns from q0, so it is replaced (counting the teachers would keep it); on q1 student b varies: kept. A frozen
+    member's slots never decide either."""
+    members = [MemberConfig(id="a", model="m"), MemberConfig(id="b", model="m")]
+    specs = slot_specs(members, REWARDS.get("peers_ema").layout)
+    run = SimpleNamespace(cfg=SimpleNamespace(members=members), specs=specs)
+    assert [s.id for s in specs] == ["a", "a.teacher", "b", "b.teacher"]
+    assert trained_slots(run) == [True, False, True, False]
+    rewards = torch.tensor(
+        [
+            [[1.0, 1.0], [0.0, 0.0]],  # a
+            [[0.0, 1.0], [1.0, 0.0]],  # a.teacher
+            [[0.0, 0.0], [0.0, 1.0]],  # b
+            [[1.0, 0.0], [0.0, 1.0]],  # b.teacher
+        ]
+    )
+    assert cohort_zero_variance(rewards, trained_slots(run)).tolist() == [True, False]
+    members[1].trainable = False  # b frozen: its slots never decide, a alone is flat on both questions
+    assert trained_slots(run) == [True, False, False, False]
+    assert cohort_zero_variance(rewards, trained_slots(run)).tolist() == [True, True]
 
 
 # ---- the overlong penalty -------------------------------------------------------------------------------

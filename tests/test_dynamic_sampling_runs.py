@@ -20,6 +20,8 @@ from vlm_corl.config import ConfigError, config_from_dict
 from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.experiments import easyvqa_try
 from vlm_corl.experiments.easyvqa_design import Method
+from vlm_corl.members.update import policy_update
+from vlm_corl.training import update_phase
 from vlm_corl.training.loop import run_cohort
 from vlm_corl.training.setup import load_training_examples
 from vlm_corl.training.update_phase import _sequences, batch_totals
@@ -106,9 +108,18 @@ def test_a_two_step_tiny_run_trains_with_the_option(tiny_zoo, tmp_path, option):
         assert all(0.0 < r["truncated_frac"] < 1.0 for r in rows)
 
 
-def test_masking_truncated_responses_trains_on_fewer_tokens(tiny_zoo, tmp_path):
+def test_masking_truncated_responses_trains_on_fewer_tokens(tiny_zoo, tmp_path, monkeypatch):
     """Step 1 samples the same responses with or without the mask (same weights, same seeds): masked, the update
-    runs through fewer tokens (the cut responses are left out), and some (shorter_is_better: every group varies)."""
+    runs through fewer tokens (the cut responses are left out), and some (shorter_is_better: every group varies).
+    What the update phase hands each member's update, recorded: masked, the cut responses (all 8 tokens long, the
+    budget) are marked untrained and the loss's normaliser holds exactly the others' tokens and count."""
+    calls = []
+
+    def recorded(member, seqs, algo, train, rollout, totals=None):
+        calls.append((algo.mask_truncated, seqs, totals))
+        return policy_update(member, seqs, algo, train, rollout, totals)
+
+    monkeypatch.setattr(update_phase, "policy_update", recorded)
     runs = {}
     for masked in (False, True):
         algo = {"mask_truncated": masked}
@@ -119,6 +130,11 @@ def test_masking_truncated_responses_trains_on_fewer_tokens(tiny_zoo, tmp_path):
         run_cohort(config_from_dict(cfg))
         runs[masked] = {r["member"]: r["update_tokens"] for r in metrics(tmp_path / str(masked) / "run")}
     assert all(0 < runs[True][m] < runs[False][m] for m in ("q", "l")), runs
+    for masked, seqs, totals in calls:
+        kept = [s for s in seqs if s.trained]
+        assert totals == (sum(len(s.token_ids) for s in kept), len(kept))
+        cut = [s for s in seqs if not s.trained]
+        assert (len(cut) > 0) == masked and all(len(s.token_ids) == 8 for s in cut)
 
 
 def replay(cfg: dict, max_rounds: int) -> list[tuple[list[str], dict]]:

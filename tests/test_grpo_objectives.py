@@ -134,21 +134,26 @@ def test_on_policy_every_objective_gives_the_plain_policy_gradient():
 
 
 def test_each_objective_reads_its_own_fields():
-    """`update.policy_token_loss` hands each objective its own settings: one-token sequences at ratios 1.5
-    (A +1) and 0.5 (A -1). gspo bounds 0.1 / 0.6: [0.9, 1.6] -> losses -1.5 (inside) and 0.9 (floored); cispo cap
-    1.2: weights 1.2 and 0.5, loss -w A log pi with log pi = log 1.5, log 0.5; sapo tau 1 / 2: -4 sigmoid(0.5)
-    and +2 sigmoid(-1); grpo with clip 0.1 / 0.6 as gspo (one token: s = r)."""
+    """`update.policy_token_loss` hands each objective its own settings, with every objective's fields set at once
+    to values that tell them apart (a loss reading another objective's field, or a default, gives another number):
+    one-token sequences at ratios 1.5 (A +1) and 0.5 (A -1). grpo clip 0.1 / 0.3: [0.9, 1.3] -> losses -1.3
+    (capped) and 0.9 (floored); gspo 0.2 / 0.4 (one token: s = r): -1.4 and 0.8; cispo cap 1.25 (not 1 +
+    clip_high, no lower bound): weights 1.25 and 0.5, loss -w A log pi with log pi = log 1.5, log 0.5; sapo tau
+    1.5 / 2: -(4 / 1.5) sigmoid(0.75) and +2 sigmoid(-1)."""
     logp = torch.log(torch.tensor([[1.5], [0.5]]))
     old, adv, mask = torch.zeros(2, 1), torch.tensor([1.0, -1.0]), torch.ones(2, 1)
-    cases = {
-        "grpo": (dict(clip_low=0.1, clip_high=0.6), [-1.5, 0.9]),
-        "gspo": (dict(gspo_clip_low=0.1, gspo_clip_high=0.6), [-1.5, 0.9]),
-        "cispo": (dict(cispo_max_weight=1.2), [-1.2 * math.log(1.5), 0.5 * math.log(0.5)]),
-        "sapo": (dict(sapo_tau_pos=1.0, sapo_tau_neg=2.0), [-4 / (1 + math.exp(-0.5)), 2 / (1 + math.exp(1.0))]),
+    fields = dict(clip_low=0.1, clip_high=0.3, gspo_clip_low=0.2, gspo_clip_high=0.4, cispo_max_weight=1.25)
+    fields.update(sapo_tau_pos=1.5, sapo_tau_neg=2.0)
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected = {
+        "grpo": [-1.3, 0.9],
+        "gspo": [-1.4, 0.8],
+        "cispo": [-1.25 * math.log(1.5), 0.5 * math.log(0.5)],
+        "sapo": [-(4 / 1.5) * sigmoid(0.75), 2 * sigmoid(-1.0)],
     }
-    for name, (fields, expected) in cases.items():
-        loss, _ = policy_token_loss(logp, old, adv, mask, AlgoConfig(policy_loss=name, **fields))
-        assert loss.view(-1).tolist() == pytest.approx(expected, abs=1e-6), name
+    for name, values in expected.items():
+        loss = policy_token_loss(logp, old, adv, mask, AlgoConfig(policy_loss=name, **fields))[0]
+        assert loss.view(-1).tolist() == pytest.approx(values, abs=1e-6), name
 
 
 # ---- the rollout corrections -------------------------------------------------------------------------------------
