@@ -352,9 +352,9 @@ def _loss(monkeypatch, logp, old=None, *, ref=None, rollout=None, adv=(1.0,), no
     logp = torch.tensor(logp).log().view(-1, 1).requires_grad_()
     member = SimpleNamespace(reference="reference")
 
-    def logprobs(m, mb, policy, model=None):
+    def logprobs(m, mb, policy, model=None, entropy=False):
         values = logp if model is None else torch.tensor(ref).log().view(-1, 1)
-        return values, torch.ones_like(values), values.dtype
+        return values, torch.ones_like(values), update.Ran(values.dtype, 0, values.detach() if entropy else None)
 
     monkeypatch.setattr(update, "_logprobs", logprobs)
     mb = [
