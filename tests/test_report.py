@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from cohort_helpers import write_jsonl
+from matplotlib.figure import Figure
 
 from vlm_corl.commands.report import main
 from vlm_corl.reporting.markdown import render_report
@@ -142,3 +143,21 @@ def test_many_lines_share_one_legend_below_the_plots_few_keep_their_own():
         )
         assert [ax.get_legend() is None for ax in fig.axes] == [shared, shared]
         assert len(fig.legends) == shared and (not shared or len(fig.legends[0].get_texts()) == n)
+
+
+def test_the_update_numbers_get_a_plot_and_table_rows_and_steps_tick_as_whole_numbers(tmp_path):
+    """Issue 56: entropy, KL and the clip fractions in report.md (KL absent: algo.kl_beta 0), and a 3-step
+    run's step axis ticks 1, 2, 3 (matplotlib's default ticks read 1.25, 1.5 ...)."""
+    rows = synthetic_rows(3)
+    for row in rows:
+        row |= {"entropy": 1.0 - 0.1 * row["step"], "kl": None, "clip_frac": 0.02 * row["step"]}
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    report = render_report(tmp_path).read_text()
+    assert (tmp_path / "update.png").read_bytes()[:8] == PNG and "](update.png)" in report
+    assert "| entropy (nats / token) | 0.900 → 0.700 (-0.200)" in report and "| KL" not in report  # no value: no row
+    fig = Figure()
+    ax = fig.add_subplot()
+    assert draw_metric(ax, by_member(rows), "clip_frac")
+    low, high = ax.get_xlim()
+    shown = [t for t in ax.get_xticks() if low <= t <= high]
+    assert shown == [1.0, 2.0, 3.0]

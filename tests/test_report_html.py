@@ -130,3 +130,48 @@ def test_several_runs_overlay_on_one_page(tmp_path, browser):
     members = browser.evaluate("Array.from(document.getElementById('member-filter').options).map(o => o.value)")
     assert members == ["", "peers: a", "peers: b", "peers: c", "ring: llama", "ring: qwen"]
     assert len(browser.evaluate("Array.from(document.querySelectorAll('.matrix'))")) == 2
+
+
+def _no_votes_run(tmp_path):
+    """Three steps of a run whose reward mode votes nothing (agreement None in every row, no two members ever
+    both vote), with the update's numbers but no KL (algo.kl_beta 0), and easy-vqa's `yes/no` category."""
+    run = tmp_path / "self_certainty"
+    run.mkdir()
+    stats = {"yes/no": {"questions": 1, "agreement": [0.0, 0], "answer_acc": [1.0, 2], "answers": {"yes": 2}}}
+    rows = [
+        {"step": s, "member": m, "reward_mean": 0.1 * s, "agreement": None, "entropy": 1.0 - 0.1 * s, "kl": None,
+         "clip_frac": 0.01 * s, "clip_frac_low": 0.004 * s, "clip_frac_high": 0.006 * s, "answer_acc": 0.5,
+         f"vote_agreement/{o}": None, "category_stats": stats, "category/yes_no/answer_acc": 0.5 + 0.1 * s}
+        for s in (1, 2, 3) for m, o in (("qwen", "llama"), ("llama", "qwen"))
+    ]  # fmt: skip
+    write_jsonl(run / "metrics.jsonl", rows)
+    (run / "summary.json").write_text(json.dumps({"reward_mode": "self_certainty", "steps": 3}))
+    return run
+
+
+def test_update_curves_whole_steps_whole_titles_and_a_word_for_each_missing_plot(tmp_path, browser):
+    """Issue 56: clip fraction and entropy beside reward, KL left out with why; a run without votes says why it
+    draws no agreement; step ticks are whole numbers; the per-category title stays inside its figure."""
+    run = _no_votes_run(tmp_path)
+    assert main([str(run)]) == 0
+    browser.load(run / "report.html")
+    curves = browser.evaluate("Array.from(document.querySelectorAll('#curves svg text')).map(t => t.textContent)")
+    for title in ("Reward", "Policy entropy (nats / response token)", "Clip fraction", "Clip fraction, low side"):
+        assert title in curves, title
+    assert "KL to the reference" not in curves and "Agreement with the pseudo-label" not in curves
+    said = browser.evaluate("document.getElementById('not-drawn').textContent")
+    assert "KL to the reference (logged only when algo.kl_beta > 0)" in said
+    assert "Agreement with the pseudo-label (no row has a pseudo-label" in said
+    votes = browser.evaluate("document.querySelector('#agreement .no-votes').textContent")
+    assert votes == "Vote agreement over time: not drawn, no two members both voted on a question."
+    ticks = browser.evaluate("Array.from(document.querySelectorAll('g[id^=xtick_] text')).map(t => t.textContent)")
+    assert ticks and all(t.isdigit() for t in ticks), ticks  # steps 1, 2, 3: never 1.25
+    assert "qwen: yes/no" in browser.evaluate("document.getElementById('categories').textContent")
+    outside = browser.evaluate(
+        "Array.from(document.querySelectorAll('#categories svg')).flatMap(svg => {"
+        " const box = svg.getBoundingClientRect();"
+        " return Array.from(svg.querySelectorAll('text')).map(t => t.getBoundingClientRect())"
+        "  .filter(r => r.left < box.left - 1 || r.right > box.right + 1).map(r => [r.left, r.right, box.width]); })"
+    )
+    assert outside == []  # the title "...: per category (running windows; ...)" was cut at both edges
+    browser.screenshot(tmp_path / "no_votes.png", full_page=True)

@@ -47,10 +47,25 @@ from vlm_corl.training.samples import MAX_TEXT_CHARS, cut_text
 
 CURVES = (
     ("reward_mean", "Reward"),
+    ("entropy", "Policy entropy (nats / response token)"),
+    ("kl", "KL to the reference"),
+    ("clip_frac", "Clip fraction"),
+    ("clip_frac_low", "Clip fraction, low side"),
+    ("clip_frac_high", "Clip fraction, high side"),
     ("agreement", "Agreement with the pseudo-label"),
     ("pseudo_label_acc", "Pseudo-label accuracy (gold, diagnostic)"),
     ("answer_acc", "Answer accuracy (gold, diagnostic)"),
 )
+# A trained member's own numbers: an EMA teacher earns no reward and takes no update (no line at 0 for it)
+LEARNER_CURVES = {"reward_mean", "entropy", "kl", "clip_frac", "clip_frac_low", "clip_frac_high"}
+# Why a curve has no value in any row: the page says so in place of an empty frame
+ABSENT = {
+    "kl": "logged only when algo.kl_beta > 0",
+    **dict.fromkeys(("clip_frac", "clip_frac_low", "clip_frac_high"), "none under policy_loss sapo: it clips nothing"),
+    "agreement": "no row has a pseudo-label: the reward mode gives none (self_certainty, entropy)",
+    "pseudo_label_acc": "no row has both a pseudo-label and a gold answer",
+    "answer_acc": "no gold answers in the data",
+}
 MAX_COMPLETIONS = 3000  # table rows (one per response), the newest kept: a long run's page stays light
 MAX_TABLE_BYTES = 10_000_000  # the table's rows and pictures, the newest kept (20 MB of responses made a 40 MB page)
 MAX_PICTURE_BYTES = 200_000  # larger question pictures are named, not embedded
@@ -136,13 +151,14 @@ def _curves(runs, names, smooth: int) -> str:
     present = [(k, t) for k, t in CURVES if any(per_step(rows, k)[0] for rows in lines.values())]
     if not present:
         return ""
+    absent = [f"{t.split(' (')[0]} ({ABSENT.get(k, f'no row has {k}')})" for k, t in CURVES if (k, t) not in present]
     fig = Figure(figsize=(5.2 * min(len(present), 2), 3.6 * ((len(present) + 1) // 2)), layout="constrained")
     for j, (key, title) in enumerate(present):
         ax = fig.add_subplot((len(present) + 1) // 2, min(len(present), 2), j + 1)
-        drawn = learners if key == "reward_mean" else lines  # an EMA teacher earns no reward: no line at 0
-        draw_metric(ax, drawn, key, Look(title=title, smooth=smooth, band=False))
+        draw_metric(ax, learners if key in LEARNER_CURVES else lines, key, Look(title=title, smooth=smooth, band=False))
     note = f"One line per member{' and run' if len(runs) > 1 else ''}; faint: per step, bold: {smooth}-step average."
-    return f'<section id="curves"><h2>Training curves</h2><p>{note}</p>{_svg(fig)}</section>'
+    missing = f'<p class="muted" id="not-drawn">Not drawn: {html.escape("; ".join(absent))}.</p>' if absent else ""
+    return f'<section id="curves"><h2>Training curves</h2><p>{note}</p>{_svg(fig)}{missing}</section>'
 
 
 def _evaluation(runs, names) -> str:
@@ -225,8 +241,11 @@ def _agreement(runs, names) -> str:
                 pairs[f"{a} ~ {b}"] = rows
         fig = Figure(figsize=(6.4, 3.4), layout="constrained")
         look = Look(title="Vote agreement over time", ylabel="votes agreeing", smooth=5, band=False)
-        draw_metric(fig.add_subplot(), pairs, "v", look)
-        parts.append(_svg(fig))
+        if draw_metric(fig.add_subplot(), pairs, "v", look):
+            parts.append(_svg(fig))
+        else:  # an empty frame said nothing: say why
+            why = "fewer than two members vote" if not pairs else "no two members both voted on a question"
+            parts.append(f'<p class="muted no-votes">Vote agreement over time: not drawn, {why}.</p>')
     if not parts:
         return ""
     note = "Share of a step's questions on which two members' plurality votes agree (both voting)."

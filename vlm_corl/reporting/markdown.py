@@ -2,9 +2,10 @@
 report.html, vlm_corl.reporting.html).
 
 Reads the run's metrics.jsonl (one row per slot per step), eval.jsonl (if present) and summary.json (if present)
-and writes into the output directory: report.md, and PNGs of reward, agreement, pseudo-label accuracy, answer
-diversity, unanimity, response length, loss/grad norm (one line per slot over steps) and eval accuracy (one
-line per member and benchmark), a first-vs-last table per slot, and the collapse warnings (vlm_corl.training.collapse).
+and writes into the output directory: report.md, and PNGs of reward, the policy update (entropy, KL, clip
+fractions), agreement, pseudo-label accuracy, answer diversity, unanimity, response length, loss/grad norm (one
+line per slot over steps) and eval accuracy (one line per member and benchmark), a first-vs-last table per slot,
+and the collapse warnings (vlm_corl.training.collapse).
 With per-category metrics (logging.category_key) and per-category evaluation, `categories.png` and
 `eval_categories.png` draw one line per slot and category, with the collapse flags as dashed lines.
 
@@ -49,6 +50,12 @@ from vlm_corl.training.samples import markdown_text, sample_markdown
 # (file stem, figure title, keys drawn side by side, cohort-level: one line instead of one per slot)
 RUN_PLOTS = (
     ("reward", "Reward", ("reward_mean", "reward_std"), False),
+    (
+        "update",
+        "Policy update (trained members)",
+        ("entropy", "kl", "clip_frac", "clip_frac_low", "clip_frac_high"),
+        False,
+    ),
     ("agreement", "Agreement with the pseudo-label", ("agreement", "abstain_rate"), False),
     (
         "pseudo_label_acc",
@@ -61,8 +68,12 @@ RUN_PLOTS = (
     ("length", "Responses", ("response_len", "unparsed_rate"), False),
     ("optim", "Optimisation", ("loss", "grad_norm"), False),
 )
+LEARNERS = ("reward", "update")  # an EMA teacher earns no reward and takes no update: no line for it
 TABLE_KEYS = (
     "reward_mean",
+    "entropy",
+    "kl",
+    "clip_frac",
     "agreement",
     "pseudo_label_acc",
     "answer_acc",
@@ -126,7 +137,7 @@ def render_plots(run: RunData, out: Path, smooth: int = 5) -> dict[str, Path]:
     slots = by_member(run.rows)
     written = {}
     for stem, title, keys, cohort_level in RUN_PLOTS:
-        lines = {"cohort": list(run.rows)} if cohort_level else run.learners() if stem == "reward" else slots
+        lines = {"cohort": list(run.rows)} if cohort_level else run.learners() if stem in LEARNERS else slots
         path = plot_panel(lines, keys, Path(out) / f"{stem}.png", title, smooth=smooth)
         if path is not None:
             written[stem] = path

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from vlm_corl.errors import UserError
 from vlm_corl.training.category_metrics import path_safe
@@ -54,6 +55,11 @@ LABELS = {
     "response_len": "response length (tokens)",
     "unparsed_rate": "unparsed rate",
     "grad_norm": "grad norm",
+    "entropy": "entropy (nats / token)",
+    "kl": "KL (nats / token)",
+    "clip_frac": "clipped share",
+    "clip_frac_low": "clipped share, low",
+    "clip_frac_high": "clipped share, high",
     "accuracy": "eval accuracy",
 }
 
@@ -337,6 +343,7 @@ def draw_metric(ax: Axes, runs: Mapping[str, Rows], key: str, look: Look = Look(
     if not drawn:
         return False
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at 1.25
     ax.set_ylabel(literal(look.ylabel or LABELS.get(key, key)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -362,7 +369,7 @@ def plot_panel(
     if fig is None:
         return None
     if title:
-        fig.suptitle(literal(title))
+        fig.suptitle(literal(title), wrap=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -379,7 +386,7 @@ def category_figure(lines: Mapping[str, Rows], warnings: Sequence[dict], title: 
 
     fig = side_by_side(lines, CATEGORY_PLOT_KEYS, draw)
     if fig is not None:
-        fig.suptitle(literal(title))
+        fig.suptitle(literal(title), wrap=True)  # one plot's width: a long title was cut at both edges
     return fig
 
 
