@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from vlm_corl.config.applies import inapplicable
 from vlm_corl.config.engine_layout import VLLM_UNSUPPORTED, engine_layout_problems, member_engine, model_type
 from vlm_corl.config.parse import (
     ConfigError,
@@ -174,6 +175,7 @@ def _setting_problems(cfg: CohortConfig, i: int, m: MemberConfig, problems: Prob
                 "vLLM serves adapters of the language model only: with adapters in the vision tower use "
                 "rollout.vllm.lora_sync: merged",
             )
+    _adapter_rank_problems(cfg, i, m, problems)
     if m.lora is not None and m.lora.target_modules == [] and not m.lora.vision:
         problems.add(
             f"members[{i}].lora.target_modules",
@@ -194,6 +196,19 @@ def _setting_problems(cfg: CohortConfig, i: int, m: MemberConfig, problems: Prob
             f"{cfg.reward.answer_style!r} cannot read members[{i}] answers (prompt_style {m.prompt_style!r});"
             " use reward.answer_style=auto or match the prompt styles",
         )
+
+
+def _adapter_rank_problems(cfg: CohortConfig, i: int, m: MemberConfig, problems: Problems) -> None:
+    """An adapter rank vLLM cannot serve under rollout.vllm.lora_sync: adapter (found here, not when the engine
+    is built after the models load)."""
+    if m.lora is None or cfg.rollout.vllm.lora_sync != "adapter" or member_engine(cfg, m) != "vllm":
+        return
+    from vlm_corl.members.engines.vllm import vllm_lora_rank  # torch: only for a LoRA member served by vLLM
+
+    try:
+        vllm_lora_rank(m.lora.r)
+    except UserError as err:
+        problems.add(f"members[{i}].lora.r", str(err).removeprefix(f"lora.r={m.lora.r}: "))
 
 
 def _unread_template_kwargs(i: int, m: MemberConfig, model: Path, problems: Problems) -> None:
@@ -258,8 +273,10 @@ def _custom_problems(cfg: CohortConfig, problems: Problems) -> None:
 
 def config_warnings(cfg: CohortConfig) -> list[str]:
     """What a valid config runs as but likely does not mean: warned by `train` at start and by `corl config`
-    alike. `peers` over two members is `ring` (each member's only peer labels it)."""
-    warnings = []
+    alike. `peers` over two members is `ring` (each member's only peer labels it); a field set to a non-default
+    value that does not apply in this config (`vlm_corl.config.applies.RULES`) gets one warning naming it, the
+    setting that would make it apply and what the run does instead."""
+    warnings = [message for _, message in inapplicable(cfg)]
     if cfg.reward.mode == "peers" and len(cfg.members) == 2:
         warnings.append(
             "reward.mode peers with 2 members equals ring (each member's only peer labels it); it runs as given"

@@ -151,7 +151,8 @@ def _is_required(f: dataclasses.Field) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 
 
-def _default(f: dataclasses.Field) -> Any:
+def field_default(f: dataclasses.Field) -> Any:
+    """A schema field's default value (a fresh one for a factory's)."""
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
@@ -171,6 +172,56 @@ def _unknown_key(path: str, key: Any, cls: type) -> str:
     if elsewhere:
         return f"unknown key {path!r}: did you mean {' or '.join(map(repr, elsewhere))}?"
     return f"unknown key {path!r}: valid keys: {', '.join(names)}"
+
+
+# Other tools' names for our settings (TRL's GRPOConfig, verl's actor config): {(field, their value): (what it
+# is, our setting)}, said before difflib's nearest spelling, which points `policy_loss: dapo` at sapo, another
+# objective. TRL's loss_type and verl's loss_agg_mode name our algo.loss_agg, and are often written as the
+# objective.
+_DAPO = (
+    "TRL's loss_type dapo is DAPO's token-level loss aggregation",
+    "algo.loss_agg=token_mean; DAPO's other parts are algo.clip_high=0.28, algo.resample_zero_variance=true, "
+    "algo.overlong_penalty and algo.mask_truncated=true",
+)
+_LOSS_NAMES = {
+    "dapo": _DAPO,
+    "bnpo": ("TRL's loss_type bnpo normalises by the batch's tokens", "algo.loss_agg=token_mean"),
+    "dr_grpo": ("TRL's loss_type dr_grpo is Dr. GRPO", "algo.loss_agg=drgrpo with algo.scale_rewards=none"),
+    "token-mean": ("verl's loss_agg_mode token-mean", "algo.loss_agg=token_mean"),
+    "seq-mean-token-mean": ("verl's loss_agg_mode seq-mean-token-mean", "algo.loss_agg=seq_mean_token_mean"),
+    "seq-mean-token-sum-norm": (
+        "verl's loss_agg_mode seq-mean-token-sum-norm is Dr. GRPO's constant normaliser (algo.drgrpo_norm)",
+        "algo.loss_agg=drgrpo",
+    ),
+    "seq-mean-token-sum": ("verl's loss_agg_mode seq-mean-token-sum", "algo.loss_agg=drgrpo with algo.drgrpo_norm=1"),
+}
+OTHER_NAMES: dict[tuple[str, Any], tuple[str, str]] = {
+    **{("algo.loss_agg", name): said for name, said in _LOSS_NAMES.items()},
+    **{("algo.policy_loss", name): said for name, said in _LOSS_NAMES.items()},
+    ("algo.loss_agg", "grpo"): (
+        "TRL's loss_type grpo averages each response's tokens, then the responses",
+        "algo.loss_agg=seq_mean_token_mean",
+    ),
+    ("algo.policy_loss", "vanilla"): (
+        "verl's policy_loss vanilla is PPO's clip of each token's ratio",
+        "algo.policy_loss=grpo",
+    ),
+    ("algo.policy_loss", "ppo"): ("PPO's clip of each token's ratio", "algo.policy_loss=grpo"),
+    ("algo.kl_estimator", "low_var_kl"): ("verl's kl_loss_type low_var_kl is the k3 estimator", "algo.kl_estimator=k3"),
+    ("algo.kl_estimator", "kl"): ("verl's kl_loss_type kl is the k1 estimator", "algo.kl_estimator=k1"),
+    ("algo.scale_rewards", True): ("TRL's scale_rewards: true divides by each group's std", "algo.scale_rewards=group"),
+    ("algo.scale_rewards", False): ("TRL's scale_rewards: false only centres the rewards", "algo.scale_rewards=none"),
+}
+
+
+def _choice_hint(path: str, value: Any, choices: tuple) -> str:
+    """What an invalid choice may have meant: the setting another tool's name stands for (`OTHER_NAMES`), else
+    the closest spelling."""
+    said = OTHER_NAMES.get((path, value)) if isinstance(value, (str, bool)) else None
+    if said is not None:
+        return f" ({said[0]}: set {said[1]})"
+    close = difflib.get_close_matches(str(value), [str(a) for a in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _join(path: str, key: str) -> str:
@@ -201,9 +252,7 @@ def parse_value(tp: Any, value: Any, path: str, problems: Problems) -> Any:
     if origin is Literal:
         if isinstance(value, str) and value in args:
             return value
-        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        problems.add(path, f"{value!r} is not valid; choose one of: {', '.join(args)}{hint}")
+        problems.add(path, f"{value!r} is not valid; choose one of: {', '.join(args)}{_choice_hint(path, value, args)}")
         return _INVALID
     if origin is list:
         if not isinstance(value, list):
@@ -253,7 +302,7 @@ def _parse_dataclass(cls: type, value: Any, path: str, problems: Problems) -> An
         else:
             problems.add(fpath, f"missing (required): {f.metadata['help']}")
         # An invalid value is replaced by the default (or a stand-in) so that later checks do not trip over it.
-        kwargs[f.name] = _empty(tp) if _is_required(f) else _default(f)
+        kwargs[f.name] = _empty(tp) if _is_required(f) else field_default(f)
     return cls(**kwargs)
 
 
@@ -352,7 +401,8 @@ def apply_override(raw: dict, text: str, problems: Problems) -> None:
         tp, node = child, current
 
 
-def _flow_yaml(value: Any) -> str:
+def flow_yaml(value: Any) -> str:
+    """A value as YAML on one line (`0.3`, `true`, `null`, `[a, b]`): how messages write what a config holds."""
     # PyYAML ends a lone scalar document with an explicit "..." end marker.
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
@@ -364,7 +414,7 @@ def explain() -> str:
         if dataclasses.is_dataclass(tp):
             lines.append(f"{path}: section\n    {f.metadata['help']}")
             continue
-        default = "(required)" if _is_required(f) else "= " + _flow_yaml(_default(f))
+        default = "(required)" if _is_required(f) else "= " + flow_yaml(field_default(f))
         bounds = ", ".join(f"{op} {f.metadata[k]}" for k, op in _BOUNDS if k in f.metadata)
         lines.append(f"{path}: {describe(tp)} {default}")
         lines.append(f"    {f.metadata['help']}" + (f" [{bounds}]" if bounds else ""))
