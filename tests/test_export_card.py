@@ -15,6 +15,7 @@ from typing import get_args
 import pytest
 import reward_fixtures
 from cohort_helpers import cohort
+from huggingface_hub import ModelCard, metadata_load
 
 from vlm_corl import CohortTrainer
 from vlm_corl.commands.export import main as export
@@ -24,7 +25,7 @@ from vlm_corl.evaluation.scoring import EASYVQA, benchmark_examples, evaluate_di
 from vlm_corl.members.member import load_member
 from vlm_corl.members.prompt_format import member_config
 from vlm_corl.members.render import PROMPT_STYLES
-from vlm_corl.reporting.model_card import reward_line
+from vlm_corl.reporting.model_card import CheckpointRun, card_data, hub_base, reward_line
 
 
 def test_the_export_carries_its_card_and_prompt_format_and_scores_as_the_checkpoint(tiny_zoo, tmp_path, capsys):
@@ -41,6 +42,14 @@ def test_the_export_carries_its_card_and_prompt_format_and_scores_as_the_checkpo
     said += ['{"type": "image"}', "processor.apply_chat_template("]  # a vision member is asked with its image
     for text in said:
         assert text in card, text
+    header = ModelCard.load(q / "README.md").data  # the Hub's own reading of the card's metadata
+    assert (header.pipeline_tag, header.library_name, header.base_model) == ("image-text-to-text", "transformers", None)
+    assert header.tags == ["co-rl", "grpo", "label-free-rl"]
+    evaluated = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    mine = [r for r in evaluated if r["member"] == "q" and r["step"] == 2]
+    assert [(e.dataset_name, e.metric_type, e.metric_value) for e in header.eval_results] == [
+        ("easyvqa", "accuracy", mine[0]["accuracy"])
+    ]
     fmt = json.loads((q / "prompt_format.json").read_text())
     assert fmt["prompt_style"] == "boxed" and fmt["system_prompt"] == "Answer briefly."
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in q.iterdir()}
@@ -110,6 +119,9 @@ def test_a_text_members_card_asks_in_text_with_the_template_kwargs_it_trained_wi
     assert "tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, " in card
     assert "enable_thinking=False" in card
     assert json.loads((q / "prompt_format.json").read_text())["chat_template_kwargs"] == {"enable_thinking": False}
+    header = metadata_load(q / "README.md")
+    assert (header["pipeline_tag"], header["library_name"]) == ("text-generation", "transformers")
+    assert "model-index" not in header  # no evaluation in this run
     llama = (tmp_path / "out" / "l" / "README.md").read_text()  # a family without template variables
     assert "add_generation_prompt=True)" in llama and '{"type": "image"}' not in llama
     # the card's snippet, run, renders the prompt training rendered
@@ -143,3 +155,24 @@ def test_every_reward_mode_is_described_and_only_gt_reads_labels(mode):
     line = reward_line({"mode": mode, "custom": "reward_fixtures:constant"}, [])
     assert line.startswith(f"`{mode}`") and "`reward_fixtures:constant`" in line
     assert ("gold answers" in line) == (mode == "gt") and ("no gold labels" in line) == (mode != "gt")
+
+
+def test_the_cards_header_names_the_hub_base_an_adapters_library_and_the_newest_evaluation(tmp_path):
+    """card_data on a run's record alone: an adapter export is peft's; each benchmark's result is the member's
+    newest row up to the checkpoint's step; the Hub id of the base, written or from the Hub's cache."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-3"
+    checkpoint.mkdir(parents=True)
+    rows = [("q", 1, "easyvqa", 0.25), ("q", 3, "easyvqa", 0.5), ("l", 3, "easyvqa", 0.75), ("q", 5, "easyvqa", 1.0)]
+    rows = [{"member": m, "step": s, "benchmark": b, "accuracy": a, "n": 4} for m, s, b, a in rows]
+    (tmp_path / "run" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = CheckpointRun({"reward": {"mode": "gt"}}, None, None)
+    mine = {"id": "q", "model": "Qwen/Qwen2-VL-2B-Instruct"}
+    card = ModelCard(f"---\n{card_data(checkpoint, run, mine, 'vision', adapter=True).to_yaml()}\n---\n")
+    card.save(tmp_path / "README.md")
+    header = metadata_load(tmp_path / "README.md")
+    assert (header["base_model"], header["library_name"]) == ("Qwen/Qwen2-VL-2B-Instruct", "peft")
+    assert header["tags"] == ["co-rl", "grpo"]  # gold answers: not label-free
+    results = header["model-index"][0]["results"]
+    assert [(r["dataset"]["name"], r["metrics"][0]["value"]) for r in results] == [("easyvqa", 0.5)]
+    cache = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen3-4B/snapshots/0123abc"
+    assert (hub_base(cache), hub_base("/data/models/qwen3"), hub_base("models/qwen3/")) == ("Qwen/Qwen3-4B", None, None)

@@ -6,7 +6,8 @@ RUN_DIR is a run directory (its newest complete checkpoint, or `--step N`) or on
 (`from_pretrained` loads it), a LoRA member as its adapter (`PeftModel.from_pretrained` applies it to the base its
 adapter_config.json names) or, with `--merge`, as a whole model with the adapter merged into the base's weights,
 in the base's dtype. Optimizer states are left behind. Each member also gets a model card (README.md: base model,
-peers, reward, steps, data, the run's evaluations, the prompt format) and prompt_format.json, which `corl eval`
+peers, reward, steps, data, the run's evaluations, the prompt format; a metadata header the Hub reads:
+base_model, library_name, pipeline_tag, tags, evaluation results) and prompt_format.json, which `corl eval`
 reads back so an export is asked as training asked it. Both describe the exported checkpoint from its own record
 (`vlm_corl.reporting.model_card`): the config saved with that step, not the run's latest, and the reward
 functions the run called; the card's transformers snippet asks a text member in text, a vision member with its

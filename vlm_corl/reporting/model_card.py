@@ -1,6 +1,8 @@
 """The model card (README.md) and prompt_format.json `corl export` writes into each exported member: how it was
 trained (base model, cohort and peers, reward, steps, data), its evaluations in the run, and the exact prompt
-format training used, so that users ask it the same way (`corl eval` reads prompt_format.json back).
+format training used, so that users ask it the same way (`corl eval` reads prompt_format.json back). The card
+is huggingface_hub's ModelCard, its metadata header a ModelCardData (`card_data`), so an upload shows on the Hub
+with its base model, library, pipeline and evaluation results.
 
 Everything comes from the exported checkpoint's own record (`checkpoint_run`): the config saved with that step
 (a resume may have changed the prompt format since: the run's config.yaml is the latest launch's), the reward
@@ -11,10 +13,12 @@ before checkpoints kept their config falls back to the run's config.yaml.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from vlm_corl.config import MemberConfig
 from vlm_corl.config.schema import PEER_MODES
@@ -38,6 +42,9 @@ REWARD_SOURCES = {
     "labels)",
     "none": "only what the reward functions gave (no reward mode of its own; no gold labels: they never get them)",
 }
+
+PIPELINES = {"vision": "image-text-to-text", "text": "text-generation"}  # the Hub's task of a member's modality
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # ORG/NAME, as the Hub spells a model repository
 
 
 @dataclass(frozen=True)
@@ -75,13 +82,59 @@ def write_card(checkpoint: Path, member_id: str, out: Path) -> None:
     kwargs = {**dict(family.chat_template_kwargs), **(mine.get("chat_template_kwargs") or {})}
     fmt = prompt_format(mine.get("prompt_style") or family.prompt_style, mine.get("system_prompt"), kwargs or None)
     (out / PROMPT_FORMAT).write_text(json.dumps(fmt, indent=2) + "\n")
-    (out / "README.md").write_text(card_text(checkpoint, run, mine, fmt, family.modality))
+    header = card_data(checkpoint, run, mine, family.modality, adapter=(out / "adapter_config.json").is_file())
+    card = ModelCard(f"---\n{header.to_yaml()}\n---\n\n{card_text(checkpoint, run, mine, fmt, family.modality)}")
+    (out / "README.md").write_text(str(card))
+
+
+def card_data(checkpoint: Path, run: CheckpointRun, mine: dict, modality: str, adapter: bool) -> ModelCardData:
+    """The card's metadata header, as the Hub reads it: the base model (`hub_base`), the library that loads the
+    export (peft for an adapter), the pipeline of its modality, the tags, and the run's evaluations of this member
+    at the newest step up to this checkpoint, one result per benchmark."""
+    member_id, step = mine["id"], _step(checkpoint)
+    mode = (run.config.get("reward") or {}).get("mode", "ring")
+    task = PIPELINES[modality]
+    rows = [r for r in _eval_rows(checkpoint.parent.parent, member_id, step) if r.get("accuracy") is not None]
+    newest = {r["benchmark"]: r for r in sorted(rows, key=lambda r: r["step"])}  # the last row of each wins
+    results = [
+        EvalResult(task_type=task, dataset_type=name, dataset_name=name, metric_type="accuracy",
+                   metric_value=r["accuracy"], metric_name=f"accuracy (n={r.get('n')}, step {r['step']})")
+        for name, r in newest.items()
+    ]  # fmt: skip
+    return ModelCardData(
+        model_name=member_id,
+        base_model=hub_base(str(mine.get("model", ""))),
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag=task,
+        tags=["co-rl", "grpo", *([] if mode in ("gt", "none") else ["label-free-rl"])],
+        eval_results=results or None,
+    )
+
+
+def hub_base(model: str) -> str | None:
+    """The base model's Hub id: the model as written when it is ORG/NAME (a folder named as its Hub repo, as
+    `huggingface-cli download ORG/NAME --local-dir ORG/NAME` makes), or the ORG/NAME of a folder of the Hub's
+    cache (.../models--ORG--NAME/snapshots/REV); None for any other path (the Hub would link it to no model)."""
+    cached = re.search(r"models--([\w.-]+)--([\w.-]+)/snapshots/", model)
+    if cached:
+        return f"{cached[1]}/{cached[2]}"
+    return model if HUB_ID.fullmatch(model) else None
+
+
+def _step(checkpoint: Path) -> int:
+    step = checkpoint.name.removeprefix("step-")
+    return int(step) if step.isdigit() else 0
+
+
+def _eval_rows(run_dir: Path, member_id: str, step: int) -> list[dict]:
+    """The member's rows of the run's eval.jsonl up to `step` (this checkpoint's)."""
+    path = run_dir / "eval.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [r for r in rows if r.get("member") == member_id and r.get("step", 0) <= step]
 
 
 def _evaluations(run_dir: Path, member_id: str, step: int) -> list[str]:
-    path = run_dir / "eval.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    rows = [r for r in rows if r.get("member") == member_id and r.get("step", 0) <= step]  # up to this checkpoint
+    rows = _eval_rows(run_dir, member_id, step)
     if not rows:
         return ["No in-loop evaluation was run up to this step (eval.every: 0, or none due yet)."]
     lines = ["| benchmark | step | score | accuracy | n |", "|---|---|---|---|---|"]
@@ -156,10 +209,6 @@ def card_text(checkpoint: Path, run: CheckpointRun, mine: dict, fmt: dict, modal
         kinds = {"gt": "GRPO on gold answers, the supervised reference", "none": "RL with reward functions"}
         kind = kinds.get(mode, f"label-free reinforcement learning, the `{mode}` baseline")
     lines = [
-        "---",
-        f"tags: [co-rl, grpo{'' if mode in ('gt', 'none') else ', label-free-rl'}]",
-        "---",
-        "",
         f"# {member_id}: trained with the Co-RL cohort trainer ({kind})",
         "",
         f"- **Base model**: `{mine.get('model', '?')}`",
@@ -172,7 +221,7 @@ def card_text(checkpoint: Path, run: CheckpointRun, mine: dict, fmt: dict, modal
         "",
         "## Evaluation in the run",
         "",
-        *_evaluations(run_dir, member_id, int(step) if step.isdigit() else 0),
+        *_evaluations(run_dir, member_id, _step(checkpoint)),
         "",
         "## Prompt format (ask it the way it was trained)",
         "",
