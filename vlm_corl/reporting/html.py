@@ -9,11 +9,12 @@ response cut at MAX_TEXT_CHARS (with a note), and the table keeps its newest row
 and MAX_TABLE_BYTES. The table's filters are also read from the address (`report.html#member=q&step=3`),
 so a filtered view can be linked.
 
-Sections: the runs; per-member curves of reward, agreement, pseudo-label accuracy and answer accuracy (one line
-per run and member); evaluation curves; per-category curves with the collapse flags, and every collapse warning
-in words; the member x member vote agreement (a matrix at the last step and its pairs over time); the sampled
-completions (step, member, prompt, response, extracted answer, vote, label and where it came from, reward,
-advantage).
+Sections: the runs; per-member curves of reward, the policy update (entropy, KL, clip fractions), agreement,
+pseudo-label accuracy and answer accuracy (one line per run and member; a curve no row has is named with why,
+never drawn as an empty frame); evaluation curves; per-category curves with the collapse flags, and every
+collapse warning in words; the member x member vote agreement (a matrix at the last step and its pairs over
+time); the sampled completions (step, member, prompt, response, extracted answer, vote, label and where it came
+from, reward, advantage).
 """
 
 from __future__ import annotations
