@@ -343,7 +343,7 @@ def test_missing_model_path_says_how_to_get_one(models):
     raw["members"][1]["model"] = "out/zoo/nope"
     message = one_problem(raw)
     assert message.startswith("members[1].model: 'out/zoo/nope' does not exist; it must be a local model directory")
-    assert "python -m vlm_corl.zoo --out DIR" in message
+    assert "corl zoo --out DIR" in message
     assert "huggingface-cli download ORG/NAME --local-dir DIR" in message
     raw["members"][1]["model"] = "out/zoo"  # a directory, but not a model
     assert "'out/zoo' has no config.json" in one_problem(raw)

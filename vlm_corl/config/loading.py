@@ -131,7 +131,7 @@ def _model_dir(i: int, m: MemberConfig, problems: Problems) -> Path | None:
         problems.add(
             f"members[{i}].model",
             f"{m.model!r} {state}; it must be a local model directory with a config.json. Build tiny test models"
-            f" with `python -m vlm_corl.zoo --out DIR` (then use DIR/<family>) or download one with"
+            f" with `corl zoo --out DIR` (then use DIR/<family>) or download one with"
             f" `huggingface-cli download ORG/NAME --local-dir DIR`",
         )
     return model

@@ -103,8 +103,8 @@ class MemberConfig:
         None,
     )
     lora: LoraConfig | None = _f(
-        "train LoRA adapters instead of the whole model (checkpoints hold the adapter in PEFT's format; python -m "
-        "vlm_corl.export --merge writes merged models); null = full fine-tuning",
+        "train LoRA adapters instead of the whole model (checkpoints hold the adapter in PEFT's format; corl export "
+        "--merge writes merged models); null = full fine-tuning",
         None,
     )
     ranks: list[int] | None = _f(
@@ -409,7 +409,7 @@ class TrainConfig:
         ge=1,
     )
     check_memory: Literal["auto", "error", "warn", "off"] = _f(
-        "the memory plan made before any model loads (python -m vlm_corl.plan; written to plan.json) and the "
+        "the memory plan made before any model loads (corl plan; written to plan.json) and the "
         "checkpoints' disk: error = a layout that cannot fit, or an output_dir disk too small for the checkpoints, "
         "stops with exit 2 | warn = log it and go on | off | auto = error on CUDA, warn elsewhere (the disk: error "
         "everywhere)",
