@@ -188,14 +188,9 @@ def rollout_is_weights(
         capped_seqs = (above & usable).squeeze(-1) & real.any(dim=-1)
     else:
         raise ValueError(f"mode must be one of {ROLLOUT_IS[1:]}, got {mode!r}")
-    # the weight before the cap, per token (a sequence mode's R_i on each of its tokens), in float64: R_i overflows
-    # float32 long before a mismatch large enough to matter
-    raw = (delta if mode.startswith("token_") else delta.sum(dim=-1, keepdim=True)).double().exp()
     sums = {
         "tokens": finite.sum(),
-        "ratio": torch.where(finite, raw, 0.0).sum(),
-        "ratio_min": torch.where(finite, raw, math.inf).min(),
-        "ratio_max": torch.where(finite, raw, -math.inf).max(),
+        **_uncapped_ratio(delta, finite, mode),
         "abs_dlogp": delta.abs().sum(),
         "kl": torch.where(finite, ratio - 1.0 - delta, 0.0).sum(),
         "capped": over.sum(),
@@ -204,6 +199,18 @@ def rollout_is_weights(
         "capped_seqs": capped_seqs.sum(),
     }
     return weights, {k: v.double() for k, v in sums.items()}
+
+
+def _uncapped_ratio(delta: Tensor, finite: Tensor, mode: str) -> dict[str, Tensor]:
+    """`rollout_is_weights`' ratio sums: the weight before the cap of each finite token (r_t = exp(delta_t), or
+    in a sequence mode R_i on each of sequence i's), summed, and its min and max. In float64: R_i overflows
+    float32 long before a mismatch large enough to matter."""
+    raw = (delta if mode.startswith("token_") else delta.sum(dim=-1, keepdim=True)).double().exp()
+    return {
+        "ratio": torch.where(finite, raw, 0.0).sum(),
+        "ratio_min": torch.where(finite, raw, math.inf).min(),
+        "ratio_max": torch.where(finite, raw, -math.inf).max(),
+    }
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
