@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from vlm_corl.config import CohortConfig, ConfigError, MemberConfig, config_from_dict
-from vlm_corl.config.applies import ALWAYS, REFUSED, RULES
+from vlm_corl.config.applies import ALWAYS, REFUSED, RULES, markdown_table
 from vlm_corl.config.loading import config_warnings
 from vlm_corl.config.parse import OTHER_NAMES
 
@@ -173,10 +173,14 @@ CASES = {
     "members[].lr": (members(b={"lr": 1e-5, "trainable": False}), members(b={"lr": 1e-5})),
 }
 
-# Per field validate refuses where it would not apply: a config where it would not (the refusal names the field).
+# Per field validate refuses where it would not apply: a config where it would not, and the field refused.
 REFUSED_CASES = {
-    "rollout.vllm.tensor_parallel_size": {"rollout": {"engine": "vllm", "vllm": {"tensor_parallel_size": 2}}},
-    "eval.keep_best": {"eval": {"benchmarks": ["easyvqa"], "keep_best": "easyvqa"}},
+    "rollout.vllm.tensor_parallel_size": (
+        {"rollout": {"engine": "vllm", "vllm": {"tensor_parallel_size": 2}}},
+        "rollout.vllm.tensor_parallel_size",
+    ),
+    "eval.keep_best": ({"eval": {"benchmarks": ["easyvqa"], "keep_best": "easyvqa"}}, "eval.keep_best"),
+    "members[].lora": (members(b={"lora": {}, "trainable": False}), "members[1].lora"),
 }
 
 
@@ -284,9 +288,10 @@ def test_defaults_and_values_that_ask_for_what_the_run_does_anyway_never_warn(mo
 
 @pytest.mark.parametrize("field", sorted(REFUSED_CASES))
 def test_refused_fields_are_refused_where_they_would_not_apply(models, field):
+    part, path = REFUSED_CASES[field]
     with pytest.raises(ConfigError) as info:
-        config_from_dict(raw(REFUSED_CASES[field]))
-    assert field in info.value.fields
+        config_from_dict(raw(part))
+    assert info.value.fields == [path]
 
 
 def test_an_adapter_rank_vllm_cannot_serve_is_refused_before_any_model_loads(models):
@@ -329,3 +334,13 @@ def test_corl_config_prints_the_warning(models, capsys):
     assert config_main(["c.yaml"]) == 0
     err = capsys.readouterr().err
     assert "warning: algo.resample_max_rounds=5 does not apply with algo.resample_zero_variance=false" in err
+
+
+def test_docs_hold_the_table_of_rules():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    assert markdown_table() in text, (
+        "paste `python -c 'from vlm_corl.config.applies import markdown_table as t; print(t())'` into "
+        "docs/training.md (When a setting applies)"
+    )

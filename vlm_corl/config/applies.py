@@ -177,7 +177,7 @@ ALWAYS = frozenset(
     | {f"members[].{n}" for n in ("id", "model", "family", "view", "trainable", "prompt_style", "system_prompt")}
     | {f"members[].{n}" for n in ("seed", "dtype", "attn_implementation", "trust_remote_code", "engine")}
     | {"members[].chat_template_kwargs", "members[].ranks"}
-    # LoRA's own fields apply wherever members[i].lora is given (it is the switch, refused on a frozen peer)
+    # LoRA's own fields apply wherever members[i].lora is given (the switch, refused on a frozen peer)
     | {f"members[].lora.{n}" for n in ("r", "alpha", "dropout", "target_modules", "vision")}
     | {f"data.train.{n}" for n in ("loader", "path", "split", "limit", "skip", "options")}
     | {f"data.{n}" for n in ("train", "batch_size", "shuffle", "seed", "max_image_pixels", "prompt_cache_mb")}
@@ -194,13 +194,14 @@ ALWAYS = frozenset(
     | {f"train.{n}" for n in ("dist_timeout_s", "max_nonfinite_steps", "check_memory", "on_collapse")}
     | {"eval.every", "logging.report_to", "logging.samples_every", "logging.progress", "logging.log_every"}
     | {"logging.category_key"}
-    | {"data", "rollout", "reward", "algo", "train", "eval", "logging", "members[].lora"}  # the sections
+    | {"data", "rollout", "reward", "algo", "train", "eval", "logging"}  # the sections
 )
 
-# Fields validate refuses wherever they would not apply: no warning is ever needed.
+# Fields validate refuses wherever they would not apply (no warning is ever needed): where they apply.
 REFUSED = {
-    "rollout.vllm.tensor_parallel_size": "every value but its default 1",
-    "eval.keep_best": "a benchmark not in eval.benchmarks, or with eval.every=0",
+    "rollout.vllm.tensor_parallel_size": "1 only (other values are refused)",
+    "eval.keep_best": "one of eval.benchmarks, with eval.every > 0 (refused otherwise)",
+    "members[].lora": "members[i].trainable=true (refused on a frozen peer)",
 }
 
 
@@ -242,3 +243,11 @@ def inapplicable(cfg: CohortConfig) -> list[tuple[str, str]]:
             if value != default and value not in rule.off and not rule.applies(*args):
                 found.append((path, _message(rule, path, value, names)))
     return found
+
+
+def markdown_table() -> str:
+    """The table docs/training.md holds (tests/test_config_applies.py checks it is there as printed)."""
+    lines = ["| field | applies only with |", "|---|---|"]
+    lines += [f"| `{r.field}` | {r.needs.replace('{i}', 'i')} |" for r in RULES]
+    lines += [f"| `{field}` | {where} |" for field, where in REFUSED.items()]
+    return "\n".join(lines)
