@@ -8,10 +8,10 @@ from cohort_helpers import python_m
 from vlm_corl.commands import usage
 
 
-def test_python_m_vlm_corl_runs_corl(tmp_path):
+def test_python_m_vlm_corl_runs_corl():
     listed = python_m("vlm_corl", "--help")
     assert listed.returncode == 0 and listed.stdout.strip() == usage()
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("members: []\nno_such_key: 1\n")
-    checked = python_m("vlm_corl", "config", bad)  # a command's own exit 2 and its problems, as corl's
-    assert checked.returncode == 2 and "no_such_key" in checked.stderr, checked.stderr
+    checked = python_m("vlm_corl", "config")  # the command's own usage mistake and exit 2, as corl's
+    assert checked.returncode == 2 and "a config FILE is required" in checked.stderr, checked.stderr
+    unknown = python_m("vlm_corl", "trian")
+    assert unknown.returncode == 2 and "corl: unknown command 'trian'" in unknown.stderr
