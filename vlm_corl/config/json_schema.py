@@ -8,6 +8,7 @@ Literal choices are an `enum`; a union (`int | "auto"`, `str | list`, a null) is
 section has `additionalProperties: false`, as the parser refuses an unknown key. A section may be null (the
 parser reads an empty `rollout:` as all defaults). Checks across fields (`loading.validate`) are the parser's
 alone: the schema says what each field may hold, `corl config FILE` whether the whole file makes sense.
+Every keyword used means the same in draft-07, the draft the YAML language server validates by.
 """
 
 from __future__ import annotations
