@@ -1,8 +1,8 @@
 """`corl config --schema [FILE]` (vlm_corl/config/json_schema.py): the cohort file's JSON Schema, from the
 dataclasses of vlm_corl/config/schema.py. Each field's help is its description, its default, bounds, pattern and
 choices are there, every section refuses unknown keys; every shipped cohort file validates against it and a file
-with an unknown key, a choice typo or a value out of bounds does not, as the parser refuses each (the validation
-tests need the `jsonschema` package; they are skipped where it is not installed)."""
+with an unknown key, a choice typo or a value out of bounds does not, as the parser refuses each (validated by the
+`jsonschema` package, a dev dependency)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
+import jsonschema
 import pytest
 import yaml
 
@@ -69,7 +70,6 @@ def test_every_field_carries_its_help_default_bounds_and_choices(tmp_path):
 
 def _validator(draft: str = "Draft202012Validator"):
     """The schema's validator; draft-07's reads it alike (the YAML language server validates by draft-07)."""
-    jsonschema = pytest.importorskip("jsonschema")
     kind = getattr(jsonschema, draft)
     kind.check_schema(cohort_schema())
     return kind(cohort_schema())
