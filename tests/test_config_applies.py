@@ -279,7 +279,10 @@ def test_the_warning_says_what_applies_instead(models):
 def test_defaults_and_values_that_ask_for_what_the_run_does_anyway_never_warn(models):
     assert config_warnings(config_from_dict(raw())) == []
     # every field of the failing configs back at its default: nothing warns (the rules' switches are set there)
-    off = raw({"eval": {"max_category_drop": None}})  # no in-loop evaluation, and no drop flag asked for
+    off = raw(
+        {"eval": {"max_category_drop": None}},  # no in-loop evaluation, and no drop flag asked for
+        algo(overlong_penalty_factor=0.0, rollout_is_max_abs_dlogp=0.0),  # no penalty, no guard: as without them
+    )
     assert config_warnings(config_from_dict(off)) == []
     if importlib.util.find_spec("deepspeed") is not None:
         sync = raw({"train": {"async_checkpoint": False, "deepspeed": "zero2.json"}})
