@@ -107,6 +107,18 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def easyvqa_cohort(tmp: Path, members: list[tuple[str, Path]], name: str, **train) -> Path:
+    """The launch tests' cohort file `tmp/<name>.yaml`: easy-vqa (64 questions, batch 4), the ring reward, 2 steps
+    unless `train` says otherwise, the run in `tmp/<name>/run`."""
+    import yaml
+
+    cfg = cohort(tmp / name, members, reward={"mode": "ring"})
+    cfg["train"].update({"max_steps": 2, **train})
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 class Ranks:
     """What the ranks of one simulated launch share: a barrier (collectives meet there) and one slot per rank."""
 

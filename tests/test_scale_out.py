@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cohort_helpers import cohort, metrics, trained_fields, weights
+from cohort_helpers import cohort, easyvqa_cohort, metrics, trained_fields, weights
 
 from vlm_corl.training.checkpoint import is_complete, list_checkpoints
 
@@ -32,17 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
 
 
-def _config(tmp: Path, members, name: str, **train) -> Path:
-    cfg = cohort(
-        tmp / name,
-        members,
-        data={"train": {"loader": "easyvqa", "limit": 64}, "batch_size": 4},
-        reward={"mode": "ring"},
-    )
-    cfg["train"].update(max_steps=2, **train)
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+_config = easyvqa_cohort
 
 
 def _launch(cfg: Path, procs: int, *overrides: str, wait: bool = True):

@@ -171,10 +171,32 @@ def launch_world(timeout_s: float = 1800.0, need_group: bool = False) -> World:
             timeout=timedelta(seconds=timeout_s),
             rank=rank,
             world_size=size,
+            store=attempt_store(rank, size, timedelta(seconds=timeout_s)),
             # NCCL otherwise guesses each rank's GPU from its global rank ("This can cause a hang")
             device_id=device if cuda else None,
         )
     return World(rank, size, local_rank, device, timeout_s)
+
+
+def attempt_store(rank: int, size: int, timeout: timedelta) -> dist.Store | None:
+    """The launch's key-value store seen through a prefix of this launch attempt (torchrun's
+    TORCHELASTIC_RESTART_COUNT), or None outside an elastic launch (init_process_group's own env:// store).
+
+    Why: torch's c10d rendezvous keeps ONE store server for the whole job (TCPStore sharing, the default) and its
+    env:// handler connects the workers to it without a per-attempt prefix, so a group restarted by
+    `--max-restarts` found the failed group's keys: gloo connected to the dead ranks' addresses ("connectFullMesh
+    ... Connection refused") or waited on stale counters, and the surviving ranks' marks fooled a later lost-rank
+    report. Under the prefix every attempt starts from an empty store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    # the agent serves the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 hosts it, as env:// would
+    host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    server = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=host, timeout=timeout,
+        multi_tenant=True,
+    )  # fmt: skip
+    return dist.PrefixStore(f"vlm_corl/attempt_{attempt}", server)
 
 
 def place_members(members: Sequence[MemberConfig], world_size: int) -> dict[str, tuple[int, ...]]:
