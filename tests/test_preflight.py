@@ -58,14 +58,20 @@ def _unfilled(node, where: str = "") -> list[str]:
     return [where] if node is None else []
 
 
-def test_plain_and_lora_members_are_ready_with_every_number(tiny_zoo, tmp_path, capsys, monkeypatch):
+def test_plain_and_lora_members_are_ready_with_every_number(tiny_zoo, tmp_path, capsys, monkeypatch, caplog):
     real = versions.installed_version
     monkeypatch.setattr(  # a version outside the tested range: a warning naming both, the verdict unchanged
         versions, "installed_version", lambda names: "4.57.0" if names == ("transformers",) else real(names)
     )
     path = _config(tmp_path, [("plain", tiny_zoo["qwen2_vl"]), ("adapted", tiny_zoo["internvl"])], lora=("adapted",))
-    code, report, out = _preflight(path, capsys, "data.batch_size=16")
+    # the config's warnings are the user's: kl_estimator without kl_beta warns; samples_per_step applies to the run
+    # (samples_every 10), though not to preflight's shrunken copy of it (samples_every 0), so it never warns
+    overrides = ("data.batch_size=16", "algo.kl_estimator=k1", "logging.samples_per_step=3")
+    code, report, out = _preflight(path, capsys, *overrides)
     assert code == 0, out
+    assert [w.split(" ")[0] for w in report["config_warnings"]] == ["algo.kl_estimator=k1"]
+    logged = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
+    assert [w.split(" ")[0] for w in logged] == ["algo.kl_estimator=k1"], logged
     assert report["verdict"] == "ready" and report["failure"] is None
     assert "verdict: ready" in out
     assert any("4.57.0" in w and ">=5.19,<6" in w for w in report["warnings"]), report["warnings"]

@@ -12,7 +12,7 @@ checks that each schema field is in exactly one of the three and each rule warns
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,9 +76,14 @@ def _checkpoints(cfg: CohortConfig) -> bool:
     return cfg.train.save_every > 0 or cfg.train.save_last
 
 
+def renders_paraphrases(mode: str, views: Iterable[str]) -> bool:
+    """Whether some slot of a cohort renders a paraphrase view: a member's own view (`views`: the members'), or
+    the second wording of a two-view reward (reward.mode `mode`)."""
+    return mode in TWO_VIEW_MODES or any(view != "original" for view in views)
+
+
 def _two_wordings(cfg: CohortConfig) -> bool:
-    """Whether some slot renders a paraphrase view: a member's own view, or co_rewarding_1's second wording."""
-    return cfg.reward.mode in TWO_VIEW_MODES or any(m.view != "original" for m in cfg.members)
+    return renders_paraphrases(cfg.reward.mode, (m.view for m in cfg.members))
 
 
 _VLLM = ("with every member on the hf engine", "rollout.engine=vllm or a member's engine: vllm")

@@ -34,6 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vlm_corl import cli
+from vlm_corl.config.applies import renders_paraphrases
 from vlm_corl.errors import UserError
 from vlm_corl.experiments import easyvqa_analysis as analysis
 from vlm_corl.experiments.easyvqa_data import TYPES, UNLABELLED_START, VALIDATION_START
@@ -79,7 +80,9 @@ def run_config(method: Method, seed: int, part: int, budget: Budget, out: Path) 
             },
             "batch_size": budget.batch_size,
             "seed": seed,
-            "view_fallback": "original",  # a question with fewer wordings than a view asks for: its own
+            # a question with fewer wordings than a view asks for: its own (set only where a slot renders a
+            # paraphrase: elsewhere it would not apply, and the run would warn so)
+            **({"view_fallback": "original"} if renders_paraphrases(method.mode, [m["view"] for m in members]) else {}),
         },
         "rollout": {"n": budget.rollout_n, "max_new_tokens": budget.max_new_tokens},
         "reward": {"mode": method.mode},

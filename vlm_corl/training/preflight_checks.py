@@ -38,6 +38,7 @@ import torch
 
 from vlm_corl.config import CohortConfig
 from vlm_corl.config.engine_layout import member_engine
+from vlm_corl.config.loading import config_warnings
 from vlm_corl.distributed.exchange import exchange
 from vlm_corl.distributed.world import World, default_device, launch_world, place_members
 from vlm_corl.errors import UserError
@@ -423,8 +424,12 @@ def _phases(cfg: CohortConfig, pf: Preflight, work: Path) -> None:
     report["run_plan"] = None if plan is None else plan.to_dict()  # the user's config's, for the run itself
     report["settings"] = {"micro_batch_size": int(cfg.train.micro_batch_size), "prompts": small.data.batch_size,
                           "n": small.rollout.n, "max_new_tokens": small.rollout.max_new_tokens}  # fmt: skip
+    report["config_warnings"] = config_warnings(cfg)  # the user's config's, not those of its shrunken copy
+    if world.is_main:
+        for warning in report["config_warnings"]:
+            log.warning(warning)
     with pf.phase("load"):  # the run's start: data, members, their optimizers and engines
-        pf.run = start_run(small)
+        pf.run = start_run(small, warn_config=False)
     pf.rank.members = [m.id for m in pf.run.members]
     tag_engines(pf.run)
     _steps(pf.run, pf, report)

@@ -87,9 +87,11 @@ class CohortRun:
     throughput: Throughput | None = None  # the speed fields of metrics rows (set when the steps start)
 
 
-def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) -> CohortRun:
+def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = (), warn_config: bool = True) -> CohortRun:
     """Join the launch, place members on ranks, load data (and check `reward_funcs` against its columns) and this
-    process's members, build their slots (engines, renderers), and restore the newest checkpoint if resuming."""
+    process's members, build their slots (engines, renderers), and restore the newest checkpoint if resuming.
+    `warn_config`: log the config's warnings (`config_warnings`); false for preflight's shrunken copy of a config,
+    whose changed settings are not the user's (preflight warns of the user's own)."""
     world, placement, reward_spec, cfg, plan = _join_launch(cfg)
     run_dir = Path(cfg.output_dir)
     resume_from, state = _resume_or_claim(cfg, run_dir, world)
@@ -101,7 +103,7 @@ def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = ()) ->
         check_resumed_data(state, run_dir, resume_from, data)  # before anything of the run is rewritten
     world.barrier()  # every rank has looked at the run directory before anything new is written
     if world.is_main:
-        _write_run_files(cfg, run_dir, data, plan, f"over {world.size} process(es): {describe(placement)}")
+        _write_run_files(cfg, run_dir, data, plan, f"over {world.size} process(es): {describe(placement)}", warn_config)
     torch.manual_seed(cfg.seed)
     sampler = LockstepSampler(len(examples), cfg.data.batch_size, cfg.data.seed, cfg.data.shuffle)
     specs = slot_specs(cfg.members, reward_spec.layout)
@@ -163,16 +165,16 @@ def _resume_or_claim(cfg: CohortConfig, run_dir: Path, world: World) -> tuple[Pa
     return resume_from, state
 
 
-def _write_run_files(cfg: CohortConfig, run_dir: Path, data: dict, plan, placement: str) -> None:
-    """World rank 0: the run's config.yaml, its data's fingerprint and memory plan, and the placement and
-    config warnings in the log."""
+def _write_run_files(cfg: CohortConfig, run_dir: Path, data: dict, plan, placement: str, warn: bool) -> None:
+    """World rank 0: the run's config.yaml, its data's fingerprint and memory plan, and the placement and (with
+    `warn`) config warnings in the log."""
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     record_data(run_dir, data)
     if plan is not None:
         write_plan(plan, run_dir)
     log.info("placement %s", placement)
-    for warning in config_warnings(cfg):
+    for warning in config_warnings(cfg) if warn else ():
         log.warning(warning)
 
 
