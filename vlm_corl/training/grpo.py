@@ -334,10 +334,10 @@ def _chunked(logits: Tensor, how: tuple, fns: tuple) -> list[Tensor]:
     """Each of `fns` (fp32 log-probs (rows, V) -> (rows,)) over the policy of `logits`, how = (temperature,
     suppressed ids, chunk rows or None), one chunk of rows upcast at a time; (...) each."""
     temperature, suppressed, chunk_rows = how
-    rows = _rows(logits)
+    rows, ids = _rows(logits), _suppressed_ids(suppressed, logits.device)
     out = torch.empty(len(fns), rows.shape[0], device=logits.device)
     for s, e in _spans(rows.shape[0], chunk_rows or max(1, CHUNK_ELEMENTS // logits.shape[-1])):
-        logp = torch.log_softmax(_policy_chunk(rows[s:e], temperature, suppressed), dim=-1)
+        logp = torch.log_softmax(_policy_chunk(rows[s:e], temperature, ids), dim=-1)
         for i, fn in enumerate(fns):
             out[i, s:e] = fn(logp)
     return [o.view(logits.shape[:-1]) for o in out]
@@ -351,8 +351,15 @@ def _spans(n: int, size: int):
     return ((s, min(s + size, n)) for s in range(0, n, size))
 
 
-def _policy_chunk(chunk: Tensor, temperature: float, suppressed: tuple, writable: bool = False) -> Tensor:
-    """fp32 logits of the sampling distribution for a (rows, V) chunk, as `update` defines it (the same ops).
+def _suppressed_ids(suppressed: tuple, device: torch.device) -> Tensor | None:
+    """The suppressed token ids on `device`, once per call of a chunked function (a host-to-device copy waits for
+    the device: once per chunk would be a host sync per chunk); None for none."""
+    return torch.tensor(suppressed, device=device) if suppressed else None
+
+
+def _policy_chunk(chunk: Tensor, temperature: float, ids: Tensor | None, writable: bool = False) -> Tensor:
+    """fp32 logits of the sampling distribution for a (rows, V) chunk, as `update` defines it (the same ops); `ids`:
+    the suppressed ids (`_suppressed_ids`).
 
     `writable`: the result is never `chunk`'s memory, so the caller may work on it in place. Each step works in
     place on a copy the step before made (the upcast of bf16 logits, the tempering): a bf16 chunk costs one
@@ -362,8 +369,7 @@ def _policy_chunk(chunk: Tensor, temperature: float, suppressed: tuple, writable
     if temperature != 1.0:
         x = x / temperature
     owned = x.data_ptr() != chunk.data_ptr()
-    if suppressed:
-        ids = torch.tensor(suppressed, device=x.device)
+    if ids is not None:
         x = x.index_fill_(-1, ids, float("-inf")) if owned else x.index_fill(-1, ids, float("-inf"))
         owned = True
     return x if owned or not writable else x.clone()
@@ -378,12 +384,12 @@ class _SelectiveLogprobs(torch.autograd.Function):
         ctx, logits: Tensor, targets: Tensor, how: tuple[float, tuple[int, ...], int], inplace_backward: bool
     ) -> Tensor:  # how: (temperature, suppressed ids, chunk rows)
         temperature, suppressed, chunk_rows = how
-        rows, index = _rows(logits), targets.reshape(-1, 1)
+        rows, index, ids = _rows(logits), targets.reshape(-1, 1), _suppressed_ids(suppressed, logits.device)
         logp = torch.empty(rows.shape[0], device=logits.device)
         log_norm = torch.empty_like(logp)
         with torch.autocast(logits.device.type, enabled=False):
             for s, e in _spans(rows.shape[0], chunk_rows):
-                x = _policy_chunk(rows[s:e], temperature, suppressed, writable=True)
+                x = _policy_chunk(rows[s:e], temperature, ids, writable=True)
                 top = x.amax(dim=-1, keepdim=True)
                 picked = x.gather(-1, index[s:e])
                 # the order of log_softmax's own kernel (shift by the max, then log-sum-exp): equal results
@@ -400,13 +406,11 @@ class _SelectiveLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp: Tensor) -> tuple[Tensor, None, None, None]:
         logits, targets, log_norm = ctx.saved_tensors
         temperature, suppressed, chunk_rows = ctx.args
-        rows, index = _rows(logits), targets.reshape(-1, 1)
+        rows, index, ids = _rows(logits), targets.reshape(-1, 1), _suppressed_ids(suppressed, logits.device)
         grad = rows if ctx.inplace else torch.empty_like(rows)
         scale = grad_logp.reshape(-1, 1).float() / temperature  # (N, 1)
         with torch.autocast(logits.device.type, enabled=False):
             for s, e in _spans(rows.shape[0], chunk_rows):
-                probs = (
-                    _policy_chunk(rows[s:e], temperature, suppressed, writable=True).sub_(log_norm[s:e, None]).exp_()
-                )
+                probs = _policy_chunk(rows[s:e], temperature, ids, writable=True).sub_(log_norm[s:e, None]).exp_()
                 grad[s:e] = probs.mul_(-scale[s:e]).scatter_add_(-1, index[s:e], scale[s:e])
         return grad.view(logits.shape), None, None, None
