@@ -18,11 +18,16 @@ from typing import Any
 
 from vlm_corl.errors import Interrupted, UserError, debug_requested
 
+# The command line a `corl NAME` run was given as (set by `vlm_corl.commands.main` while NAME runs): its usage line
+# names it instead of the module's own `python -m ...` name.
+invoked_as: str | None = None
+
 
 def parser(prog: str, doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
-    """An argument parser whose description is the first paragraph of `doc`, with the `--debug` flag."""
+    """An argument parser whose description is the first paragraph of `doc`, with the `--debug` flag; its usage
+    line names `prog`, or `corl NAME` when the command was run so."""
     description = kwargs.pop("description", (doc or "").split("\n\n")[0])
-    p = argparse.ArgumentParser(prog=prog, description=description, **kwargs)
+    p = argparse.ArgumentParser(prog=invoked_as or prog, description=description, **kwargs)
     p.add_argument("--debug", action="store_true", help="show the traceback of a user error (also VLM_CORL_DEBUG=1)")
     return p
 

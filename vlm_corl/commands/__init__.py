@@ -12,6 +12,8 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from vlm_corl import cli
+
 # command -> (the module it runs, what it does), in the order `corl --help` lists them
 COMMANDS = {
     "train": ("vlm_corl.commands.train", "train a cohort from its YAML file (vision or text members)"),
@@ -59,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"corl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
     sys.argv = [f"corl {command}", *rest]
+    cli.invoked_as = f"corl {command}"
     try:
         runpy.run_module(COMMANDS[command][0], run_name="__main__", alter_sys=True)
     except SystemExit as done:
@@ -67,4 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code or 0
         print(code, file=sys.stderr)
         return 1
+    finally:
+        cli.invoked_as = None
     return 0

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from vlm_corl import cli
 from vlm_corl.cli import positive_int
 from vlm_corl.config.loading import ConfigError, config_warnings, dump_config, load_config
 from vlm_corl.config.parse import explain
@@ -18,7 +19,7 @@ from vlm_corl.config.parse import explain
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: print the resolved config (exit 0) or the problems (stderr, exit 2)."""
     parser = argparse.ArgumentParser(
-        prog="python -m vlm_corl.config",
+        prog=cli.invoked_as or "python -m vlm_corl.config",
         description="Validate a cohort config and print it resolved (every field, defaults included).",
     )
     parser.add_argument("file", nargs="?", help="cohort YAML file")
