@@ -150,6 +150,7 @@ def replay(cfg: dict, max_rounds: int) -> list[tuple[list[str], dict]]:
         batch = sampler.next_batch()
         tried, rounds, drawn = set(batch), 0, 0
         zero = [p for p, i in enumerate(batch) if flat[i]]
+        before = len(zero) / len(batch)
         while zero and rounds < max_rounds:
             fresh = sampler.draw(min(len(zero), sampler.available(tried)), tried)
             for p, i in zip(zero, fresh):
@@ -157,6 +158,8 @@ def replay(cfg: dict, max_rounds: int) -> list[tuple[list[str], dict]]:
             tried, rounds, drawn = tried | set(fresh), rounds + 1, drawn + len(fresh)
             zero = [p for p, i in enumerate(batch) if flat[i]]
         counts = {"resampled_groups": drawn, "resample_rounds": rounds, "zero_variance_left": len(zero)}
+        # each member's share of flat groups, before the rounds and in the batch that trains
+        counts.update(zero_variance_frac_before=before, zero_variance_frac=len(zero) / len(batch))
         steps.append(([examples[i].id for i in batch], counts))
     return steps
 
