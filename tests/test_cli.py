@@ -15,6 +15,7 @@ import torch
 from cohort_helpers import cohort, python_m, write_jsonl
 
 from vlm_corl import cli
+from vlm_corl.commands import main as corl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,6 +128,16 @@ def test_argument_mistakes_are_argparse_errors(capsys):
             cli.run(_main(command), argv.split())
         assert exit_.value.code == 2
         assert "must be at least 1" in capsys.readouterr().err, command
+
+
+def test_a_command_run_as_corl_name_says_so_in_its_usage(capsys):
+    """`corl plan --help` and `corl config --help` show `usage: corl plan ...`, not the module's python -m name;
+    after the command the name is cleared (the module's own stays for python -m)."""
+    for command in ("plan", "config", "zoo"):
+        assert corl([command, "--help"]) == 0
+        assert capsys.readouterr().out.startswith(f"usage: corl {command} "), command
+    assert cli.invoked_as is None
+    assert cli.parser("python -m vlm_corl.plan", None).prog == "python -m vlm_corl.plan"
 
 
 def test_a_failed_eval_leaves_no_empty_out_behind(files, capsys):
