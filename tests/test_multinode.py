@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from cohort_helpers import easyvqa_cohort, metrics, tests_env, weights
+
+from vlm_corl.training.checkpoint import is_complete, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -93,3 +96,96 @@ def test_torchrun_max_restarts_continues_a_killed_worker_from_its_checkpoint_exa
     for m in ("qwen", "llama"):
         a, b = (weights(tmp_path / run / "checkpoints" / "step-6" / m) for run in ("full", "cut"))
         assert all(torch.equal(a[k], b[k]) for k in a), f"{m}: weights differ after the restart"
+
+
+def _two_nodes(cfg: Path, tmp: Path, port: int, *overrides: str) -> list[subprocess.Popen]:
+    """Two torchrun launchers of 2 processes each over a c10d rendezvous on localhost, each "node" with its own
+    TMPDIR and Hugging Face cache."""
+    procs = []
+    for node in (0, 1):
+        local = tmp / f"node{node}"
+        (local / "tmp").mkdir(parents=True, exist_ok=True)
+        env = tests_env(TMPDIR=str(local / "tmp"), HF_HOME=str(local / "hf"))
+        launcher = ["--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={tmp.name}"]  # fmt: skip
+        procs.append(_start(launcher, *TRAIN, "--config", str(cfg), *overrides, env=env))
+    return procs
+
+
+def _spanning(tmp: Path, two_members, name: str, **train) -> Path:
+    """qwen on rank 0, llama on ranks 1-3: with 2 processes a node, llama's ranks span both nodes."""
+    import yaml
+
+    path = easyvqa_cohort(tmp, two_members, name, **train)
+    cfg = yaml.safe_load(path.read_text())
+    for member, ranks in zip(cfg["members"], ([0], [1, 2, 3])):
+        member["ranks"] = ranks
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_a_member_spanning_both_like_one_launcher_and_resume_exactly(two_members, tmp_path):
+    """The same weights as one launcher of 4 processes, every metrics row once, complete checkpoints, and a resume
+    across the two launchers that ends with the weights of the uninterrupted one-launcher run."""
+    # a constant learning rate: the first launch of the two nodes stops at step 2 of the 3 the others run
+    cfg = _spanning(tmp_path, two_members, "job", save_every=1, keep_last=5, min_lr_ratio=1.0)
+    one = tmp_path / "one"
+    _finish(_start(["--standalone", "--nproc_per_node=4"], *TRAIN, "--config", str(cfg), f"output_dir={one}",
+                   "train.max_steps=3"))  # fmt: skip
+    two = tmp_path / "two"
+    for overrides in ([], ["train.max_steps=3", "train.resume=auto"]):
+        errs = [_finish(p) for p in _two_nodes(cfg, tmp_path, _free_port(), f"output_dir={two}", *overrides)]
+    assert "resumed from" in errs[0] + errs[1]
+    assert all((tmp_path / f"node{n}" / "tmp").is_dir() for n in (0, 1))
+    rows = [(r["step"], r["member"]) for r in metrics(two)]
+    assert rows == [(r["step"], r["member"]) for r in metrics(one)] and len(set(rows)) == len(rows) == 6
+    assert [c.name for c in list_checkpoints(two)] == ["step-1", "step-2", "step-3"]
+    assert all(is_complete(c) for c in list_checkpoints(two))
+    for step in (2, 3):  # step 2 from the first launch of the two nodes, step 3 from their resume
+        for m in ("qwen", "llama"):
+            a, b = (weights(run / "checkpoints" / f"step-{step}" / m) for run in (one, two))
+            worst = max((a[k] - b[k]).abs().max().item() for k in a)
+            assert worst < 1e-6, (step, m, worst)  # docs/scaling.md: equal within float rounding
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_reported_by_the_other_within_the_timeout_and_the_job_resumes(two_members, tmp_path):
+    """The node serving the launch's store (ranks 0-1: qwen, llama) is lost mid-step (launcher and workers killed):
+    the other node's ranks stop within train.dist_timeout_s, naming the lost ranks and members, their step and
+    phase, the last complete checkpoint, without C++ frames; both relaunched with train.resume=auto continue."""
+    cfg = _spanning(tmp_path, two_members, "job", save_every=2, keep_last=5)
+    run = tmp_path / "run"
+    nodes = _two_nodes(
+        cfg, tmp_path, _free_port(), f"output_dir={run}", "train.max_steps=40", "train.dist_timeout_s=20"
+    )
+    _wait_for(run / "checkpoints" / "step-2", nodes)
+    time.sleep(0.3)
+    workers = [_workers(n) for n in nodes]
+    lost = next(i for i, w in enumerate(workers) if 0 in w)
+    killed_at = time.time()
+    for pid in [nodes[lost].pid, *workers[lost].values()]:
+        os.kill(pid, signal.SIGKILL)
+    err = nodes[1 - lost].communicate(timeout=120)[1].decode()
+    assert nodes[1 - lost].returncode != 0
+    assert time.time() - killed_at < 20, "the survivors outlived train.dist_timeout_s"
+    stops = [line for line in err.splitlines() if line.startswith("error: rank ")]
+    assert sorted(line.split()[2] for line in stops) == ["2", "3"], err[-3000:]
+    last = list_checkpoints(run)[-1]
+    for line in stops:
+        assert "rank 0 (qwen); rank 1 (llama)" in line and "is lost" in line, line
+        assert f"the last complete checkpoint is {last}" in line and " at step " in line and ", phase " in line
+    assert "frame #" not in "\n".join(line for line in err.splitlines() if "vlm_corl" in line or "[rank" in line)
+    nodes[lost].communicate(timeout=60)
+    step = int(last.name.split("-")[1])
+    assert step < 40, "the run finished before the node was lost: the test proves nothing"
+    for p in _two_nodes(cfg, tmp_path, _free_port(), f"output_dir={run}", f"train.max_steps={step + 1}",
+                        "train.resume=auto"):  # fmt: skip
+        _finish(p)
+    assert [r["step"] for r in metrics(run) if r["member"] == "qwen"] == list(range(1, step + 2))

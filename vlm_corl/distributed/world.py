@@ -102,7 +102,8 @@ class World:
         collective the surviving ranks can tell which rank stopped where."""
         store = _store() if self.distributed else None
         if store is not None:
-            store.set(f"vlm_corl/progress/{self.rank}", f"{step} {phase}")
+            with collective("the launch's store (its node or launcher is lost?)"):
+                store.set(f"vlm_corl/progress/{self.rank}", f"{step} {phase}")
 
     def progress(self) -> dict[int, str]:
         """Every rank's last reported 'step phase' (those the store still answers for)."""
@@ -332,6 +333,31 @@ def weights_checksum(tensors: Iterable[torch.Tensor]) -> float:
 ALIVE_GRACE_S = 3.0  # how long a surviving rank waits for the others to mark themselves alive
 
 
+def store_answers(timeout_s: float = 2.0) -> bool:
+    """Whether the launch's store server (MASTER_ADDR:MASTER_PORT) still accepts connections. Asked before the
+    store itself: every call on a store whose server is gone prints a page of C++ frames before it raises."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return True
+    try:
+        socket.create_connection((addr, int(port)), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def lost_store_node(members: dict[int, str]) -> str:
+    """What a surviving rank can say when the launch's store no longer answers: its server ran on the first node
+    (torchrun's agent of node 0, or rank 0's process), which holds ranks 0 .. LOCAL_WORLD_SIZE-1."""
+    first = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    ranks = "; ".join(f"rank {r} ({members[r]})" for r in first if r in members)
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return (
+        f"the launch's store at {where} no longer answers: the node that served it, with {ranks}, is lost "
+        "(the machine, its launcher or its network); where each rank stopped is unknown"
+    )
+
+
 def failure_report(
     world: World,
     placement: dict[str, tuple[int, ...]],
@@ -345,7 +371,7 @@ def failure_report(
 
     Every surviving rank marks itself in the launch's store and waits up to ALIVE_GRACE_S for the others'
     marks: a rank that never answers died or hangs; its last reported step and phase say where."""
-    store = _store() if world.distributed else None
+    store = _store() if world.distributed and store_answers() else None
     answered: set[int] = set()
     if store is not None:
         try:
@@ -367,6 +393,8 @@ def failure_report(
         )
         or "every rank answered (a network failure?)"
     )
+    if world.distributed and store is None:
+        who = lost_store_node(members)
     resume = (
         f"the last complete checkpoint is {checkpoint}: after fixing the cause, relaunch with train.resume=true"
         if checkpoint
