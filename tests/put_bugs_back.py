@@ -1,5 +1,5 @@
-"""Put each bug of issue 32 (item 9), issue 45 (item 7) and issue 55 (items 2, 4, 6) back, run the test that pins
-it, and report exit code and first message line, then the same test on the clean tree:
+"""Put each bug of issue 32 (item 9), issue 45 (item 7), issue 55 (items 2, 4, 6) and issue 56 back, run the test
+that pins it, and report exit code and first message line, then the same test on the clean tree:
 `python tests/put_bugs_back.py [N ...]` prints one JSON line per bug.
 
 Each entry is (kind, file, the code as it is, the bug, the test). The file is restored after every run, also when the
@@ -518,6 +518,281 @@ def run(test: str) -> tuple[int, str]:
     )
     lines = (done.stdout + done.stderr).strip().splitlines()
     return done.returncode, next((line[2:].strip() for line in lines if line.startswith("E ")), lines[-1])[:110]
+
+
+# issue 56: settings that apply, the researchers' figures, each objective's own fields, preflight's inputs, the
+# schema, model cards, array images, resume advice, the report, the command names
+I56A = "tests/test_config_applies.py::"
+I56M = "tests/test_metrics_fields.py::"
+I56O = "tests/test_objectives_train.py::"
+BUGS += [
+    (
+        "config field rule",
+        "vlm_corl/config/applies.py",
+        '    _objective_rule("algo.cispo_max_weight", "cispo"),\n',
+        "",
+        I56A + "test_every_schema_field_applies_always_or_has_a_rule_with_its_test",
+    ),
+    (
+        "config field rule",
+        "vlm_corl/config/loading.py",
+        "warnings = [message for _, message in inapplicable(cfg)]",
+        "warnings = []",
+        I56A + "test_the_warning_says_what_applies_instead",
+    ),
+    (
+        "config field rule",
+        "vlm_corl/config/applies.py",
+        "lambda c: c.algo.kl_beta > 0,",
+        "lambda c: c.algo.kl_beta >= 0,",
+        I56A + "test_a_field_that_does_not_apply_warns_once_and_one_that_applies_never",
+    ),
+    (
+        "config field rule",
+        "vlm_corl/config/applies.py",
+        "if value != default and value not in rule.off",
+        "if value not in rule.off",
+        I56A + "test_defaults_and_values_that_ask_for_what_the_run_does_anyway_never_warn",
+    ),
+    (
+        "other tools' names",
+        "vlm_corl/config/parse.py",
+        "    if said is not None:\n",
+        "    if False:\n",
+        I56A + "test_dapo_points_to_the_token_mean_aggregation_not_sapo",
+    ),
+    (
+        "refused combination",
+        "vlm_corl/config/loading.py",
+        "    _adapter_rank_problems(cfg, i, m, problems)\n",
+        "",
+        I56A + "test_an_adapter_rank_vllm_cannot_serve_is_refused_before_any_model_loads",
+    ),
+    (
+        "preflight warns of the user's config",
+        "vlm_corl/training/preflight_checks.py",
+        "pf.run = start_run(small, warn_config=False)",
+        "pf.run = start_run(small)",
+        "tests/test_preflight.py::test_plain_and_lora_members_are_ready_with_every_number",
+    ),
+    (
+        "clip side",
+        "vlm_corl/training/grpo.py",
+        "low, high = active & (adv < 0), active & (adv > 0)",
+        "low, high = active & (adv > 0), active & (adv < 0)",
+        I56M + "test_the_updates_clip_fractions_are_the_second_passs_ratios_set_by_its_first_step",
+    ),
+    (
+        "clip level",
+        "vlm_corl/training/grpo.py",
+        '    if policy_loss == "gspo":\n        active = active.any(dim=-1, keepdim=True)\n',
+        "",
+        I56M + "test_gspo_counts_sequences_and_cispo_counts_capped_weights_all_high_and_sapo_nothing",
+    ),
+    (
+        "clip level",
+        "vlm_corl/members/update.py",
+        'n = max((totals[1] if algo.policy_loss == "gspo" else totals[0]) * passes, 1)',
+        "n = max(totals[0] * passes, 1)",
+        I56O + "test_a_short_run_trains_with_each_objective_and_correction_and_logs_its_figures",
+    ),
+    (
+        "entropy denominator",
+        "vlm_corl/members/update.py",
+        '"entropy_tokens": mask.sum().double()',
+        '"entropy_tokens": torch.ones_like(mask).sum().double()',
+        I56M + "test_kl_and_entropy_of_one_update_equal_an_independent_computation",
+    ),
+    (
+        "entropy pass",
+        "vlm_corl/members/update.py",
+        "logp, mask, ran = _logprobs(member, mb, policy, entropy=old_logp is None)",
+        "logp, mask, ran = _logprobs(member, mb, policy)",
+        I56M + "test_kl_and_entropy_of_one_update_equal_an_independent_computation",
+    ),
+    (
+        "kl denominator",
+        "vlm_corl/members/update.py",
+        'out["kl"] = summed["ref_kl"] / max(totals[0] * passes, 1)',
+        'out["kl"] = summed["ref_kl"] / max(totals[1] * passes, 1)',
+        I56M + "test_kl_and_entropy_of_one_update_equal_an_independent_computation",
+    ),
+    (
+        "rank min/max",
+        "vlm_corl/training/step_metrics.py",
+        'for key, pick in (("is_ratio_min", min), ("is_ratio_max", max)):',
+        'for key, pick in (("is_ratio_min", max), ("is_ratio_max", min)):',
+        I56M + "test_the_importance_ratio_before_the_cap_and_its_extremes_over_the_ranks",
+    ),
+    (
+        "ratio before the cap",
+        "vlm_corl/training/grpo.py",
+        "        **_uncapped_ratio(delta, finite, mode),",
+        "        **_uncapped_ratio(weights.log(), finite, mode),",
+        I56M + "test_the_importance_ratio_before_the_cap_and_its_extremes_over_the_ranks",
+    ),
+    (
+        "metric missing",
+        "vlm_corl/training/metrics.py",
+        '        "zero_variance_frac": zero_variance_frac(rewards),\n',
+        "",
+        I56O + "test_a_short_run_trains_with_each_objective_and_correction_and_logs_its_figures",
+    ),
+    (
+        "equal rewards before resampling",
+        "vlm_corl/training/reward_phase.py",
+        "    before = [zero_variance_frac(r) for r in rolled.scored.rewards]\n    rolled, counts = resample(",
+        "    rolled, counts = resample(",
+        "tests/test_dynamic_sampling_runs.py::test_a_run_trains_on_the_questions_the_data_stream_gives_after_resampling",
+    ),
+    (
+        "objective's own field",
+        "vlm_corl/members/update.py",
+        "cispo_loss(logp, old_logp, adv, algo.cispo_max_weight)",
+        "cispo_loss(logp, old_logp, adv, 1 + algo.clip_high)",
+        "tests/test_grpo_objectives.py::test_each_objective_reads_its_own_fields",
+    ),
+    (
+        "objective's own field",
+        "vlm_corl/training/reward_phase.py",
+        "return [trainable[s.member_id] and not s.teacher for s in run.specs]",
+        "return [trainable[s.member_id] for s in run.specs]",
+        "tests/test_dynamic_sampling.py::test_under_ema_teachers_only_the_students_decide",
+    ),
+    (
+        "objective's own field",
+        "vlm_corl/training/update_phase.py",
+        "            None if masked is None else [masked[n] for n in trained],\n",
+        "",
+        "tests/test_dynamic_sampling_runs.py::test_masking_truncated_responses_trains_on_fewer_tokens",
+    ),
+    (
+        "path-safe category key",
+        "vlm_corl/training/category_metrics.py",
+        'prefix = f"category/{path_safe(category)}/"',
+        'prefix = f"category/{category}/"',
+        "tests/test_category_keys.py::test_a_category_is_one_level_of_every_key_and_tag",
+    ),
+    (
+        "path-safe category key",
+        "vlm_corl/reporting/run_plots.py",
+        "safe = path_safe(category)",
+        "safe = category",
+        "tests/test_category_keys.py::test_the_report_names_the_category_as_it_is_and_joins_old_rows",
+    ),
+    (
+        "path-safe category key",
+        "vlm_corl/training/eval_phase.py",
+        '**{f"accuracy_{path_safe(t)}": a',
+        '**{f"accuracy_{t}": a',
+        "tests/test_collapse_guard.py::test_a_category_collapse_is_flagged_and_the_guard_rolls_back",
+    ),
+    (
+        "report integer steps",
+        "vlm_corl/reporting/run_plots.py",
+        "    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at 1.25",
+        "    pass",
+        "tests/test_report.py::test_the_update_numbers_get_a_plot_and_table_rows_and_steps_tick_as_whole_numbers",
+    ),
+    (
+        "report title cut",
+        "vlm_corl/reporting/run_plots.py",
+        "fig.suptitle(literal(title), wrap=True)  # one plot",
+        "fig.suptitle(literal(title))  # one plot",
+        "tests/test_report_html.py::test_update_curves_whole_steps_whole_titles_and_a_word_for_each_missing_plot",
+    ),
+    (
+        "report empty plot",
+        "vlm_corl/reporting/html.py",
+        'if draw_metric(fig.add_subplot(), pairs, "v", look):',
+        'if draw_metric(fig.add_subplot(), pairs, "v", look) or True:',
+        "tests/test_report_html.py::test_update_curves_whole_steps_whole_titles_and_a_word_for_each_missing_plot",
+    ),
+    (
+        "report update curves",
+        "vlm_corl/reporting/markdown.py",
+        '("entropy", "kl", "clip_frac", "clip_frac_low", "clip_frac_high"),',
+        '("kl",),',
+        "tests/test_report.py::test_the_update_numbers_get_a_plot_and_table_rows_and_steps_tick_as_whole_numbers",
+    ),
+    (
+        "preflight inputs",
+        "vlm_corl/commands/preflight.py",
+        "    check_paths(out, Path(cfg.output_dir))\n",
+        "",
+        "tests/test_preflight_inputs.py::test_an_out_that_is_a_directory_is_refused_before_any_load",
+    ),
+    (
+        "preflight inputs",
+        "vlm_corl/training/preflight_checks.py",
+        'return f"{err.filename or out}: {err.strerror or err}"',
+        "raise",
+        "tests/test_preflight_inputs.py::test_a_report_that_cannot_be_written_returns_why",
+    ),
+    (
+        "array images",
+        "vlm_corl/data/loaders.py",
+        "return value is None or (isinstance(value, str) and not value)",
+        'return value is None or value == ""',
+        "tests/test_array_images.py::test_uint8_arrays_and_tensors_are_pictures_and_other_arrays_are_skipped_with_their_shape",
+    ),
+    (
+        "array images",
+        "vlm_corl/data/python_data.py",
+        "value = value if picture is None else picture",
+        "value = value",
+        "tests/test_array_images.py::test_uint8_arrays_and_tensors_are_pictures_and_other_arrays_are_skipped_with_their_shape",
+    ),
+    (
+        "resume advice",
+        "vlm_corl/training/setup.py",
+        "            if _held_run(held)\n",
+        "            if False\n",
+        "tests/test_resume_advice.py::test_the_advice_of_a_resume_without_a_checkpoint_starts_the_run",
+    ),
+    (
+        "config schema",
+        "vlm_corl/config/json_schema.py",
+        '"additionalProperties": False,',
+        '"additionalProperties": True,',
+        "tests/test_config_schema.py::test_every_field_carries_its_help_default_bounds_and_choices",
+    ),
+    (
+        "model card header",
+        "vlm_corl/reporting/model_card.py",
+        'library_name="peft" if adapter else "transformers",',
+        'library_name="transformers",',
+        "tests/test_export_card.py::test_the_cards_header_names_the_hub_base_an_adapters_library_and_the_newest_evaluation",
+    ),
+    (
+        "model card header",
+        "vlm_corl/reporting/model_card.py",
+        'newest = {r["benchmark"]: r for r in sorted(rows, key=lambda r: r["step"])}',
+        'newest = {r["benchmark"]: r for r in rows[:1]}',
+        "tests/test_export_card.py::test_the_cards_header_names_the_hub_base_an_adapters_library_and_the_newest_evaluation",
+    ),
+    (
+        "python -m vlm_corl",
+        "vlm_corl/__main__.py",
+        "sys.exit(main())",
+        "",
+        "tests/test_python_m_corl.py::test_python_m_vlm_corl_runs_corl",
+    ),
+    (
+        "usage names corl",
+        "vlm_corl/commands/__init__.py",
+        '    cli.invoked_as = f"corl {command}"\n',
+        "",
+        "tests/test_cli.py::test_a_command_run_as_corl_name_says_so_in_its_usage",
+    ),
+    (
+        "config schema",
+        "vlm_corl/config/json_schema.py",
+        'out["pattern"] = f"^(?:{meta[\'pattern\'][0]})$"',
+        'out["pattern"] = meta["pattern"][0]',
+        "tests/test_config_schema.py::test_a_bad_cohort_file_fails_the_schema_as_the_parser_refuses_it",
+    ),
+]
 
 
 def main(only: list[str]) -> int:
