@@ -189,3 +189,67 @@ def test_a_lost_node_is_reported_by_the_other_within_the_timeout_and_the_job_res
                         "train.resume=auto"):  # fmt: skip
         _finish(p)
     assert [r["step"] for r in metrics(run) if r["member"] == "qwen"] == list(range(1, step + 2))
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun of a 2-node allocation on one machine: the command once per "node", each with its own TMPDIR and HF_HOME
+while [[ $1 == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do
+    mkdir -p "$NODES/$node/tmp"
+    SLURM_NODEID=$node SLURM_PROCID=$node TMPDIR="$NODES/$node/tmp" HF_HOME="$NODES/$node/hf" "$@" &
+    pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+exit $rc
+"""
+
+
+def _rows_and_checkpoints(run: Path) -> tuple[list, list]:
+    return sorted((r["step"], r["member"]) for r in metrics(run)), [c.name for c in list_checkpoints(run)]
+
+
+@pytest.mark.slow
+def test_the_slurm_script_runs_two_nodes_under_a_faked_allocation(two_members, tmp_path):
+    """configs/launch/slurm_torchrun.sbatch as sbatch would run it, with `srun` and `scontrol` faked: two nodes of
+    2 processes meeting through the rendezvous on the first node, a member spanning both."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho localhost\n")  # `scontrol show hostnames LIST`
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = tests_env(PATH=path, NODES=str(tmp_path / "nodes"), SLURM_JOB_NODELIST="node[1-2]",
+                    SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID=tmp_path.name, GPUS_PER_NODE="2",
+                    RDZV_PORT=str(_free_port()), MAX_RESTARTS="0")  # fmt: skip
+    cfg = _spanning(tmp_path, two_members, "job", save_every=2)
+    script = ROOT / "configs" / "launch" / "slurm_torchrun.sbatch"
+    proc = subprocess.run(["bash", str(script), str(cfg)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "placement over 4 process(es)" in proc.stderr
+    assert _rows_and_checkpoints(tmp_path / "job" / "run") == ([(s, m) for s in (1, 2) for m in ("llama", "qwen")],
+                                                              ["step-2"])  # fmt: skip
+    assert all((tmp_path / "nodes" / n / "tmp").is_dir() for n in ("0", "1"))
+
+
+@pytest.mark.slow
+def test_the_two_node_accelerate_config_runs_as_two_machines(two_members, tmp_path):
+    """configs/launch/accelerate_2node_8gpu.yaml launched twice (--machine_rank 0 and 1) on one machine, with the
+    address, port and process count a CPU machine needs given on the command line."""
+    port, procs = str(_free_port()), []
+    cfg = _spanning(tmp_path, two_members, "job")
+    for node in (0, 1):
+        (tmp_path / f"node{node}" / "tmp").mkdir(parents=True)
+        env = tests_env(TMPDIR=str(tmp_path / f"node{node}" / "tmp"), HF_HOME=str(tmp_path / f"node{node}" / "hf"))
+        line = ["-m", "accelerate.commands.launch", "--config_file",
+                str(ROOT / "configs" / "launch" / "accelerate_2node_8gpu.yaml"), "--machine_rank", str(node),
+                "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--num_processes", "4",
+                *TRAIN, "--config", str(cfg)]  # fmt: skip
+        procs.append(subprocess.Popen(["nice", "-n", "5", sys.executable, *line], cwd=ROOT, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
+    for proc in procs:
+        _finish(proc)
+    assert _rows_and_checkpoints(tmp_path / "job" / "run")[0] == [(s, m) for s in (1, 2) for m in ("llama", "qwen")]
