@@ -54,8 +54,6 @@ def _wait_for(path: Path, procs: list[subprocess.Popen]) -> None:
 def _workers(launcher: subprocess.Popen) -> dict[int, int]:
     """{global rank: pid} of a launcher's workers (read from their environment)."""
     pids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-    if len(pids) == 1:  # `nice` exec'd into torchrun: same pid; otherwise the launcher is nice's child
-        pids = subprocess.run(["pgrep", "-P", pids[0]], capture_output=True, text=True).stdout.split() or pids
     ranks = {}
     for pid in pids:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -253,3 +251,20 @@ def test_the_two_node_accelerate_config_runs_as_two_machines(two_members, tmp_pa
     for proc in procs:
         _finish(proc)
     assert _rows_and_checkpoints(tmp_path / "job" / "run")[0] == [(s, m) for s in (1, 2) for m in ("llama", "qwen")]
+
+
+@pytest.mark.slow
+def test_the_launchers_own_death_is_reported_by_its_workers_without_cpp_frames(two_members, tmp_path):
+    """torchrun itself SIGKILLed (its workers live on, their store gone): each worker stops at its next phase with
+    the report naming the lost store's node and the last complete checkpoint; not one page of C++ frames."""
+    cfg = easyvqa_cohort(tmp_path, two_members, "job", save_every=2, max_steps=40, dist_timeout_s=20)
+    proc = _start(["--standalone", "--nproc_per_node=2"], *TRAIN, "--config", str(cfg))
+    run = tmp_path / "job" / "run"
+    _wait_for(run / "checkpoints" / "step-2", [proc])
+    assert len(_workers(proc)) == 2
+    os.kill(proc.pid, signal.SIGKILL)  # `nice` exec'd torchrun: the launcher alone
+    err = proc.communicate(timeout=120)[1].decode()  # the workers hold the pipe until they stop
+    stops = [line for line in err.splitlines() if line.startswith("error: rank ")]
+    assert len(stops) == 2 and all("no longer answers" in line for line in stops), err[-3000:]
+    assert f"the last complete checkpoint is {list_checkpoints(run)[-1]}" in stops[0]
+    assert "frame #" not in err and "Traceback" not in err, err[-3000:]

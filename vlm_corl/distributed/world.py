@@ -101,9 +101,12 @@ class World:
         """Record where this rank is (step, phase) in the launch's key-value store, so that after a failed
         collective the surviving ranks can tell which rank stopped where."""
         store = _store() if self.distributed else None
-        if store is not None:
-            with collective("the launch's store (its node or launcher is lost?)"):
-                store.set(f"vlm_corl/progress/{self.rank}", f"{step} {phase}")
+        if store is None:
+            return
+        if not store_answers():  # asked first: a call on a store whose server is gone prints pages of C++ frames
+            raise CollectiveError("the launch's store no longer answers (its node or its launcher is lost)")
+        with collective("the launch's store"):
+            store.set(f"vlm_corl/progress/{self.rank}", f"{step} {phase}")
 
     def progress(self) -> dict[int, str]:
         """Every rank's last reported 'step phase' (those the store still answers for)."""
@@ -384,7 +387,7 @@ def failure_report(
                 time.sleep(0.1)
         except (dist.DistError, RuntimeError):
             pass
-    progress = world.progress()
+    progress = world.progress() if store is not None else {}
     members = {r: ", ".join(mid for mid, ranks in placement.items() if r in ranks) for r in range(world.size)}
     silent = [r for r in range(world.size) if r not in answered] if store is not None else []
     who = (
