@@ -19,7 +19,7 @@ object:
 
 Both launches share one validation cache (`VLM_CORL_DATA_CACHE`, set to --dir/cache; removed before the first).
 
-    python bench/data_scale.py --pictures 8 --side 32     # a few seconds: tests/test_bench_data_scale.py
+    python bench/data_scale.py --pictures 8 --side 32 --in-process    # seconds: tests/test_bench_data_scale.py
     python bench/data_scale.py --pictures 4000 --kind hf
 """
 
@@ -138,11 +138,14 @@ def _rss() -> int:
     return 0
 
 
-def launch(kind: str, path: Path, cache: Path) -> dict:
-    """The ranks of one launch, run together as processes (the node's ranks load at once), with their numbers."""
+def launch(kind: str, path: Path, cache: Path, in_process: bool) -> dict:
+    """The ranks of one launch, run together as processes (the node's ranks load at once), with their numbers;
+    `in_process`: one after the other in this process, each reading the cache afresh (as a new process would)."""
     env = {**os.environ, "VLM_CORL_DATA_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
     barrier = cache.parent / "rank0-loaded"
     barrier.unlink(missing_ok=True)
+    if in_process:
+        return {"ranks": [_rank_in_process(rank, kind, path, env, barrier) for rank in range(RANKS)]}
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--rank", str(rank), "--kind", kind, "--data", str(path), "--dir", cache.parent],
@@ -163,6 +166,14 @@ def launch(kind: str, path: Path, cache: Path) -> dict:
     return {"ranks": ranks}
 
 
+def _rank_in_process(rank: int, kind: str, path: Path, env: dict, barrier: Path) -> dict:
+    from vlm_corl.data import image_checks
+
+    os.environ.update({**env, "RANK": str(rank)})
+    image_checks._OPEN.clear()  # what this process read of the cache: a new rank reads it afresh
+    return {"rank": rank, **rank_work(kind, path, barrier)}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Build the dataset, launch twice, print the JSON (or, with --rank, one rank's work: the launcher's child)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -170,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--side", type=int, default=384, help="pixels a side (384: about 270 KB a JPEG)")
     parser.add_argument("--kind", choices=("jsonl", "hf"), default="jsonl")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/corl-data-scale"))
+    parser.add_argument("--in-process", action="store_true", help="ranks in turn in this process (no RSS per rank)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -181,8 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     build_s = time.perf_counter() - start
     cache = args.dir / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    first = launch(args.kind, path, cache)
-    again = launch(args.kind, path, cache)
+    first = launch(args.kind, path, cache, args.in_process)
+    again = launch(args.kind, path, cache, args.in_process)
     out = {"pictures": args.pictures, "kind": args.kind, "picture_kb": round(picture_kb, 1)}
     print(json.dumps({**out, "build_s": round(build_s, 2), "first_launch": first, "relaunch": again}))
 

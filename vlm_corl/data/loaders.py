@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vlm_corl.data.image_checks import image_checks
 from vlm_corl.data.images import BadImage, load_image
 from vlm_corl.data.records import Example, ImageSource
 from vlm_corl.errors import UserError
@@ -268,7 +270,9 @@ def _checked(items: Iterable[Example | Skip], report: LoadReport, limit: int | N
     image_problems: dict[ImageSource, BadImage | None] = {}
     stream = items if isinstance(items, Stream) else None
     most = None if stream is None or limit is None else max(STREAM_MIN_READS, STREAM_READS_PER_EXAMPLE * limit)
-    for item in items:
+    # a stream is checked record by record: its records read (stream.read) bound the load
+    chunk = 1 if stream is not None else min(CHECK_CHUNK, limit or CHECK_CHUNK)
+    for item in _prefetched(items, image_problems, chunk):
         if isinstance(item, Skip):
             report.skip(item.reason, item.detail)
             if item.reason == "no_image":
@@ -293,7 +297,23 @@ def _checked(items: Iterable[Example | Skip], report: LoadReport, limit: int | N
                 ", ".join(f"{reason}: {n}" for reason, n in report.skipped.items()),
             )
             break
+    image_checks().save()
     return examples
+
+
+CHECK_CHUNK = 1024
+"""Records read ahead so that their pictures are checked together (in parallel, `image_checks`); a `limit` below
+it reads only that many ahead."""
+
+
+def _prefetched(items: Iterable[Example | Skip], image_problems: dict, chunk: int) -> Iterator[Example | Skip]:
+    """`items` in order, each `chunk` of them read first and their pictures not yet in `image_problems` checked
+    together through the cache (`ImageChecks.check`), their outcomes put there."""
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, chunk)):
+        sources = [s for item in batch if isinstance(item, Example) for s in item.images if s not in image_problems]
+        image_problems.update(image_checks().check(sources, load_image))
+        yield from batch
 
 
 def _no_image_at_all(report: LoadReport, where: str, loader: str) -> str:
@@ -425,18 +445,12 @@ def balance_by(examples: list[Example], key: str, limit: int | None = None) -> l
 def _problem(
     example: Example, kept_ids: set[str], image_problems: dict[ImageSource, BadImage | None]
 ) -> tuple[str, str] | None:
-    """(reason, detail) when the example must be dropped; fills `image_problems` so each image decodes once."""
+    """(reason, detail) when the example must be dropped; `image_problems` holds each picture's check."""
     if not example.question.strip():
         return "empty_question", "blank question"
     if example.id in kept_ids:
         return "duplicate_id", "id already used by an earlier record"
-    for src in example.images:
-        if src not in image_problems:
-            try:
-                load_image(src, max_pixels=None)
-                image_problems[src] = None
-            except BadImage as e:
-                image_problems[src] = e
+    for src in example.images:  # every picture was checked as its records were read (`_prefetched`)
         if image_problems[src] is not None:
             return image_problems[src].reason, image_problems[src].detail
     return None

@@ -96,7 +96,7 @@ def start_run(cfg: CohortConfig, reward_funcs: Sequence[RewardFunction] = (), wa
     run_dir = Path(cfg.output_dir)
     resume_from, state = _resume_or_claim(cfg, run_dir, world)
     check_disk(cfg, world, plan)  # output_dir (writable, cleared if overwritten) holds the checkpoints to come
-    examples, data_report = _load_data(cfg, resume_from)
+    examples, data_report = _load_data(cfg, resume_from, world)
     check_run_columns(reward_funcs, examples, log_it=world.is_main)  # before any model loads, not at step 1
     data = data_fingerprint(examples, cfg.data.train)  # the data by content: a resume on other data is refused
     if state is not None:
@@ -240,10 +240,17 @@ def _check_engine_layout(cfg: CohortConfig, placement: dict[str, tuple[int, ...]
         raise ConfigError([f"{path}: {message}" for path, message in problems], [path for path, _ in problems])
 
 
-def _load_data(cfg: CohortConfig, resume_from: Path | None) -> tuple[list[Example], object]:
+def _load_data(cfg: CohortConfig, resume_from: Path | None, world: World) -> tuple[list[Example], object]:
     """The training examples (with their paraphrases, when configured) and the loader's report, after checking
-    that every member can read them."""
-    examples, data_report = load_training_examples(cfg.data.train)
+    that every member can read them. World rank 0 loads first, filling the picture check cache
+    (`vlm_corl.data.image_checks`) that the other ranks then read; a rank that cannot see it checks for itself."""
+    if not world.is_main:
+        world.barrier()
+    try:
+        examples, data_report = load_training_examples(cfg.data.train)
+    finally:  # rank 0 releases the others on a data error too: each then meets the same error itself
+        if world.is_main:
+            world.barrier()
     if cfg.data.paraphrases:  # a cache from `python -m data_tools.paraphrase`, aligned by example id
         examples, report = apply_paraphrases(examples, read_cache(cfg.data.paraphrases))
         log.info("paraphrases: %s", report.summary())
