@@ -11,8 +11,8 @@ Then launches the ranks twice as 2 processes each, the way `corl train` loads da
 object:
 
     {"pictures", "kind", "picture_kb" (mean file size), "build_s",
-     "first_launch" and "relaunch": {"ranks": [{"rank", "data_s" (seconds from the process's start, imports done,
-     until its examples and fingerprint are ready; rank 1 waits for rank 0's load first, as in a launch),
+     "first_launch" and "relaunch": {"ranks": [{"rank", "data_s" (seconds of the rank's own data work: its examples
+     and their fingerprint), "wait_s" (rank 1 waits for rank 0's load first, as in a launch: `setup._load_data`),
      "data_rss_mb" (resident memory the data work added), "picture_mb" (picture bytes the examples hold in the
      process's own heap), "pictures_checked" (decoded by the rank; the others came from the cache), "examples",
      "fingerprint"}, ...]}}
@@ -115,13 +115,15 @@ def rank_work(kind: str, path: Path, barrier: Path) -> dict:
     start = time.perf_counter()
     while os.environ["RANK"] != "0" and not barrier.exists():
         time.sleep(0.01)
+    waited = time.perf_counter() - start
     examples = load_examples(kind, path / "hf" if kind == "hf" else path / "train.jsonl").examples
     if os.environ["RANK"] == "0":
         barrier.touch()
     fingerprint = data_fingerprint(examples)
     held = sum(len(image) for ex in examples for image in ex.images if isinstance(image, bytes))
     return {
-        "data_s": round(time.perf_counter() - start, 3),
+        "data_s": round(time.perf_counter() - start - waited, 3),
+        "wait_s": round(waited, 3),
         "data_rss_mb": round((_rss() - rss) / 2**20, 1),
         "picture_mb": round(held / 2**20, 1),
         "pictures_checked": image_checks().checked,

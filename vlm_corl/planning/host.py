@@ -22,15 +22,21 @@ Per rank, for a member of P parameters (A trained ones: P, or a LoRA member's ad
   from the model's parameter shapes (`ModelShape.pow2_params`; each state tensor has its parameter's shape), and
   at the upper bound of 2x for a LoRA member's adapters, whose shapes the planner does not read
   (`PINNED_ADAPTER_ROUNDING`). The weights themselves are copied to pageable memory (`member._saved`): no rounding.
+- the training data (`data_bytes`), held by every rank from start-up on: a "jsonl" source's records as Python
+  objects (`RECORD_BYTES_PER_JSONL_BYTE` times the file's size; its pictures stay in their files, read when a
+  prompt is rendered, so they cost a rank nothing here), an "hf" source's data files whole (each rank copies
+  every row into its own heap, embedded pictures included: `EMBEDDED_BYTES_PER_FILE_BYTE`); other loaders' data
+  (easy-vqa, the Python API's, a hub dataset) is not sized: 0.
 A rank's peak is the larger of start-up (staging, with the offloaded state of the members before) and training.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vlm_corl.config.engine_layout import vllm_engines_by_rank
-from vlm_corl.config.schema import CohortConfig, has_teachers, resolve_async, slots_per_member
+from vlm_corl.config.schema import CohortConfig, DatasetConfig, has_teachers, resolve_async, slots_per_member
 from vlm_corl.members.memory import GB
 from vlm_corl.planning.disk import checkpoint_disk
 from vlm_corl.planning.engines import TEACHER
@@ -46,6 +52,13 @@ ZERO2_HOST_FLATTEN_BYTES = 8  # per trained parameter: the weights moved to the 
 OFFLOAD_OPTIMIZER_BYTES = 16  # per trained parameter / G: fp32 master 4, Adam's moments 8, fp32 gradients 4
 OFFLOAD_PARAM_BYTES = 4  # per parameter / G: the fp32 weight partitions
 PINNED_ADAPTER_ROUNDING = 2.0  # a power-of-two rounding at most doubles a tensor (the bound for unread shapes)
+# A JSONL record loaded (its Example, strings, dict, tuple, its entry in the picture check cache) holds about 12
+# bytes a byte of its line: bench/data_scale.py's 2,000 records of 104 bytes (208 KB) left 2.5 MB resident.
+RECORD_BYTES_PER_JSONL_BYTE = 12
+# An "hf" dataset's rows, pictures' bytes included, copied into each rank's heap: 0.97 of the Arrow file's size
+# (bench/data_scale.py --kind hf, 2,000 pictures: 266 MB of Arrow, 358 MB resident less 101 MB of `datasets`).
+EMBEDDED_BYTES_PER_FILE_BYTE = 1.0
+_HF_DATA_SUFFIXES = (".arrow", ".parquet", ".json", ".jsonl", ".csv")
 
 
 @dataclass
@@ -93,10 +106,11 @@ class HostPlan:
         worst = max(self.ranks, key=lambda r: r.peak)
         shown = ", ".join(f"{n / GB:.1f}" for n in nodes[:8]) + (", ..." if len(nodes) > 8 else "")
         per = max(self.ranks_per_node, 1)
+        data = f" ({worst.training['data'] / GB:.2f} GB a rank)" if worst.training.get("data") else ""
         return (
             f"host memory: {shown} GB per node ({per} rank{'s' * (per > 1)} each; the largest rank, "
             f"{worst.rank}, peaks at {worst.peak / GB:.1f} GB: staging, CPU offload, prompt caches, sleep backups, "
-            "background checkpoints' copies)"
+            f"background checkpoints' copies, the data{data})"
         )
 
 
@@ -109,6 +123,7 @@ def host_memory(
     zero = zero_settings(cfg)
     ranks = sorted({r for rs in placement.values() for r in rs})
     copies = _checkpoint_copies(cfg, shapes, placement, cuda)
+    data = data_bytes(cfg.data.train)
     out = []
     for rank in ranks:
         host = HostRank(rank, {"process": HOST_PROCESS_BYTES}, {"process": HOST_PROCESS_BYTES})
@@ -128,8 +143,26 @@ def host_memory(
             host.training["vllm_sleep_backups"] = backups
         if copies.get(rank):
             host.training["checkpoint_copies"] = copies[rank]
+        if data:
+            host.init["data"] = host.training["data"] = data
         out.append(host)
     return HostPlan(out, ranks_per_node or len(ranks))
+
+
+def data_bytes(spec: DatasetConfig) -> float:
+    """The bytes a rank holds for the training data `spec` names, from its files' sizes (module doc); 0 for a source
+    with no files on this machine to size (easy-vqa's package, the Python API's, a hub dataset, a missing path)."""
+    path = Path(spec.path) if spec.path else None
+    if path is None or not path.exists():
+        return 0.0
+    if spec.loader == "jsonl":
+        file = path if path.is_file() else path / f"{spec.split}.jsonl"
+        return RECORD_BYTES_PER_JSONL_BYTE * file.stat().st_size if file.is_file() else 0.0
+    if spec.loader == "hf":
+        folder = path / spec.split if (path / spec.split).is_dir() else path  # a DatasetDict's split
+        files = [path] if path.is_file() else [f for f in folder.rglob("*") if f.suffix in _HF_DATA_SUFFIXES]
+        return EMBEDDED_BYTES_PER_FILE_BYTE * sum(f.stat().st_size for f in files)
+    return 0.0
 
 
 def _checkpoint_copies(cfg: CohortConfig, shapes: Shapes, placement: dict, cuda: bool) -> dict[int, float]:
