@@ -107,7 +107,7 @@ def _build_hf(data: Path, n: int, side: int) -> int:
 def rank_work(kind: str, path: Path, barrier: Path) -> dict:
     """One rank's data work as `corl train` does it (`setup._load_data`: rank 0 first, then the others, the
     `barrier` file standing for the launch's barrier), timed, with the memory it added (in its own process)."""
-    from vlm_corl.data.image_checks import image_checks
+    from vlm_corl.data.image_checks import pictures_checked
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.training.checkpoint import data_fingerprint
 
@@ -126,7 +126,7 @@ def rank_work(kind: str, path: Path, barrier: Path) -> dict:
         "wait_s": round(waited, 3),
         "data_rss_mb": round((_rss() - rss) / 2**20, 1),
         "picture_mb": round(held / 2**20, 1),
-        "pictures_checked": image_checks().checked,
+        "pictures_checked": pictures_checked(),
         "examples": len(examples),
         "fingerprint": fingerprint["sha256"],
     }

@@ -95,6 +95,8 @@ def test_checks_in_a_process_pool_match_checks_in_process(dataset, tmp_path, mon
 
 def test_the_fingerprint_is_the_one_computed_without_the_cache(dataset, cache, monkeypatch):
     examples = load_examples("jsonl", dataset).examples  # fills the cache with the pictures' digests
+    assert image_checks.cached_digest(str(dataset.parent / "red.png")) is not None  # read from the cache
     cached = data_fingerprint(examples)
-    monkeypatch.setenv(image_checks.CACHE_ENV, "off")
+    monkeypatch.setattr(image_checks, "_OPEN", {})  # no cache read: every file hashed
+    assert image_checks.cached_digest(str(dataset.parent / "red.png")) is None
     assert data_fingerprint(examples) == cached

@@ -8,9 +8,10 @@ sha256 of the bytes and the check's outcome (None, or the `BadImage` reason and 
 check gives: the loaders' skips, counts and messages and the resume fingerprint (`training.checkpoint`) are the
 same with or without the cache. A missing or unreadable file is never cached (it is checked again each time).
 
-The cache is one JSON file, `image_checks.json`, in `$VLM_CORL_DATA_CACHE` (default: `$XDG_CACHE_HOME/vlm_corl`, or
-`~/.cache/vlm_corl`; "off" turns it off), written atomically (a new file renamed over the old, merged with what
-another process wrote meanwhile). A launch's world rank 0 checks first and the other ranks read its entries
+The cache is a JSON file per dataset (loader, resolved path and split: `image_checks-<hash>.json`, so a launch reads
+its own data's entries only) in `$VLM_CORL_DATA_CACHE` (default: `$XDG_CACHE_HOME/vlm_corl`, or `~/.cache/vlm_corl`;
+"off" turns it off), written atomically (a new file renamed over the old, merged with what another process wrote
+meanwhile). A launch's world rank 0 checks first and the other ranks read its entries
 (`training.setup`); a rank whose cache folder is not rank 0's (another node's local disk) checks for itself.
 """
 
@@ -36,19 +37,19 @@ WORKERS_ENV = "VLM_CORL_DATA_WORKERS"
 PARALLEL_FROM = 64
 """Uncached pictures below which they are checked in this process (a process pool costs more than it saves)."""
 MAX_WORKERS = 16
-MAX_ENTRIES = 2_000_000
-"""Entries the file keeps (the newest): about 400 MB of JSON at most, for any number of datasets."""
+MAX_ENTRIES = 500_000
+"""Entries a dataset's file keeps (the newest): about 100 MB of JSON at most, however often its files change."""
 _CHUNK = 1 << 20
 
 
-def cache_file() -> Path | None:
-    """The cache's file, or None when `$VLM_CORL_DATA_CACHE` is "off"."""
+def cache_file(dataset: str) -> Path | None:
+    """The cache's file for a dataset (any string naming it), or None when `$VLM_CORL_DATA_CACHE` is "off"."""
     folder = os.environ.get(CACHE_ENV)
     if folder == "off":
         return None
     if not folder:
         folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlm_corl"
-    return Path(folder) / "image_checks.json"
+    return Path(folder) / f"image_checks-{hashlib.sha256(dataset.encode()).hexdigest()[:16]}.json"
 
 
 def identity(src: str | os.PathLike | bytes) -> str | None:
@@ -98,13 +99,14 @@ class ImageChecks:
         self.entries: dict[str, list] = _read(file)
         self.new: dict[str, list] = {}
         self.checked = 0  # pictures this process decoded (the rest came from the cache)
+        self._pool: ProcessPoolExecutor | None = None  # the load's workers, from its first many pictures to `save`
 
     def check(self, sources: Iterable[str | os.PathLike | bytes], load: Callable = load_image) -> dict:
         """src -> `BadImage` or None for each distinct source, from the cache or checked with `load` (`check_image`;
         in parallel when many)."""
         keys = {src: identity(src) for src in dict.fromkeys(sources)}
         missing = [src for src, key in keys.items() if key is None or key not in self.entries]
-        found = dict(zip(missing, _run_checks(missing, load)))
+        found = dict(zip(missing, self._run(missing, load)))
         self.checked += len(missing)
         for src, (digest, problem) in found.items():
             if keys[src] is not None and digest is not None:
@@ -115,14 +117,23 @@ class ImageChecks:
             outcome[src] = None if problem is None else BadImage(*problem)
         return outcome
 
-    def digest(self, src: str | os.PathLike | bytes) -> bytes | None:
-        """The sha256 of a picture's bytes when the cache holds it (no read of the file), else None."""
-        key = identity(src) if not isinstance(src, bytes) else None
-        entry = self.entries.get(key) if key is not None else None
-        return bytes.fromhex(entry[0]) if entry else None
+    def _run(self, sources: list, load: Callable) -> list:
+        """`check_image` of each source, in order: in a process pool when there are many and more than one CPU."""
+        workers = int(os.environ.get(WORKERS_ENV) or min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+        if len(sources) < PARALLEL_FROM or workers < 2:
+            return [check_image(src, load) for src in sources]
+        if self._pool is None:
+            # forkserver: a trainer has threads (NCCL's, the launcher's) that a forked child must not inherit mid-lock
+            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+        chunk = max(1, len(sources) // (4 * workers))
+        return list(self._pool.map(functools.partial(check_image, load=load), sources, chunksize=chunk))
 
     def save(self) -> None:
-        """Write the new entries (merged with the file's current ones) atomically; a failure is logged, not raised."""
+        """End a load: stop its workers, write the new entries (merged with the file's current ones) atomically; a
+        failure to write is logged, not raised."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self.file is None or not self.new:
             return
         try:
@@ -149,23 +160,25 @@ def _read(file: Path | None) -> dict:
     return entries if isinstance(entries, dict) else {}
 
 
-def _run_checks(sources: list, load: Callable) -> list:
-    """`check_image` of each source, in order: in a process pool when there are many and more than one CPU."""
-    workers = int(os.environ.get(WORKERS_ENV) or min(MAX_WORKERS, len(os.sched_getaffinity(0))))
-    if len(sources) < PARALLEL_FROM or workers < 2:
-        return [check_image(src, load) for src in sources]
-    # forkserver: a trainer has threads (NCCL's, the launcher's) that a forked child must not inherit mid-lock
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver")) as pool:
-        chunk = max(1, len(sources) // (4 * workers))
-        return list(pool.map(functools.partial(check_image, load=load), sources, chunksize=chunk))
-
-
 _OPEN: dict[Path | None, ImageChecks] = {}
 
 
-def image_checks() -> ImageChecks:
-    """This process's view of the cache `cache_file()` names (read once per file)."""
-    file = cache_file()
+def image_checks(dataset: str) -> ImageChecks:
+    """This process's view of a dataset's cache (`cache_file`; read once per file)."""
+    file = cache_file(dataset)
     if file not in _OPEN:
         _OPEN[file] = ImageChecks(file)
     return _OPEN[file]
+
+
+def cached_digest(src: str | os.PathLike | bytes) -> bytes | None:
+    """The sha256 of a picture file's bytes when a cache this process read holds it (no read of the file), else
+    None (embedded bytes are hashed where they are: that is as cheap as their key)."""
+    key = None if isinstance(src, bytes) else identity(src)
+    entry = next((c.entries[key] for c in _OPEN.values() if key in c.entries), None) if key else None
+    return bytes.fromhex(entry[0]) if entry else None
+
+
+def pictures_checked() -> int:
+    """Pictures this process decoded to check them (the others' checks came from a cache)."""
+    return sum(checks.checked for checks in _OPEN.values())

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlm_corl.data.image_checks import image_checks
+from vlm_corl.data.image_checks import ImageChecks, image_checks
 from vlm_corl.data.images import BadImage, load_image
 from vlm_corl.data.records import Example, ImageSource
 from vlm_corl.errors import UserError
@@ -272,32 +272,35 @@ def _checked(items: Iterable[Example | Skip], report: LoadReport, limit: int | N
     most = None if stream is None or limit is None else max(STREAM_MIN_READS, STREAM_READS_PER_EXAMPLE * limit)
     # a stream is checked record by record: its records read (stream.read) bound the load
     chunk = 1 if stream is not None else min(CHECK_CHUNK, limit or CHECK_CHUNK)
-    for item in _prefetched(items, image_problems, chunk):
-        if isinstance(item, Skip):
-            report.skip(item.reason, item.detail)
-            if item.reason == "no_image":
-                report.no_image_columns.update(item.columns)
-        else:
-            problem = _problem(item, kept_ids, image_problems)
-            if problem is not None:
-                report.skip(problem[0], f"{item.id}: {problem[1]}")
+    checks = image_checks(f"{report.loader}\0{report.path and os.path.realpath(report.path)}\0{report.split}")
+    try:
+        for item in _prefetched(items, image_problems, chunk, checks):
+            if isinstance(item, Skip):
+                report.skip(item.reason, item.detail)
+                if item.reason == "no_image":
+                    report.no_image_columns.update(item.columns)
             else:
-                examples.append(item)
-                kept_ids.add(item.id)
-                if len(examples) == limit:
-                    break
-        if most is not None and stream.read >= most:
-            log.warning(
-                "%s: stopped reading after %d records, %d of them kept (of %d asked for): the stream's records are "
-                "mostly dropped (%s)",
-                stream.what,
-                stream.read,
-                len(examples),
-                limit,
-                ", ".join(f"{reason}: {n}" for reason, n in report.skipped.items()),
-            )
-            break
-    image_checks().save()
+                problem = _problem(item, kept_ids, image_problems)
+                if problem is not None:
+                    report.skip(problem[0], f"{item.id}: {problem[1]}")
+                else:
+                    examples.append(item)
+                    kept_ids.add(item.id)
+                    if len(examples) == limit:
+                        break
+            if most is not None and stream.read >= most:
+                log.warning(
+                    "%s: stopped reading after %d records, %d of them kept (of %d asked for): the stream's records are "
+                    "mostly dropped (%s)",
+                    stream.what,
+                    stream.read,
+                    len(examples),
+                    limit,
+                    ", ".join(f"{reason}: {n}" for reason, n in report.skipped.items()),
+                )
+                break
+    finally:
+        checks.save()  # what was checked stays checked, whatever ends the load
     return examples
 
 
@@ -306,13 +309,15 @@ CHECK_CHUNK = 1024
 it reads only that many ahead."""
 
 
-def _prefetched(items: Iterable[Example | Skip], image_problems: dict, chunk: int) -> Iterator[Example | Skip]:
+def _prefetched(
+    items: Iterable[Example | Skip], image_problems: dict, chunk: int, checks: ImageChecks
+) -> Iterator[Example | Skip]:
     """`items` in order, each `chunk` of them read first and their pictures not yet in `image_problems` checked
-    together through the cache (`ImageChecks.check`), their outcomes put there."""
+    together through the dataset's cache (`ImageChecks.check`), their outcomes put there."""
     iterator = iter(items)
     while batch := list(itertools.islice(iterator, chunk)):
         sources = [s for item in batch if isinstance(item, Example) for s in item.images if s not in image_problems]
-        image_problems.update(image_checks().check(sources, load_image))
+        image_problems.update(checks.check(sources, load_image))
         yield from batch
 
 

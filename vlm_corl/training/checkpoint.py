@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from vlm_corl.config import ConfigError
-from vlm_corl.data.image_checks import image_checks
+from vlm_corl.data.image_checks import cached_digest
 from vlm_corl.errors import UserError
 from vlm_corl.members.state_files import STEP_DIR, TRAINER_STATE, read_state
 
@@ -243,7 +243,7 @@ def _image_digest(image: object) -> bytes:
     if isinstance(image, bytes):
         return hashlib.sha256(image).digest()
     if isinstance(image, (str, Path)) and Path(image).is_file():
-        cached = image_checks().digest(image)  # the load's check read the file: its digest is cached
+        cached = cached_digest(image)  # the load's check read the file: its digest is cached
         if cached is not None:
             return cached
         digest = hashlib.sha256()
