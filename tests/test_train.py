@@ -121,7 +121,7 @@ def test_kl_epochs_checkpointing_and_eval_hook(base_models, tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx([1e-3, 1e-3 * (0.1 + 0.9 * 0.5)])
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(e["step"], e["member"], e["n"]) for e in evals] == [(0, "qwen", 6), (2, "qwen", 6)]  # step 0: the base
-    assert all(0.0 <= e["accuracy"] <= 1.0 and "accuracy_yes/no" in e for e in evals)
+    assert all(0.0 <= e["accuracy"] <= 1.0 and "accuracy_yes_no" in e for e in evals)
     after, before = weights(Path(summary["checkpoint"]) / "qwen"), weights(base_models["qwen2_vl"])
     assert any(not torch.equal(after[k], before[k]) for k in before)
 
