@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cohort_helpers import easyvqa_cohort, metrics, tests_env, weights
+from cohort_helpers import easyvqa_cohort, metrics, weights
+from cohort_helpers import tests_env as launch_env  # not a test: pytest collects names starting with test
 
 from vlm_corl.training.checkpoint import is_complete, list_checkpoints
 
@@ -32,7 +33,7 @@ def two_members(base_models):
 def _start(launcher: list[str], *args: str, env: dict | None = None) -> subprocess.Popen:
     """A launch in its own session (a test can kill a launcher and its workers), stderr captured."""
     return subprocess.Popen(
-        ["nice", "-n", "5", *TORCHRUN, *launcher, *args], cwd=ROOT, env=env or tests_env(),
+        ["nice", "-n", "5", *TORCHRUN, *launcher, *args], cwd=ROOT, env=env or launch_env(),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
 
@@ -103,7 +104,7 @@ def _two_nodes(cfg: Path, tmp: Path, port: int, *overrides: str) -> list[subproc
     for node in (0, 1):
         local = tmp / f"node{node}"
         (local / "tmp").mkdir(parents=True, exist_ok=True)
-        env = tests_env(TMPDIR=str(local / "tmp"), HF_HOME=str(local / "hf"))
+        env = launch_env(TMPDIR=str(local / "tmp"), HF_HOME=str(local / "hf"))
         launcher = ["--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={tmp.name}"]  # fmt: skip
         procs.append(_start(launcher, *TRAIN, "--config", str(cfg), *overrides, env=env))
@@ -219,7 +220,7 @@ def test_the_slurm_script_runs_two_nodes_under_a_faked_allocation(two_members, t
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
-    env = tests_env(PATH=path, NODES=str(tmp_path / "nodes"), SLURM_JOB_NODELIST="node[1-2]",
+    env = launch_env(PATH=path, NODES=str(tmp_path / "nodes"), SLURM_JOB_NODELIST="node[1-2]",
                     SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID=tmp_path.name, GPUS_PER_NODE="2",
                     RDZV_PORT=str(_free_port()), MAX_RESTARTS="0")  # fmt: skip
     cfg = _spanning(tmp_path, two_members, "job", save_every=2)
@@ -241,7 +242,7 @@ def test_the_two_node_accelerate_config_runs_as_two_machines(two_members, tmp_pa
     cfg = _spanning(tmp_path, two_members, "job")
     for node in (0, 1):
         (tmp_path / f"node{node}" / "tmp").mkdir(parents=True)
-        env = tests_env(TMPDIR=str(tmp_path / f"node{node}" / "tmp"), HF_HOME=str(tmp_path / f"node{node}" / "hf"))
+        env = launch_env(TMPDIR=str(tmp_path / f"node{node}" / "tmp"), HF_HOME=str(tmp_path / f"node{node}" / "hf"))
         line = ["-m", "accelerate.commands.launch", "--config_file",
                 str(ROOT / "configs" / "launch" / "accelerate_2node_8gpu.yaml"), "--machine_rank", str(node),
                 "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--num_processes", "4",
