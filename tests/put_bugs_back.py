@@ -1,5 +1,5 @@
-"""Put each bug of issue 32 (item 9), issue 45 (item 7), issue 55 (items 2, 4, 6) and issue 56 back, run the test
-that pins it, and report exit code and first message line, then the same test on the clean tree:
+"""Put each bug of issue 32 (item 9), issue 45 (item 7), issue 55 (items 2, 4, 6), issues 56 and 57 back, run the
+test that pins it, and report exit code and first message line, then the same test on the clean tree:
 `python tests/put_bugs_back.py [N ...]` prints one JSON line per bug.
 
 Each entry is (kind, file, the code as it is, the bug, the test). The file is restored after every run, also when the
@@ -791,6 +791,38 @@ BUGS += [
         'out["pattern"] = f"^(?:{meta[\'pattern\'][0]})$"',
         'out["pattern"] = meta["pattern"][0]',
         "tests/test_config_schema.py::test_a_bad_cohort_file_fails_the_schema_as_the_parser_refuses_it",
+    ),
+]
+# issue 57: two nodes, torchrun's restarts, a lost node
+BUGS += [
+    (
+        "elastic restart",
+        "vlm_corl/distributed/world.py",
+        "            store=attempt_store(rank, size, timedelta(seconds=timeout_s)),",
+        "            store=None,",
+        "tests/test_multinode.py::test_a_group_torchrun_restarts_starts_from_an_empty_store",
+    ),
+    (
+        "lost node report",
+        "vlm_corl/distributed/world.py",
+        "    store = _store() if world.distributed and store_answers() else None",
+        "    store = _store() if world.distributed else None",
+        "tests/test_multinode.py::test_a_lost_node_is_reported_by_the_other_within_the_timeout_and_the_job_resumes",
+    ),
+    (
+        "lost node report",
+        "vlm_corl/distributed/world.py",
+        "        who = lost_store_node(members)",
+        "        pass",
+        "tests/test_multinode.py::test_a_lost_node_is_reported_by_the_other_within_the_timeout_and_the_job_resumes",
+    ),
+    (
+        "launcher death",
+        "vlm_corl/distributed/world.py",
+        "        if not store_answers():  # asked first: a call on a store whose server is gone prints pages of C++ "
+        "frames",
+        "        if False:",
+        "tests/test_multinode.py::test_the_launchers_own_death_is_reported_by_its_workers_without_cpp_frames",
     ),
 ]
 
