@@ -8,7 +8,7 @@ import io
 import os
 
 import pytest
-from cohort_helpers import write_jsonl
+from cohort_helpers import ROOT, write_jsonl
 from PIL import Image
 
 import vlm_corl.data.image_checks as image_checks
@@ -100,3 +100,37 @@ def test_the_fingerprint_is_the_one_computed_without_the_cache(dataset, cache, m
     monkeypatch.setattr(image_checks, "_OPEN", {})  # no cache read: every file hashed
     assert image_checks.cached_digest(str(dataset.parent / "red.png")) is None
     assert data_fingerprint(examples) == cached
+
+
+class RecordingWorld:
+    """A rank of a launch that records, at each barrier, how many pictures this process had checked."""
+
+    def __init__(self, rank: int, log: list):
+        self.rank, self.is_main, self.log = rank, rank == 0, log
+
+    def barrier(self) -> None:
+        self.log.append((self.rank, image_checks.pictures_checked()))
+
+
+def test_world_rank_0_checks_the_pictures_before_the_barrier_and_the_others_read_them_after(dataset, cache):
+    """`setup._load_data`: rank 0 loads, then meets the barrier; a rank after it meets the barrier first, then
+    loads and decodes nothing (a fresh process: its cache view is read anew); on a data error rank 0 still meets
+    the barrier (the others would wait for it forever)."""
+    from vlm_corl.config import config_from_dict
+    from vlm_corl.data.loaders import DataError
+    from vlm_corl.training.setup import _load_data
+
+    model = str(ROOT / "configs" / "models" / "internvl3-2b-hf")
+    train = {"loader": "jsonl", "path": str(dataset)}
+    cfg = config_from_dict(
+        {"members": [{"id": "m", "model": model}], "reward": {"mode": "self_vote"}, "data": {"train": train}}
+    )
+    log = []
+    kept = _load_data(cfg, None, RecordingWorld(0, log))[0]
+    cache()
+    assert _load_data(cfg, None, RecordingWorld(1, log))[0] == kept
+    assert log == [(0, 4), (1, 0)] and image_checks.pictures_checked() == 1  # the missing file, checked again
+    cfg.data.train.path = str(dataset.parent / "nowhere.jsonl")
+    with pytest.raises(DataError):
+        _load_data(cfg, None, RecordingWorld(0, log))
+    assert log[-1][0] == 0
