@@ -44,6 +44,7 @@ import json
 import os
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -149,47 +150,56 @@ def resume(out: Path, rewriter: str, template: str) -> set[str]:
     return set(records)
 
 
-def rewrite(
-    examples: list[Example],
-    member: Member,
-    engine: RolloutEngine,
-    out: Path,
-    *,
-    rewriter: str,
-    template: str,
-    mode: str,
-    n: int,
-    params: SamplingParams,
-    batch_size: int,
-    max_prompt_tokens: int,
-    max_image_pixels: int = DataConfig().max_image_pixels,
-    min_ratio: float = MIN_LENGTH_RATIO,
-    max_ratio: float = MAX_LENGTH_RATIO,
-) -> dict:
-    """Rewrite `examples` in batches, appending one cache line per example to `out` (flushed per batch).
+@dataclass(frozen=True)
+class Rewriting:
+    """How `rewrite` asks for and judges paraphrases: the provenance every line records (`rewriter`, the prompt
+    `template` with its "{question}" slot, `mode`: wording | scenario), `n` paraphrases kept per example out
+    of the responses `params` samples, `batch_size` questions per engine call, prompts longer than
+    `max_prompt_tokens` skipped, images shrunk to `max_image_pixels`, and the paraphrase's length bounds as
+    ratios of the question's (`min_ratio`, `max_ratio`)."""
+
+    rewriter: str
+    template: str
+    mode: str
+    n: int
+    params: SamplingParams
+    batch_size: int
+    max_prompt_tokens: int
+    max_image_pixels: int = DataConfig().max_image_pixels
+    min_ratio: float = MIN_LENGTH_RATIO
+    max_ratio: float = MAX_LENGTH_RATIO
+
+    def provenance(self) -> dict:
+        """What each cache line records of how it was written: rewriter, prompt, mode and sampling."""
+        sampling = {
+            "samples": self.params.n,
+            **{k: getattr(self.params, k) for k in ("temperature", "top_p", "max_new_tokens", "seed")},
+        }
+        return {"rewriter": self.rewriter, "prompt": self.template, "mode": self.mode, "sampling": sampling}
+
+
+def rewrite(examples: list[Example], member: Member, engine: RolloutEngine, out: Path, settings: Rewriting) -> dict:
+    """Rewrite `examples` in batches as `settings` says, appending one cache line per example to `out` (flushed
+    per batch).
 
     Returns counts: {"rewritten", "prompt_too_long", "responses", "kept", "surplus", "dropped": {reason: n},
     "paraphrases_per_example": {count: examples}}.
     """
-    sampling = {
-        "samples": params.n,
-        **{k: getattr(params, k) for k in ("temperature", "top_p", "max_new_tokens", "seed")},
-    }
+    s, provenance = settings, settings.provenance()
     totals = {"rewritten": 0, "prompt_too_long": 0, "responses": 0, "kept": 0, "surplus": 0}
     dropped, per_example = Counter(), Counter()  # drops by reason; examples by paraphrases kept
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a", encoding="utf-8") as handle:
-        for start in range(0, len(examples), batch_size):
+        for start in range(0, len(examples), s.batch_size):
             batch, prompts = _rendered(
-                member, examples[start : start + batch_size], template, max_image_pixels, max_prompt_tokens
+                member, examples[start : start + s.batch_size], s.template, s.max_image_pixels, s.max_prompt_tokens
             )
-            totals["prompt_too_long"] += len(examples[start : start + batch_size]) - len(batch)
+            totals["prompt_too_long"] += len(examples[start : start + s.batch_size]) - len(batch)
             if not prompts:
                 continue
-            provenance = {"rewriter": rewriter, "prompt": template, "mode": mode, "sampling": sampling}
             lines = []
-            for ex, group in zip(batch, engine.generate(prompts, params)):
-                record = _cache_record(ex, group, n, (min_ratio, max_ratio), provenance)
+            for ex, group in zip(batch, engine.generate(prompts, s.params)):
+                record = _cache_record(ex, group, s.n, (s.min_ratio, s.max_ratio), provenance)
                 totals["responses"] += len(group.responses)
                 totals["kept"] += len(record.paraphrases)
                 totals["surplus"] += record.metadata["surplus"]
@@ -261,6 +271,80 @@ def cache_totals(out: Path, examples: list[Example], n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: load the dataset, skip the examples OUT already holds, rewrite the others, print the summary."""
+    parser = _parser()
+    args = cli.parse(parser, argv)
+    samples = args.samples or 2 * args.n
+    if args.n < 1 or samples < args.n:
+        parser.error(f"need --n >= 1 and --samples >= --n (got n={args.n}, samples={samples})")
+    template, mode = (SCENARIO_PROMPT, "scenario") if args.scenario else (PROMPT, "wording")
+    if args.out.is_dir():
+        raise UserError(
+            f"--out {args.out} is a directory; give the paraphrase cache's file name "
+            f"(e.g. {args.out}/paraphrases.jsonl)"
+        )
+    cli.output_dir(args.out.parent, "the directory of --out")
+    loaded = load_examples(args.loader, args.data, args.split, args.limit)
+    done = resume(args.out, args.model, template)  # CacheError: a cache written by another rewriter or prompt
+    if loaded.report.skipped:
+        print(loaded.report.summary(), file=sys.stderr)
+    pending = [ex for ex in loaded.examples if ex.id not in done]
+    # Model code only when there is work: a finished cache resumes without loading anything.
+    counts = _rewrite_pending(args, pending, samples, template, mode) if pending else {}
+    summary = {
+        "examples": len(loaded.examples),
+        "already_done": len(loaded.examples) - len(pending),
+        **cache_totals(args.out, loaded.examples, args.n),
+        "this_run": counts,
+        "out": str(args.out),
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _rewrite_pending(args: argparse.Namespace, pending: list[Example], samples: int, template: str, mode: str) -> dict:
+    """Load the rewriter and its engine as the arguments say, and `rewrite` the `pending` examples."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from vlm_corl.members.engines import make_engine
+    from vlm_corl.members.member import load_member
+    from vlm_corl.members.rollout import SamplingParams
+
+    hf_logging.disable_progress_bar()
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    member = load_member(MemberConfig(id="rewriter", model=args.model, trainable=False), device=device)
+    # The engine reads only its length budget (and vLLM settings) from the rollout config.
+    rollout = RolloutConfig(
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        vllm=VllmConfig(kv_cache_memory_bytes=args.kv_cache_bytes),
+    )
+    engine = make_engine(args.engine, member, rollout, max((len(ex.images) for ex in pending), default=1))
+    params = SamplingParams(
+        n=samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        stop=(CLOSE_TAG,),
+        seed=args.seed,
+    )
+    settings = Rewriting(
+        rewriter=args.model,
+        template=template,
+        mode=mode,
+        n=args.n,
+        params=params,
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+        min_ratio=args.min_length_ratio,
+        max_ratio=args.max_length_ratio,
+    )
+    return rewrite(pending, member, engine, args.out, settings)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's arguments: what to rewrite, with which model, into which cache (then `_add_sampling`)."""
     parser = cli.parser(
         "python -m data_tools.paraphrase",
         __doc__,
@@ -282,6 +366,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch-size", type=cli.positive_int, default=16, help="questions per engine call (default 16)"
     )
+    _add_sampling(parser)
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="vLLM KV cache size in bytes (set it on a CPU, where vLLM otherwise takes a share of RAM)",
+    )
+    parser.add_argument(
+        "--device",
+        type=cli.device,
+        default=None,
+        help="device for the rewriter (default: cuda if available, else cpu)",
+    )
+    return parser
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    """The arguments that say how responses are sampled and which of them pass."""
     parser.add_argument(
         "--samples", type=cli.positive_int, default=None, help="responses sampled per question (default 2 x n)"
     )
@@ -312,89 +414,6 @@ def main(argv: list[str] | None = None) -> int:
         "--scenario", action="store_true", help="let the rewriter change the story/setting too, not only the wording"
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument(
-        "--kv-cache-bytes",
-        type=int,
-        default=None,
-        help="vLLM KV cache size in bytes (set it on a CPU, where vLLM otherwise takes a share of RAM)",
-    )
-    parser.add_argument(
-        "--device",
-        type=cli.device,
-        default=None,
-        help="device for the rewriter (default: cuda if available, else cpu)",
-    )
-    args = cli.parse(parser, argv)
-    import torch
-
-    from vlm_corl.members.engines import make_engine
-    from vlm_corl.members.rollout import SamplingParams
-
-    args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    samples = args.samples or 2 * args.n
-    if args.n < 1 or samples < args.n:
-        parser.error(f"need --n >= 1 and --samples >= --n (got n={args.n}, samples={samples})")
-    template, mode = (SCENARIO_PROMPT, "scenario") if args.scenario else (PROMPT, "wording")
-
-    if args.out.is_dir():
-        raise UserError(
-            f"--out {args.out} is a directory; give the paraphrase cache's file name "
-            f"(e.g. {args.out}/paraphrases.jsonl)"
-        )
-    cli.output_dir(args.out.parent, "the directory of --out")
-    loaded = load_examples(args.loader, args.data, args.split, args.limit)
-    done = resume(args.out, args.model, template)  # CacheError: a cache written by another rewriter or prompt
-    if loaded.report.skipped:
-        print(loaded.report.summary(), file=sys.stderr)
-    pending = [ex for ex in loaded.examples if ex.id not in done]
-    counts: dict = {}
-    if pending:
-        # Model code only when there is work: a finished cache resumes without loading anything.
-        from transformers.utils import logging as hf_logging
-
-        from vlm_corl.members.member import load_member
-
-        hf_logging.disable_progress_bar()
-        member = load_member(MemberConfig(id="rewriter", model=args.model, trainable=False), device=args.device)
-        # The engine reads only its length budget (and vLLM settings) from the rollout config.
-        rollout = RolloutConfig(
-            max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens,
-            vllm=VllmConfig(kv_cache_memory_bytes=args.kv_cache_bytes),
-        )
-        engine = make_engine(args.engine, member, rollout, max((len(ex.images) for ex in pending), default=1))
-        params = SamplingParams(
-            n=samples,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
-            stop=(CLOSE_TAG,),
-            seed=args.seed,
-        )
-        counts = rewrite(
-            pending,
-            member,
-            engine,
-            args.out,
-            rewriter=args.model,
-            template=template,
-            mode=mode,
-            n=args.n,
-            params=params,
-            batch_size=args.batch_size,
-            max_prompt_tokens=args.max_prompt_tokens,
-            min_ratio=args.min_length_ratio,
-            max_ratio=args.max_length_ratio,
-        )
-    summary = {
-        "examples": len(loaded.examples),
-        "already_done": len(loaded.examples) - len(pending),
-        **cache_totals(args.out, loaded.examples, args.n),
-        "this_run": counts,
-        "out": str(args.out),
-    }
-    print(json.dumps(summary, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

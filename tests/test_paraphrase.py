@@ -314,13 +314,15 @@ def test_kept_wordings_reach_the_examples(tmp_path, rewriter):
         member,
         engine,
         out,
-        rewriter="tiny",
-        template=tool.PROMPT,
-        mode="wording",
-        n=1,
-        params=SamplingParams(n=2),
-        batch_size=2,
-        max_prompt_tokens=4096,
+        tool.Rewriting(
+            rewriter="tiny",
+            template=tool.PROMPT,
+            mode="wording",
+            n=1,
+            params=SamplingParams(n=2),
+            batch_size=2,
+            max_prompt_tokens=4096,
+        ),
     )
     assert counts["kept"] == 2 and counts["dropped"] == {"identical": 1, "options_changed": 1, "no_block": 1}
     assert counts["paraphrases_per_example"] == {"0": 1, "1": 2}
@@ -344,13 +346,15 @@ def test_too_long_prompts_are_skipped_without_a_line(tmp_path, rewriter):
         member,
         CannedEngine({}),
         out,
-        rewriter="tiny",
-        template=tool.PROMPT,
-        mode="wording",
-        n=1,
-        params=SamplingParams(n=2),
-        batch_size=2,
-        max_prompt_tokens=10,
+        tool.Rewriting(
+            rewriter="tiny",
+            template=tool.PROMPT,
+            mode="wording",
+            n=1,
+            params=SamplingParams(n=2),
+            batch_size=2,
+            max_prompt_tokens=10,
+        ),
     )
     assert counts["prompt_too_long"] == 1 and counts["rewritten"] == 0 and out.read_text() == ""
 
