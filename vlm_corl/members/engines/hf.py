@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from vlm_corl.members.batching import prefill
 from vlm_corl.members.finite import NonFiniteLogits
@@ -97,7 +98,7 @@ class HFEngine:
 @dataclass(frozen=True)
 class Endings:
     """What ends a response besides the length limit: the member's end-of-sequence ids, and its tokenizer, which
-    finds the stop strings of `SamplingParams.stop` in the tokens (only decoded when there are some)."""
+    `StopStrings` reads to find the stop strings of `SamplingParams.stop` in the tokens."""
 
     eos_ids: list[int]
     tokenizer: PreTrainedTokenizerBase
@@ -139,7 +140,7 @@ def sample(
     uniforms = row_uniforms(params, rows).to(device)  # (R, T): row r's draw at step t
     choose, eos = Chooser(params), torch.tensor(endings.eos_ids, device=device)
     samplable = _samplable(vocab, policy.suppressed, device)  # (V',) token ids the policy can emit
-    stops = StopStrings(endings.tokenizer, params.stop, device) if params.stop else None
+    stops = StopStrings(endings.tokenizer, params.stop) if params.stop else None
     tokens, stats, lengths = _row_buffers(rows, limit, policy.pad_id, device)
     # The batch (indices into the R rows) and which of its rows still decode. A row that ends stays in the batch
     # until the next synchronisation (`sync_every`), where ended rows leave the batch and the cache (over a
@@ -331,35 +332,28 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class StopStrings:
-    """Where stop strings end responses, as `generate`'s stop criteria decide: at the first token that completes
-    one (the token is kept). Matched incrementally: a token can complete a stop string only if its own text
-    holds the string's last character, so only those tokens (found on the device) are decoded, and then only a
-    window of the tokens before them: O(window) per candidate, not O(length) per token (review m5)."""
+    """Where stop strings end responses: at the first token that completes one (the token is kept), as
+    `generate` decides, by its own `StopStringCriteria`: tensor operations over each row's last tokens, run on
+    the device (no token decoded, nothing read back), which match a stop string on the tokens' bytes, so a
+    non-ASCII character split over byte-level tokens is found too (tests/test_stop_strings.py)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], device):
-        self.tokenizer, self.stop = tokenizer, stop
-        # a stop string of c characters spans at most c tokens (each decodes to at least one character); one
-        # token more, so the window's start can hold part of a multi-byte character
-        self.window = max(len(s) for s in stop) + 1
-        self.candidates = _completing_tokens(tokenizer, stop, device)  # None: every token is a candidate
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.criteria = _criteria(tokenizer, stop)
+        # the criteria read at most this many tokens back (one per character, or per byte)
+        self.window = self.criteria.maximum_token_len
 
     def first_hits(
         self, tokens: torch.Tensor, active: torch.Tensor, lengths: torch.Tensor, start: int, t: int
     ) -> torch.Tensor:
         """(A,) per batch row: 1 + the first step in start..t whose token completes a stop string, within the
         row's own tokens (before `lengths`); a large number where none does."""
-        span = tokens[active, start : t + 1]  # (A, S)
-        own = torch.arange(start, t + 1, device=tokens.device) < lengths[active, None]
-        maybe = own if self.candidates is None else own & torch.isin(span, self.candidates)
-        hits = [1 << 30] * len(active)
-        found = maybe.nonzero().tolist()  # [(batch row, offset)], in order
-        if found:
-            history = tokens[active].tolist()
-            for a, offset in found:
-                step = start + offset
-                if hits[a] > step + 1 and self._completes(history[a][: step + 1]):
-                    hits[a] = step + 1
-        return torch.tensor(hits, dtype=torch.long, device=tokens.device)
+        first = max(0, start - self.window + 1)
+        span, own = tokens[active, first : t + 1], lengths[active]  # (A, S): the window before `start` too
+        hits = torch.full_like(own, 1 << 30)
+        for step in range(t, start - 1, -1):  # backwards: the first hit is written last
+            ends = self.criteria(span[:, : step + 1 - first], None) & (step < own)
+            hits = torch.where(ends, step + 1, hits)
+        return hits
 
     def cut(
         self, tokens: torch.Tensor, active: torch.Tensor, lengths: torch.Tensor, start: int, t: int
@@ -372,26 +366,10 @@ class StopStrings:
 
     def ends_in_last(self, row: list[int]) -> bool:
         """Whether the last token of `row` completes a stop string."""
-        return self._completes(row)
-
-    def _completes(self, ids: list[int]) -> bool:
-        """Whether a stop string ends in the last of `ids` (overlaps it)."""
-        window = ids[-self.window :]
-        text, before = self.tokenizer.decode(window), self.tokenizer.decode(window[:-1])
-        return any(text.find(s, max(0, len(before) - len(s) + 1)) != -1 for s in self.stop)
-
-
-def _completing_tokens(tokenizer, stop: tuple[str, ...], device) -> torch.Tensor | None:
-    """The ids whose own text holds the last character of a stop string; None (check every token) when a stop
-    string ends in a non-ASCII character, whose bytes a byte-level token may hold without decoding to it."""
-    ids = _ids_holding(tokenizer, frozenset(s[-1] for s in stop))
-    return None if ids is None else torch.tensor(ids, dtype=torch.long, device=device)
+        return bool(self.criteria(torch.tensor([row[-self.window :]]), None)[0])
 
 
 @functools.lru_cache(maxsize=16)
-def _ids_holding(tokenizer, chars: frozenset[str]) -> tuple[int, ...] | None:
-    """`_completing_tokens`' ids, decoded once per tokenizer and characters (a 150k vocabulary: ~1 s)."""
-    if not all(c.isascii() for c in chars):
-        return None
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return tuple(i for i, text in enumerate(texts) if any(c in text for c in chars))
+def _criteria(tokenizer, stop: tuple[str, ...]) -> StopStringCriteria:
+    """`generate`'s matcher of `stop`, built once per tokenizer and stop strings (it reads the whole vocabulary)."""
+    return StopStringCriteria(tokenizer, list(stop))
