@@ -4,6 +4,7 @@ the recording stand-in for `vllm` (tests/fake_vllm.py)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ from vlm_corl.data.loaders import load_examples
 from vlm_corl.members.member import load_member
 from vlm_corl.models.warmstart import Schedule, warm_start
 from vlm_corl.models.zoo import build_zoo, member_dir
+
+# The picture-check cache (vlm_corl.data.image_checks) of this session's processes, theirs alone: never the user's
+# ~/.cache, where a run of the suite would leave its entries and find those of another.
+os.environ.setdefault("VLM_CORL_DATA_CACHE", tempfile.mkdtemp(prefix="vlm_corl_data_cache_"))
 
 # One torch thread: on a shared 2-core machine two threads collapse 20-30x as soon as another process is busy.
 torch.set_num_threads(1)
