@@ -1,5 +1,5 @@
-"""Put each bug of issue 32 (item 9), issue 45 (item 7), issue 55 (items 2, 4, 6), issues 56 and 57 back, run the
-test that pins it, and report exit code and first message line, then the same test on the clean tree:
+"""Put each bug of issue 32 (item 9), issue 45 (item 7), issue 55 (items 2, 4, 6), issues 56-59 back, run the test
+that pins it, and report exit code and first message line, then the same test on the clean tree:
 `python tests/put_bugs_back.py [N ...]` prints one JSON line per bug.
 
 Each entry is (kind, file, the code as it is, the bug, the test). The file is restored after every run, also when the
@@ -823,6 +823,100 @@ BUGS += [
         "frames",
         "        if False:",
         "tests/test_multinode.py::test_the_launchers_own_death_is_reported_by_its_workers_without_cpp_frames",
+    ),
+]
+# issues 58 (the picture-check cache, the host plan's data) and 59 (stop strings, paraphrase settings)
+BUGS += [
+    (
+        "stale picture check",
+        "vlm_corl/data/image_checks.py",
+        'return f"file:{path}\\0{st.st_dev}\\0{st.st_ino}\\0{st.st_size}\\0{st.st_mtime_ns}\\0{st.st_ctime_ns}"',
+        'return f"file:{path}\\0{st.st_dev}\\0{st.st_ino}\\0{st.st_size}\\0{st.st_mtime_ns}"',
+        "tests/test_image_checks.py::test_a_file_changed_in_place_is_checked_again",
+    ),
+    (
+        "uncached picture check",
+        "vlm_corl/data/image_checks.py",
+        "missing = [src for src, key in keys.items() if key is None or key not in self.entries]",
+        "missing = list(keys)",
+        "tests/test_image_checks.py::test_a_relaunch_decodes_nothing_checked_before_and_reports_the_same",
+    ),
+    (
+        "pool results out of order",
+        "vlm_corl/data/image_checks.py",
+        "return list(self._pool.map(functools.partial(check_image, load=load), sources, chunksize=chunk))",
+        "return list(self._pool.map(functools.partial(check_image, load=load), sources[::-1], chunksize=chunk))",
+        "tests/test_image_checks.py::test_checks_in_a_process_pool_match_checks_in_process",
+    ),
+    (
+        "fingerprint from cache",
+        "vlm_corl/data/image_checks.py",
+        "return bytes.fromhex(entry[0]) if entry else None",
+        "return bytes.fromhex(entry[0])[::-1] if entry else None",
+        "tests/test_image_checks.py::test_the_fingerprint_is_the_one_computed_without_the_cache",
+    ),
+    (
+        "pictures checked uncounted",
+        "vlm_corl/data/image_checks.py",
+        "        self.checked += len(missing)\n",
+        "",
+        "tests/test_bench_data_scale.py::test_data_scale_at_its_smallest_size_checks_each_picture_once_over_two_launches",
+    ),
+    (
+        "rank 0 loads first",
+        "vlm_corl/training/setup.py",
+        "    if not world.is_main:\n        world.barrier()\n    try:",
+        "    try:",
+        "tests/test_image_checks.py::test_world_rank_0_checks_the_pictures_before_the_barrier_and_the_others_read_them_after",
+    ),
+    (
+        "host data",
+        "vlm_corl/planning/host.py",
+        "return RECORD_BYTES_PER_JSONL_BYTE * file.stat().st_size if file.is_file() else 0.0",
+        "return file.stat().st_size if file.is_file() else 0.0",
+        "tests/test_host_data.py::test_a_jsonl_sources_records_are_counted_on_every_rank_and_its_pictures_not",
+    ),
+    (
+        "host data",
+        "vlm_corl/planning/host.py",
+        "folder = path / spec.split if (path / spec.split).is_dir() else path  # a DatasetDict's split",
+        "folder = path",
+        "tests/test_host_data.py::test_an_hf_sources_split_files_are_counted_whole",
+    ),
+    (
+        "stop strings",
+        "vlm_corl/members/engines/hf.py",
+        "        for step in range(t, start - 1, -1):  # backwards: the first hit is written last",
+        "        for step in range(start, t + 1):  # backwards: the first hit is written last",
+        "tests/test_stop_strings.py::test_a_stop_ends_a_row_at_the_first_token_whose_bytes_complete_it[qwen2]",
+    ),
+    (
+        "stop strings",
+        "vlm_corl/members/engines/hf.py",
+        "        first = max(0, start - self.window + 1)",
+        "        first = start",
+        "tests/test_stop_strings.py::test_a_stop_ends_a_row_at_the_first_token_whose_bytes_complete_it[qwen2]",
+    ),
+    (
+        "stop strings",
+        "vlm_corl/members/engines/hf.py",
+        "            ends = self.criteria(span[:, : step + 1 - first], None) & (step < own)",
+        "            ends = self.criteria(span[:, : step + 1 - first], None)",
+        "tests/test_stop_strings.py::test_a_stop_ends_a_row_at_the_first_token_whose_bytes_complete_it[qwen2]",
+    ),
+    (
+        "stop strings",
+        "vlm_corl/members/engines/hf.py",
+        "        return bool(self.criteria(torch.tensor([row[-self.window :]]), None)[0])",
+        "        return bool(self.criteria(torch.tensor([row[-1:]]), None)[0])",
+        "tests/test_stop_strings.py::test_a_stop_ends_a_row_at_the_first_token_whose_bytes_complete_it[qwen2]",
+    ),
+    (
+        "paraphrase provenance",
+        "data_tools/paraphrase.py",
+        '            "samples": self.params.n,',
+        '            "samples": self.n,',
+        "tests/test_paraphrase.py::test_tool_resumes_without_redoing_finished_rows",
     ),
 ]
 
