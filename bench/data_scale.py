@@ -7,7 +7,7 @@ distinct JPEGs (noise pictures of --side pixels a side, each made distinct by a 
 no two pictures share bytes), either as a JSONL file naming picture files (--kind jsonl: the "jsonl" loader) or
 as a `datasets` save_to_disk folder whose Image column embeds each picture's bytes (--kind hf: the "hf" loader).
 Then launches the ranks twice as 2 processes each, the way `corl train` loads data on a node's ranks
-(`vlm_corl.training.setup`: `load_examples`, then the content fingerprint `data_fingerprint`). Prints ONE JSON
+(`vlm_corl.training.run.setup`: `load_examples`, then the content fingerprint `data_fingerprint`). Prints ONE JSON
 object:
 
     {"pictures", "kind", "picture_kb" (mean file size), "build_s",
@@ -109,7 +109,7 @@ def rank_work(kind: str, path: Path, barrier: Path) -> dict:
     `barrier` file standing for the launch's barrier), timed, with the memory it added (in its own process)."""
     from vlm_corl.data.image_checks import pictures_checked
     from vlm_corl.data.loaders import load_examples
-    from vlm_corl.training.checkpoint import data_fingerprint
+    from vlm_corl.training.run.checkpoint import data_fingerprint
 
     rss = _rss()
     start = time.perf_counter()

@@ -34,7 +34,7 @@ On CUDA (`--size real`, the default there): members with released architectures 
   with transformers' own mask and cache, their seconds and tokens/s (the static one's first call, which
   compiles and captures, timed apart). The only check besides static_autocast that decodes statically: every
   training check's cohort sets `rollout.hf_static_cache: off`, so no other process pays a compile;
-- `preflight`: `corl preflight` (vlm_corl.training.preflight_checks, what users run first on their node) over
+- `preflight`: `corl preflight` (vlm_corl.commands.preflight_checks, what users run first on their node) over
   the check's two members as LoRA members: its verdict and every number (the phases' peaks against the plan, the
   rollout guard's number after a push, the largest member's checkpoint written and deleted: an adapter of MBs,
   where a full 2B member's with Adam is ~31 GB on the lent machine's 64 GB disk), so the device check runs the
@@ -223,13 +223,13 @@ def profiled_phases(steps: int, phases: tuple[str, ...] = ("rollout_phase", "upd
 
 
 def preflight_check(ctx: Context) -> dict:
-    """`corl preflight` (vlm_corl.training.preflight_checks: the very code users run on their node) over the
+    """`corl preflight` (vlm_corl.commands.preflight_checks: the very code users run on their node) over the
     check's own two members as LoRA members (r 16): the install, each member's load, engine, rollout, update
     micro-batch, push and the rollout guard's number after it, the rank's phase peaks against the plan, one
     checkpoint of the largest member written and deleted (an adapter: a full member's, ~31 GB with Adam, would
     crowd the lent machine's 64 GB disk), and the verdict (`ok`: ready)."""
+    from vlm_corl.commands.preflight_checks import run_preflight
     from vlm_corl.config import load_config
-    from vlm_corl.training.preflight_checks import run_preflight
 
     path = cohort_file(ctx, "preflight", ("qwen", "intern"), ctx.settings, lora={"r": 16, "alpha": 32})
     report = run_preflight(load_config(path))
@@ -273,7 +273,7 @@ def lora_check(ctx: Context) -> dict:
 def resume_check(ctx: Context) -> dict:
     """Kill a LoRA member's training process after its first checkpoint, resume it; rows and checkpoints must
     line up."""
-    from vlm_corl.training.checkpoint import latest_checkpoint
+    from vlm_corl.training.run.checkpoint import latest_checkpoint
 
     s = ctx.settings
     small = {**s, "batch": s["resume_batch"], "n": s["resume_n"], "max_new_tokens": s["resume_tokens"]}
@@ -716,7 +716,7 @@ def step_report(rows: list[dict], run_dir: Path, ctx: Context, lora: bool = Fals
     report = {"steps": max(r["step"] for r in rows)}
     for member in sorted({r["member"] for r in rows}):
         mine = [r for r in later if r["member"] == member]
-        # the run's own speed fields too (vlm_corl.training.throughput): tokens/s per phase, MFU, GPU busy per phase
+        # the run's own speed fields too (training/monitor/throughput.py): tokens/s per phase, MFU, GPU busy per phase
         speed = ("rollout_tokens_per_s", "update_tokens_per_s", "update_mfu", "gpu_busy_")
         keys = sorted(
             {
@@ -750,7 +750,7 @@ def update_speed(rows: list[dict], members: dict, lora: bool) -> dict:
     steps: 6 x parameters x tokens per member (4 x for a LoRA member: its frozen base gets no weight gradients;
     gradient checkpointing's recomputation is not counted, as MFU conventionally does not), all members' work
     over the phase's seconds (members on one device update in turn)."""
-    from vlm_corl.training.throughput import model_flops
+    from vlm_corl.training.monitor.throughput import model_flops
 
     rates = []
     for step in sorted({r["step"] for r in rows}):
@@ -827,11 +827,11 @@ def run_in_process(name: str, args, work: Path, limit: float, whose: str = "its 
 
 
 def busy_sampler():
-    """The GPU's busy share while a check runs (vlm_corl.training.throughput's sampler of GPU 0, every sample
+    """The GPU's busy share while a check runs (vlm_corl.training.monitor.throughput's sampler of GPU 0, every sample
     of phase "check"); None without CUDA or nvidia-smi."""
     if not (shutil.which("nvidia-smi") and torch.cuda.is_available()):
         return None
-    from vlm_corl.training.throughput import BusySampler
+    from vlm_corl.training.monitor.throughput import BusySampler
 
     return BusySampler("0", lambda: "check")
 

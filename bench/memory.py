@@ -81,7 +81,7 @@ def old_logprobs(model, prompts, responses, pad_id, temperature, suppressed):
 
 @torch.no_grad()
 def old_token_stats(model, prompts, responses, pad_id, temperature, suppressed):
-    from vlm_corl.training.grpo import token_entropy, token_self_certainty
+    from vlm_corl.training.rewards.grpo import token_entropy, token_self_certainty
 
     def stats(logits, targets):
         logits = old_policy_logits(logits, temperature, suppressed)
@@ -215,7 +215,7 @@ def run(args) -> dict:
 def report(args, device: torch.device, peaks: dict, results: dict) -> dict:
     """The JSON: settings, each pass's peak (bytes, and in units of one bf16 copy of a micro-batch's logits),
     the new/old ratio and the target, and how closely the two implementations agree."""
-    from vlm_corl.training import grpo
+    from vlm_corl.training.rewards import grpo
 
     bf16_logits = args.batch * args.tokens * args.vocab * 2
     out = {
@@ -273,7 +273,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
     ap.add_argument(
-        "--chunk-elements", type=int, help="sets vlm_corl.training.grpo.CHUNK_ELEMENTS (fp32 elements a chunk)"
+        "--chunk-elements", type=int, help="sets vlm_corl.training.rewards.grpo.CHUNK_ELEMENTS (fp32 elements a chunk)"
     )
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -287,7 +287,7 @@ def main() -> int:
     args.score_responses = args.score_responses or args.batch
     args.suppressed = [args.vocab - 3, args.vocab - 2, args.vocab - 1]  # control tokens; the last one pads
     if args.chunk_elements:
-        from vlm_corl.training import grpo
+        from vlm_corl.training.rewards import grpo
 
         grpo.CHUNK_ELEMENTS = args.chunk_elements
     torch.set_num_threads(1)

@@ -189,9 +189,9 @@ def worker(cfg_path: str, out: str) -> None:
     from vlm_corl.config import load_config
     from vlm_corl.planning.cohort import STATES, Hardware, plan_cohort
     from vlm_corl.training.loop import step_phases
-    from vlm_corl.training.phase_timer import PhaseTimer
-    from vlm_corl.training.render_ahead import RenderAhead
-    from vlm_corl.training.setup import start_run
+    from vlm_corl.training.phases.phase_timer import PhaseTimer
+    from vlm_corl.training.phases.render_ahead import RenderAhead
+    from vlm_corl.training.run.setup import start_run
 
     cfg = load_config(cfg_path)
     run = start_run(cfg)

@@ -132,7 +132,7 @@ class StepClock:
     the last write)."""
 
     def __enter__(self):
-        from vlm_corl.training.metrics import MetricsSink
+        from vlm_corl.training.monitor.metrics import MetricsSink
 
         self.stamps: list[float] = []
         self.cpu_stamps: list[float] = []  # process CPU time: with one thread, wall minus time lost to contention
@@ -147,7 +147,7 @@ class StepClock:
         return self
 
     def __exit__(self, *exc):
-        from vlm_corl.training.metrics import MetricsSink
+        from vlm_corl.training.monitor.metrics import MetricsSink
 
         MetricsSink.write = self._write
 
@@ -216,7 +216,7 @@ def prompt_tokens(model_dir: str, data_file: str | None, args) -> tuple[int, int
     from vlm_corl.config import MemberConfig
     from vlm_corl.members.member import load_member
     from vlm_corl.members.render import Renderer
-    from vlm_corl.training.setup import load_training_examples
+    from vlm_corl.training.run.setup import load_training_examples
 
     cfg = cohort_config(args, model_dir, data_file, 1, Path("."))
     member = load_member(MemberConfig(id="probe", model=model_dir))

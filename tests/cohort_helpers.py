@@ -93,7 +93,7 @@ MEASURED = (
     "peak_gb_",
     "plan_gb",
     "peak_over_plan",
-    *("rollout_tokens_per_s", "update_tokens_per_s", "update_mfu", "gpu_busy_"),  # vlm_corl.training.throughput
+    *("rollout_tokens_per_s", "update_tokens_per_s", "update_mfu", "gpu_busy_"),  # vlm_corl.training.monitor.throughput
     "update_tokens",  # the positions the passes ran: padding and shared prompts follow the rows' split over ranks
 )
 

@@ -11,8 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from vlm_corl.commands import preflight
-from vlm_corl.training import preflight_checks
+from vlm_corl.commands import preflight, preflight_checks
 
 REAL = preflight_checks.update_phase
 

@@ -1,5 +1,5 @@
 """Reward functions used by the tests (named in configs as "reward_fixtures:<function>"; the contract of
-vlm_corl.training.reward_funcs)."""
+vlm_corl.training.rewards.reward_funcs)."""
 
 
 def shorter_is_better(*, completions, **_) -> list[float]:

@@ -12,8 +12,8 @@ from cohort_helpers import cohort, metrics, on_ranks
 
 from vlm_corl import CallbackFailed, CohortTrainer
 from vlm_corl.config import ConfigError
-from vlm_corl.training.callbacks import Callbacks
-from vlm_corl.training.checkpoint import load_cohort_state
+from vlm_corl.training.run.callbacks import Callbacks
+from vlm_corl.training.run.checkpoint import load_cohort_state
 
 
 class Recorder:
@@ -247,9 +247,9 @@ def test_a_reward_function_failure_on_one_rank_stops_every_rank():
     failure in the same all_gather, so neither rank waits alone."""
     from vlm_corl import RewardFunctionFailed
     from vlm_corl.data.records import Example
-    from vlm_corl.training.reward_funcs import Scorers, function_rewards, reward_functions
-    from vlm_corl.training.rewards import CohortBatch
-    from vlm_corl.training.slots import SlotSpec
+    from vlm_corl.training.rewards.modes import CohortBatch
+    from vlm_corl.training.rewards.reward_funcs import Scorers, function_rewards, reward_functions
+    from vlm_corl.training.run.slots import SlotSpec
 
     batch = CohortBatch(("q", "l"), [[["a", "b"]], [["a", None]]], [[["x", "yy"]], [["x", "y"]]], [[[1, 1]]] * 2,
                         [None], [None])  # fmt: skip
@@ -314,7 +314,7 @@ def test_the_data_line_and_summary_give_what_the_run_uses_after_skip_and_limit(c
     import logging
 
     from vlm_corl.config.schema import DatasetConfig
-    from vlm_corl.training.setup import load_training_examples
+    from vlm_corl.training.run.setup import load_training_examples
 
     with caplog.at_level(logging.INFO, logger="vlm_corl"):
         examples, report = load_training_examples(DatasetConfig(loader="easyvqa", skip=30, limit=20))

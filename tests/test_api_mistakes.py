@@ -17,7 +17,7 @@ from cohort_helpers import cohort, metrics, on_ranks
 import vlm_corl
 from vlm_corl import CohortTrainer, RewardFunctionFailed
 from vlm_corl.config import ConfigError
-from vlm_corl.training.callbacks import Callbacks
+from vlm_corl.training.run.callbacks import Callbacks
 
 
 def _config(tiny_zoo, tmp_path, **reward) -> dict:
@@ -126,7 +126,7 @@ def test_a_reward_function_that_cannot_take_the_columns_is_refused_before_any_mo
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the reward functions were checked")
 
-    monkeypatch.setattr("vlm_corl.training.setup.load_hosted_members", no_model)
+    monkeypatch.setattr("vlm_corl.training.run.setup.load_hosted_members", no_model)
     cfg = _config(tiny_zoo, tmp_path, mode="none")
     del cfg["data"]["train"]
     with pytest.raises(ConfigError) as err:
@@ -153,7 +153,7 @@ def test_a_column_only_some_rows_have_is_one_a_function_must_accept_or_not_requi
     """A column some rows lack is passed at the steps whose every question has it: a function without **kwargs must
     take it, and one that requires it would fail at the other steps."""
     from vlm_corl.data.records import Example
-    from vlm_corl.training.reward_funcs import check_columns, reward_functions
+    from vlm_corl.training.rewards.reward_funcs import check_columns, reward_functions
 
     examples = [Example("a", "?", metadata={"level": 1}), Example("b", "?", metadata={})]
     problems = check_columns(reward_functions([strict, wants_level], None), examples)
@@ -168,7 +168,7 @@ def test_a_column_only_some_rows_have_is_one_a_function_must_accept_or_not_requi
 
 def test_a_column_named_like_an_argument_is_not_passed_and_the_log_says_so(caplog):
     from vlm_corl.data.records import Example
-    from vlm_corl.training.reward_funcs import check_run_columns, reward_functions
+    from vlm_corl.training.rewards.reward_funcs import check_run_columns, reward_functions
 
     examples = [Example("a", "?", metadata={"answers": "4", "topic": "sums"})]
     check_run_columns(reward_functions([reward_fixtures.constant], None), examples, log_it=True)
@@ -196,7 +196,7 @@ class StopAfterFirstStep:
 
 
 def test_a_callback_stops_the_run_cleanly_with_a_summary_and_the_final_checkpoint(tiny_zoo, tmp_path):
-    from vlm_corl.training.checkpoint import load_cohort_state
+    from vlm_corl.training.run.checkpoint import load_cohort_state
 
     cfg = _config(tiny_zoo, tmp_path)
     cfg["train"]["max_steps"] = 3
@@ -291,9 +291,9 @@ def _broken_generator(n):
 )
 def test_a_non_finite_or_unreadable_reward_is_an_error_naming_the_function_on_every_rank(value, said):
     from vlm_corl.data.records import Example
-    from vlm_corl.training.reward_funcs import Scorers, function_rewards, reward_functions
-    from vlm_corl.training.rewards import CohortBatch
-    from vlm_corl.training.slots import SlotSpec
+    from vlm_corl.training.rewards.modes import CohortBatch
+    from vlm_corl.training.rewards.reward_funcs import Scorers, function_rewards, reward_functions
+    from vlm_corl.training.run.slots import SlotSpec
 
     batch = CohortBatch(("q", "l"), [[["a", "b"]], [["a", None]]], [[["x", "yy"]], [["x", "y"]]], [[[1, 1]]] * 2,
                         [None], [None])  # fmt: skip
@@ -313,7 +313,7 @@ def test_a_non_finite_or_unreadable_reward_is_an_error_naming_the_function_on_ev
 
 
 def test_a_zero_dimensional_tensor_is_a_number_and_none_abstains():
-    from vlm_corl.training.reward_funcs import checked_values
+    from vlm_corl.training.rewards.reward_funcs import checked_values
 
     values = checked_values([torch.tensor(0.5), None, 2, torch.tensor([1.5])[0]], 4, "fn")
     assert values[0] == 0.5 and math.isnan(values[1]) and values[2:] == [2.0, 1.5]

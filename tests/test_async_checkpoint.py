@@ -1,4 +1,4 @@
-"""Checkpoints written in the background (`train.async_checkpoint`, vlm_corl.training.async_checkpoint).
+"""Checkpoints written in the background (`train.async_checkpoint`, vlm_corl.training.run.async_checkpoint).
 
 - when the background write is on (auto: CUDA without DeepSpeed);
 - a background checkpoint holds the same files and tensors as one written at the step, old ones pruned alike;
@@ -26,8 +26,8 @@ from cohort_helpers import cohort, metrics, tests_env, trained_fields, weights
 from vlm_corl.commands.train import main
 from vlm_corl.config import config_from_dict
 from vlm_corl.config.schema import resolve_async
-from vlm_corl.training.checkpoint import latest_checkpoint, load_cohort_state
 from vlm_corl.training.loop import run_cohort
+from vlm_corl.training.run.checkpoint import latest_checkpoint, load_cohort_state
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = {"mode": "none", "custom": "reward_fixtures:shorter_is_better"}  # a tiny random member gets gradients
@@ -280,7 +280,7 @@ def test_keep_best_waits_for_the_background_write_of_the_same_member(tiny_zoo, t
     write); the last checkpoint and the best model are complete and load."""
     from transformers import AutoConfig, PreTrainedModel
 
-    from vlm_corl.training import eval_phase
+    from vlm_corl.training.phases import eval_phase
 
     evaluated = {step: threading.Event() for step in range(3)}
     best_saving, saves, inside = threading.Event(), [], []

@@ -18,8 +18,8 @@ from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import response_token_stats
 from vlm_corl.registry import REWARDS
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.rewards import CohortBatch
-from vlm_corl.training.slots import ema_update, teacher_decay
+from vlm_corl.training.rewards.modes import CohortBatch
+from vlm_corl.training.run.slots import ema_update, teacher_decay
 
 
 def test_intrinsic_rewards_read_the_rollout_statistics():

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from vlm_corl.training.category_metrics import category_step_stats, pooled_diversity, window_metrics
-from vlm_corl.training.checkpoint import list_checkpoints
-from vlm_corl.training.collapse import collapse_warnings, eval_drops, flag_step, window_size
-from vlm_corl.training.guard import roll_back, stop_message
-from vlm_corl.training.metrics import unanimous_questions
-from vlm_corl.training.rewards import CohortBatch, RewardOutput
+from vlm_corl.training.monitor.category_metrics import category_step_stats, pooled_diversity, window_metrics
+from vlm_corl.training.monitor.collapse import collapse_warnings, eval_drops, flag_step, window_size
+from vlm_corl.training.monitor.metrics import unanimous_questions
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput
+from vlm_corl.training.run.checkpoint import list_checkpoints
+from vlm_corl.training.run.guard import roll_back, stop_message
 
 
 def test_category_step_sums_by_hand():
@@ -231,7 +231,7 @@ def _one_answer_rows(late_answers: int, steps: int = 10) -> list[dict]:
 def test_the_one_answer_rule_needs_its_minimum_of_pooled_answers():
     """rule.min_pooled_answers (8): 5 late answers of one colour are too few to call a collapse; 10 are enough; a
     rule asking for 12 does not fire on 10 (issue 23: a detector ignoring the minimum survived the tests)."""
-    from vlm_corl.training.collapse import CollapseRule, category_evidence
+    from vlm_corl.training.monitor.collapse import CollapseRule, category_evidence
 
     few, enough = _one_answer_rows(5), _one_answer_rows(10)
     assert category_evidence(few, len(few)) == []
@@ -243,7 +243,7 @@ def test_the_one_answer_rule_needs_its_minimum_of_pooled_answers():
 def test_the_trend_rule_needs_an_absolute_fall_of_answer_entropy():
     """rule.min_diversity_drop_abs (0.05 nats) beside the relative 30 %: 0.10 -> 0.06 nats is a 40 % fall but only
     0.04 nats, not flagged; 0.10 -> 0.04 is; a floor raised to 0.5 nats keeps 1.0 -> 0.6 (40 %) from firing."""
-    from vlm_corl.training.collapse import CollapseRule, trend_flagged
+    from vlm_corl.training.monitor.collapse import CollapseRule, trend_flagged
 
     rises = [(0.5, 0.8)]  # agreement rose by 0.3
     no_gold = (None, None)
@@ -273,7 +273,7 @@ def test_eval_drop_threshold_is_the_configured_one():
 def test_the_category_window_keeps_the_configured_number_of_steps():
     """logging.category_window: the running per-category means cover the window's last steps (the tracker keeps
     window - 1 earlier rows per slot; the step's own row makes the window)."""
-    from vlm_corl.training.collapse import CollapseTracker
+    from vlm_corl.training.monitor.collapse import CollapseTracker
 
     tracker = CollapseTracker(recent=2)  # category_window 3
     for step in range(1, 6):

@@ -7,7 +7,7 @@ import dataclasses
 from vlm_corl.config.schema import CohortConfig, DataConfig, DatasetConfig, LoggingConfig, MemberConfig
 from vlm_corl.data.loaders import loader_category
 from vlm_corl.data.records import Example
-from vlm_corl.training.setup import category_key
+from vlm_corl.training.run.setup import category_key
 
 
 def cfg(loader="easyvqa", **logging):

@@ -5,8 +5,8 @@ names the category as it is and joins rows written before the keys were made saf
 from __future__ import annotations
 
 from vlm_corl.reporting.run_plots import category_lines
-from vlm_corl.training.category_metrics import STATS, path_safe, pooled, window_metrics
-from vlm_corl.training.metrics import MetricsSink
+from vlm_corl.training.monitor.category_metrics import STATS, path_safe, pooled, window_metrics
+from vlm_corl.training.monitor.metrics import MetricsSink
 
 
 def _stats(*categories: str) -> dict:

@@ -12,7 +12,7 @@ import torch
 from cohort_helpers import cohort, metrics
 
 from vlm_corl.config import config_from_dict
-from vlm_corl.training.collapse import (
+from vlm_corl.training.monitor.collapse import (
     CollapseRule,
     CollapseTracker,
     collapse_evidence,
@@ -20,7 +20,7 @@ from vlm_corl.training.collapse import (
     flag_step,
     window_size,
 )
-from vlm_corl.training.metrics import (
+from vlm_corl.training.monitor.metrics import (
     answer_entropy,
     answer_key,
     batch_entropy,
@@ -31,7 +31,7 @@ from vlm_corl.training.metrics import (
     unanimity,
     unanimous_questions,
 )
-from vlm_corl.training.rewards import CohortBatch, RewardOutput
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput
 
 H_31 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # entropy of (3/4, 1/4)
 H_21 = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))

@@ -23,7 +23,7 @@ from vlm_corl.config import MemberConfig
 from vlm_corl.data.loaders import balance_by, load_examples
 from vlm_corl.members.member import load_member
 from vlm_corl.models.warmstart import Schedule, warm_start
-from vlm_corl.training.guard import EXIT_STATUS
+from vlm_corl.training.run.guard import EXIT_STATUS
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from vlm_corl.config import ConfigError, config_from_dict
 from vlm_corl.config.schema import DatasetConfig
 from vlm_corl.data.loaders import DataError, load_examples
 from vlm_corl.data.python_data import register_dataset
-from vlm_corl.training.setup import load_training_examples
+from vlm_corl.training.run.setup import load_training_examples
 
 
 def png(colour="red") -> bytes:
@@ -202,7 +202,7 @@ def test_a_vision_cohort_given_a_misnamed_image_column_is_refused_before_any_mod
 def test_a_vision_cohort_given_data_without_any_picture_is_warned(tiny_zoo, tmp_path, caplog):
     """An image column absent from every row and no picture elsewhere: text data, legitimate (VL models can
     train on text), but also what a dropped image column looks like: said at start, before any model loads."""
-    from vlm_corl.training.setup import _check_members_read_the_data
+    from vlm_corl.training.run.setup import _check_members_read_the_data
 
     cfg = config_from_dict(api_config(tiny_zoo, tmp_path, loader="easyvqa", limit=4))
     text = load_python([{"question": f"what colour? {i}"} for i in range(4)]).examples

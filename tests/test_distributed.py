@@ -16,8 +16,8 @@ from vlm_corl.distributed.exchange import LockstepError, exchange
 from vlm_corl.distributed.world import PlacementError, World, describe, place_members, shard, sum_over
 from vlm_corl.members.member import load_member
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.setup import _check_shards
-from vlm_corl.training.update_phase import batch_totals
+from vlm_corl.training.phases.update_phase import batch_totals
+from vlm_corl.training.run.setup import _check_shards
 
 
 def _members(*ids, ranks=None):

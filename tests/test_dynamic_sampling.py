@@ -16,10 +16,10 @@ from vlm_corl.config.schema import MemberConfig
 from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.distributed.world import shard
 from vlm_corl.registry import REWARDS
-from vlm_corl.training.dynamic_sampling import StepRollouts, merge, resample, sub_shards
-from vlm_corl.training.reward_phase import trained_slots
-from vlm_corl.training.rewards import RewardOutput, add_overlong_penalty, cohort_zero_variance, overlong_penalty
-from vlm_corl.training.slots import slot_specs
+from vlm_corl.training.phases.reward_phase import trained_slots
+from vlm_corl.training.rewards.dynamic_sampling import StepRollouts, merge, resample, sub_shards
+from vlm_corl.training.rewards.modes import RewardOutput, add_overlong_penalty, cohort_zero_variance, overlong_penalty
+from vlm_corl.training.run.slots import slot_specs
 
 # ---- which questions no trained member learns from ------------------------------------------------------
 

@@ -21,10 +21,10 @@ from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.experiments import easyvqa_try
 from vlm_corl.experiments.easyvqa_design import Method
 from vlm_corl.members.update import policy_update
-from vlm_corl.training import update_phase
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.setup import load_training_examples
-from vlm_corl.training.update_phase import _sequences, batch_totals
+from vlm_corl.training.phases import update_phase
+from vlm_corl.training.phases.update_phase import _sequences, batch_totals
+from vlm_corl.training.run.setup import load_training_examples
 
 # ---- the config -----------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from vlm_corl.config import config_from_dict
 from vlm_corl.evaluation import scoring
 from vlm_corl.members.engines.hf import HFEngine
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.numerics import RolloutMismatchStopped, check_rollout_mismatch
+from vlm_corl.training.run.numerics import RolloutMismatchStopped, check_rollout_mismatch
 
 GEN = ("generate", {"add_special_tokens": False})
 SLEEP_SYNC_WAKE = [("sleep", 2), ("wake_up", ("weights",)), "push", ("wake_up", ("kv_cache",))]

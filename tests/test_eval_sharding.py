@@ -11,7 +11,7 @@ from cohort_helpers import cohort
 from vlm_corl.config import MemberConfig, config_from_dict
 from vlm_corl.config.schema import EvalConfig
 from vlm_corl.members.member import load_member
-from vlm_corl.training.eval_phase import evaluate_cohort
+from vlm_corl.training.phases.eval_phase import evaluate_cohort
 
 
 class RecordingWorld:

@@ -624,8 +624,8 @@ def test_every_trainer_state_exists_before_the_first_engine_is_built(tiny_zoo, t
     from cohort_helpers import cohort
 
     from vlm_corl.config import config_from_dict
-    from vlm_corl.training import slots
     from vlm_corl.training.loop import run_cohort
+    from vlm_corl.training.run import slots
 
     seen = []
     real = slots.make_engine
@@ -699,7 +699,7 @@ def test_an_ema_teacher_keeps_fp32_weights_and_samples_from_a_bf16_copy_refreshe
     """co_rewarding_2's teacher moves by EMA steps too small for bf16, so its weights stay fp32; with the HF
     engine it samples from one bf16 copy (no per-token recast), which the sync refreshes after every EMA step.
     With vLLM the engine keeps its own copy: none here."""
-    from vlm_corl.training.slots import ema_update, load_teacher
+    from vlm_corl.training.run.slots import ema_update, load_teacher
 
     student = load_member(MemberConfig(id="s", model=str(tiny_zoo["qwen3"])), device=CPU, rollout="bfloat16")
     teacher = load_teacher(student, None)

@@ -17,9 +17,9 @@ from fake_vllm import FakeLLM
 
 from vlm_corl.config import config_from_dict
 from vlm_corl.members.engines.hf import HFEngine
-from vlm_corl.training import update_phase
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.reward_funcs import RewardFunction
+from vlm_corl.training.phases import update_phase
+from vlm_corl.training.rewards.reward_funcs import RewardFunction
 
 # reward.teacher_decay_start and _end: the teacher moves half way to its student at step 1 (decay 0.5, exact in
 # binary), far enough that the move shows in bf16 as well

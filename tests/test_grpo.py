@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vlm_corl.training.grpo import (
+from vlm_corl.training.rewards.grpo import (
     aggregate_loss,
     clipped_surrogate,
     group_advantages,

@@ -14,7 +14,7 @@ import torch
 
 from vlm_corl.config import AlgoConfig
 from vlm_corl.members.update import policy_token_loss
-from vlm_corl.training.grpo import (
+from vlm_corl.training.rewards.grpo import (
     aggregate_loss,
     cispo_loss,
     clipped_surrogate,

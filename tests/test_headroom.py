@@ -1,4 +1,4 @@
-"""Label headroom (vlm_corl.training.headroom): by-hand cases of every topology, the algebra (self_vote 0, ring
+"""Label headroom (vlm_corl.training.rewards.headroom): by-hand cases of every topology, the algebra (self_vote 0, ring
 sums to 0), the vote threshold reaching the labels, the confidence prediction, and the ranking of candidate cohorts."""
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from vlm_corl.config.schema import RewardConfig
-from vlm_corl.training.headroom import (
+from vlm_corl.training.rewards.headroom import (
     cohort_headroom,
     cohort_labels,
     cohort_report,

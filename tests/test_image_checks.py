@@ -14,7 +14,7 @@ from PIL import Image
 import vlm_corl.data.image_checks as image_checks
 import vlm_corl.data.loaders as loaders
 from vlm_corl.data.loaders import load_examples
-from vlm_corl.training.checkpoint import data_fingerprint
+from vlm_corl.training.run.checkpoint import data_fingerprint
 
 
 def png(colour: str) -> bytes:
@@ -118,7 +118,7 @@ def test_world_rank_0_checks_the_pictures_before_the_barrier_and_the_others_read
     the barrier (the others would wait for it forever)."""
     from vlm_corl.config import config_from_dict
     from vlm_corl.data.loaders import DataError
-    from vlm_corl.training.setup import _load_data
+    from vlm_corl.training.run.setup import _load_data
 
     model = str(ROOT / "configs" / "models" / "internvl3-2b-hf")
     train = {"loader": "jsonl", "path": str(dataset)}

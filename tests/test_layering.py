@@ -186,7 +186,7 @@ UPWARD = {
     ("config", "distributed"),  # loading: the launch's world size, to check a layout while the config is read
     ("config", "members"),  # loading: a DeepSpeed file and an adapter's files checked while the config is read
     ("config", "training"),  # loading: reward mode and tracker names checked against their registries
-    ("members", "training"),  # update: the policy loss, one pure function of training/grpo.py
+    ("members", "training"),  # update: the policy loss, one pure function of training/rewards/grpo.py
 }
 
 
@@ -219,6 +219,55 @@ def test_the_layer_check_sees_a_new_upward_import():
     graph = _import_graph()
     graph["vlm_corl.members.render"] = graph["vlm_corl.members.render"] | {"vlm_corl.reporting.html"}
     assert ("members", "reporting") in _upward(graph)
+
+
+# training/'s sub-rooms, top to bottom (docs/layout.md): the loop, then each room imports only those below it
+TRAINING_ROOMS = ("loop", "phases", "run", "monitor", "rewards")
+TRAINING_UPWARD = {  # the imports running back up, and why
+    ("rewards", "run"): "reward_funcs: the slots' type (SlotSpec), for annotations only",
+    ("monitor", "run"): "throughput: the slots' type (SlotSpec), for annotations only",
+}
+
+
+def _training_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "training" else None
+
+
+def _training_upward(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    found: dict[tuple[str, str], list[str]] = {}
+    for source, targets in graph.items():
+        for target in targets:
+            a, b = _training_room(source), _training_room(target)
+            if a and b and TRAINING_ROOMS.index(b) < TRAINING_ROOMS.index(a):
+                found.setdefault((a, b), []).append(f"{source} -> {target}")
+    return found
+
+
+def test_trainings_sub_rooms_import_down_but_for_the_known_few():
+    graph = _import_graph()
+    assert {_training_room(m) for m in graph} - {None} == set(TRAINING_ROOMS), "a training module outside its rooms"
+    upward = _training_upward(graph)
+    assert set(upward) <= set(TRAINING_UPWARD), {k: v for k, v in upward.items() if k not in TRAINING_UPWARD}
+    graph["vlm_corl.training.rewards.grpo"] = graph["vlm_corl.training.rewards.grpo"] | {
+        "vlm_corl.training.monitor.metrics"
+    }
+    assert ("rewards", "monitor") in _training_upward(graph)  # the check sees a new one
+
+
+def test_the_training_modules_old_paths_still_import():
+    """Users' scripts import vlm_corl.training.rewards, .callbacks, .reward_funcs (and the other modules' paths from
+    before the sub-rooms): each gives the module that moved, or (rewards, now the room) the reward modes' names."""
+    import importlib
+
+    import vlm_corl
+    from vlm_corl.training.rewards import modes
+
+    assert importlib.import_module("vlm_corl.training.rewards").REWARDS is modes.REWARDS
+    assert importlib.import_module("vlm_corl.training.rewards").CohortBatch is modes.CohortBatch
+    for old, new in vlm_corl.RELOCATED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    assert {"vlm_corl.training.callbacks", "vlm_corl.training.reward_funcs"} <= set(vlm_corl.RELOCATED)
 
 
 # A function of the trainer reads in one screen: at most 60 lines (its def to its last line) and 6 parameters

@@ -14,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vlm_corl.members.rollout import Policy
 from vlm_corl.members.update import _full_logprobs, _per_position, response_logprobs, response_token_stats
-from vlm_corl.training.grpo import selective_logprobs, token_entropy, token_self_certainty, token_stats
+from vlm_corl.training.rewards.grpo import selective_logprobs, token_entropy, token_self_certainty, token_stats
 
 V = 300
 SUPPRESSED = [0, 7, V - 1]

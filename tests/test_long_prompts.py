@@ -22,7 +22,7 @@ from vlm_corl.distributed.world import World, shard
 from vlm_corl.members.member import load_member
 from vlm_corl.members.render import PromptTooLong, Renderer
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.render_ahead import RenderAhead, _agree_too_long
+from vlm_corl.training.phases.render_ahead import RenderAhead, _agree_too_long
 
 
 def test_excluded_examples_are_replaced_from_the_stream_and_survive_a_resume():

@@ -15,7 +15,9 @@ from test_policy_update import policy_logprobs, setup, tokens, update  # noqa: F
 from vlm_corl.config import AlgoConfig, MemberConfig
 from vlm_corl.members.member import load_member
 from vlm_corl.members.update import response_token_stats
-from vlm_corl.training.grpo import (
+from vlm_corl.training.monitor.metrics import zero_variance_frac
+from vlm_corl.training.phases.step_metrics import member_stats
+from vlm_corl.training.rewards.grpo import (
     cispo_loss,
     clip_counts,
     clipped_surrogate,
@@ -24,8 +26,6 @@ from vlm_corl.training.grpo import (
     rollout_is_weights,
     sapo_loss,
 )
-from vlm_corl.training.metrics import zero_variance_frac
-from vlm_corl.training.step_metrics import member_stats
 
 # Two sequences of 3 tokens (the second's last is padding, its ratio would clip), ratios pi / pi_old set per token.
 RATIOS = torch.tensor([[1.5, 0.7, 1.3], [0.5, 1.3, 0.2]])

@@ -18,7 +18,7 @@ import torch
 from cohort_helpers import easyvqa_cohort, metrics, weights
 from cohort_helpers import tests_env as launch_env  # not a test: pytest collects names starting with test
 
-from vlm_corl.training.checkpoint import is_complete, list_checkpoints
+from vlm_corl.training.run.checkpoint import is_complete, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -36,24 +36,24 @@ from vlm_corl.members.member import Member, load_member
 from vlm_corl.members.update import Sequence, _micro_batch_loss, _micro_batches, response_token_stats
 from vlm_corl.planning import check
 from vlm_corl.registry import REWARDS
-from vlm_corl.training import update_phase as update_room
-from vlm_corl.training.checkpoint_phase import _check_replicas
-from vlm_corl.training.collapse import CollapseTracker
-from vlm_corl.training.guard import improved
 from vlm_corl.training.loop import guard_phase
-from vlm_corl.training.numerics import (
+from vlm_corl.training.monitor.collapse import CollapseTracker
+from vlm_corl.training.monitor.samples import SampleSettings, sample_rows
+from vlm_corl.training.phases import update_phase as update_room
+from vlm_corl.training.phases.checkpoint_phase import _check_replicas
+from vlm_corl.training.phases.rollout_phase import intrinsic_scores, rollout_phase, sampling_params
+from vlm_corl.training.phases.step_metrics import StepOutcome, _gather_step_facts, metrics_rows
+from vlm_corl.training.phases.update_phase import follow_students, update_phase
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput
+from vlm_corl.training.run.guard import improved
+from vlm_corl.training.run.numerics import (
     NonFiniteStopped,
     NonFiniteTracker,
     RolloutMismatchStopped,
     check_rollout_mismatch,
 )
-from vlm_corl.training.rewards import CohortBatch, RewardOutput
-from vlm_corl.training.rollout_phase import intrinsic_scores, rollout_phase, sampling_params
-from vlm_corl.training.samples import SampleSettings, sample_rows
-from vlm_corl.training.setup import load_training_examples
-from vlm_corl.training.slots import SlotSpec, build_slots, slot_specs
-from vlm_corl.training.step_metrics import StepOutcome, _gather_step_facts, metrics_rows
-from vlm_corl.training.update_phase import follow_students, update_phase
+from vlm_corl.training.run.setup import load_training_examples
+from vlm_corl.training.run.slots import SlotSpec, build_slots, slot_specs
 
 CPU = torch.device("cpu")
 

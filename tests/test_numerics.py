@@ -1,4 +1,4 @@
-"""The numerical guard (vlm_corl.training.numerics, Member.step, vlm_corl.members.finite): a non-finite loss or
+"""The numerical guard (vlm_corl.training.run.numerics, Member.step, vlm_corl.members.finite): a non-finite loss or
 gradient skips the member's optimizer step (weights, Adam moments and schedule unchanged), is counted in
 metrics.jsonl and logged, and after train.max_nonfinite_steps in a row stops the run with exit 3 naming the
 member; the ranks of a member agree (a NaN on one rank skips the step on both); DeepSpeed members likewise;
@@ -24,7 +24,7 @@ from vlm_corl.config import config_from_dict
 from vlm_corl.config.schema import MemberConfig, TrainConfig
 from vlm_corl.members.finite import NonFiniteWeights
 from vlm_corl.members.member import load_member
-from vlm_corl.training.numerics import NonFiniteTracker, not_finite
+from vlm_corl.training.run.numerics import NonFiniteTracker, not_finite
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests"), "FAULT_MEMBER": "a"}
 
@@ -71,7 +71,7 @@ def test_a_nonfinite_loss_skips_the_step_and_leaves_weights_moments_and_schedule
 
 
 def test_the_tracker_stops_after_consecutive_skips_only(caplog):
-    from vlm_corl.training.numerics import NonFiniteStopped
+    from vlm_corl.training.run.numerics import NonFiniteStopped
 
     tracker = NonFiniteTracker(limit=2)
     skip, ok = {"nonfinite_skipped": 1, "loss": float("nan"), "grad_norm": 3.0}, {"nonfinite_skipped": 0}
@@ -182,7 +182,7 @@ def test_nonfinite_weights_are_refused_at_load_naming_the_tensor(tiny_zoo, tmp_p
 
 def test_nonfinite_logits_stop_a_rollout_naming_the_member(tiny_zoo, tmp_path):
     from vlm_corl.training.loop import run_cohort
-    from vlm_corl.training.numerics import NonFiniteStopped
+    from vlm_corl.training.run.numerics import NonFiniteStopped
 
     cfg = config_from_dict(cohort(tmp_path, [("a", tiny_zoo["qwen2_vl"]), ("b", tiny_zoo["mllama"])]))
     import vlm_corl.members.engines.hf as hf
@@ -213,8 +213,8 @@ def test_no_checkpoint_is_written_with_nonfinite_weights(tmp_path):
     from types import SimpleNamespace
 
     from vlm_corl.distributed.world import World
-    from vlm_corl.training.checkpoint_phase import _check_replicas
-    from vlm_corl.training.numerics import NonFiniteStopped
+    from vlm_corl.training.phases.checkpoint_phase import _check_replicas
+    from vlm_corl.training.run.numerics import NonFiniteStopped
 
     def model(name, value):
         weights = [("w", torch.tensor([1.0, value]))]

@@ -23,8 +23,8 @@ from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import policy_update, response_logprobs
-from vlm_corl.training.grpo import group_advantages
-from vlm_corl.training.update_phase import _sequences, batch_totals
+from vlm_corl.training.phases.update_phase import _sequences, batch_totals
+from vlm_corl.training.rewards.grpo import group_advantages
 
 CONST_NORM = 8  # Dr.GRPO's constant normaliser (rollout.max_new_tokens)
 # Hand-chosen rewards of each slot's 3 groups x 3 responses; the middle group of slot 1 and the last of slot 2

@@ -1,4 +1,4 @@
-"""`corl preflight` (vlm_corl/preflight.py, vlm_corl/training/preflight_checks.py) on tiny cohorts: `ready` with
+"""`corl preflight` (vlm_corl/preflight.py, vlm_corl/commands/preflight_checks.py) on tiny cohorts: `ready` with
 every number filled for plain and LoRA members (ZeRO-2/3 on 2-4 gloo processes: slow, `make test-scale`), and each
 planted fault found and named with its phase, rank, member and exit status: an engine that ignores the push, a rank
 with too little memory, an output disk too small, a version outside the tested range, a member whose rollout
@@ -23,7 +23,7 @@ from cohort_helpers import cohort
 from vlm_corl import versions
 from vlm_corl.commands.preflight import main
 from vlm_corl.members.engines.hf import HFEngine
-from vlm_corl.training import slots
+from vlm_corl.training.run import slots
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = {"r": 4, "alpha": 8.0}
@@ -228,7 +228,7 @@ def test_deepspeed_cohorts_on_gloo_processes_are_ready(tiny_zoo, tmp_path, procs
 def test_preflight_collectives_wait_its_own_time_limit_and_nccl_raises(tiny_zoo, tmp_path, monkeypatch):
     """The process group is made with --timeout (default PREFLIGHT_TIMEOUT_S), not train.dist_timeout_s, and on
     CUDA with NCCL's blocking wait set first (a timeout raises in Python); gloo's environment is left alone."""
-    from vlm_corl.training import preflight_checks
+    from vlm_corl.commands import preflight_checks
 
     class Launched(Exception):
         pass
@@ -257,9 +257,9 @@ def test_the_measured_checkpoint_disk_check_flips_at_the_runs_total(tmp_path, mo
     stops with the disk's message."""
     from types import SimpleNamespace
 
+    from vlm_corl.commands import preflight_checks
     from vlm_corl.errors import UserError
     from vlm_corl.planning.disk import DiskPlan
-    from vlm_corl.training import preflight_checks
 
     disk = DiskPlan(members={"a": {"weights": 600.0, "small_files": 40.0}, "b": {"weights": 360.0}},
                     copies=3, keep_last=2, best=200.0)  # fmt: skip

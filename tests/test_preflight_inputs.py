@@ -14,7 +14,7 @@ from cohort_helpers import cohort
 
 from vlm_corl import cli
 from vlm_corl.commands.preflight import main
-from vlm_corl.training.preflight_checks import write_report
+from vlm_corl.commands.preflight_checks import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ABSENT_WEIGHTS = ROOT / "configs" / "models" / "qwen2.5-vl-7b-instruct"  # config.json only

@@ -1,4 +1,4 @@
-"""A run gives back everything it took (vlm_corl.training.release): once `run_cohort` has returned or raised, no
+"""A run gives back everything it took (vlm_corl.training.run.release): once `run_cohort` has returned or raised, no
 member model, optimizer or DeepSpeed engine, rollout engine, HF rollout copy, EMA teacher, renderer (and the
 prompts it cached), render thread or process group the run made is alive, for plain, LoRA, ZeRO-2 and ZeRO-3
 members and for two runs in one process; an exception the caller keeps keeps none of them through its frames.
@@ -27,10 +27,12 @@ from cohort_helpers import ROOT, cohort
 from vlm_corl.api import CohortTrainer, RewardFunctionFailed
 from vlm_corl.config import config_from_dict
 from vlm_corl.distributed.world import CollectiveError
-from vlm_corl.training import loop, release, render_ahead
-from vlm_corl.training import setup as run_setup
-from vlm_corl.training import slots as slots_module
-from vlm_corl.training.callbacks import CallbackFailed
+from vlm_corl.training import loop
+from vlm_corl.training.phases import render_ahead
+from vlm_corl.training.run import release
+from vlm_corl.training.run import setup as run_setup
+from vlm_corl.training.run import slots as slots_module
+from vlm_corl.training.run.callbacks import CallbackFailed
 
 KINDS = {
     "plain": {},

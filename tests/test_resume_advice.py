@@ -1,4 +1,4 @@
-"""`train.resume=true` where output_dir holds no checkpoint (vlm_corl/training/setup.py `_resume_point`) advises
+"""`train.resume=true` where output_dir holds no checkpoint (vlm_corl/training/run/setup.py `_resume_point`) advises
 overrides that, followed literally, start the run: over a run that wrote no checkpoint, train.resume=false
 train.overwrite=true (train.resume=auto, advised before, was refused there for the run in the folder); over an
 empty folder, train.resume=auto. Each advice is applied as given and the start's claim of the folder checked
@@ -15,7 +15,7 @@ import yaml
 from cohort_helpers import cohort
 
 from vlm_corl.config import ConfigError, load_config
-from vlm_corl.training.setup import _resume_or_claim
+from vlm_corl.training.run.setup import _resume_or_claim
 
 ROOT = Path(__file__).resolve().parents[1]
 ABSENT_WEIGHTS = ROOT / "configs" / "models" / "qwen2.5-vl-7b-instruct"  # config.json only: nothing loads

@@ -18,8 +18,8 @@ from cohort_helpers import cohort, write_jsonl
 from vlm_corl import CohortTrainer
 from vlm_corl.config import ConfigError, config_from_dict
 from vlm_corl.data.records import Example
-from vlm_corl.training.checkpoint import DATA_RECORD, data_fingerprint, latest_checkpoint, load_cohort_state
 from vlm_corl.training.loop import run_cohort
+from vlm_corl.training.run.checkpoint import DATA_RECORD, data_fingerprint, latest_checkpoint, load_cohort_state
 
 ROWS = [{"id": f"q{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(8)]
 

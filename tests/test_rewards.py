@@ -8,7 +8,7 @@ import torch
 from vlm_corl.config import RewardConfig
 from vlm_corl.data.answers import consensus, plurality_vote
 from vlm_corl.registry import REWARDS
-from vlm_corl.training.rewards import CohortBatch
+from vlm_corl.training.rewards.modes import CohortBatch
 
 
 def batch(answers, gold=None, fmt=None, choices=None):

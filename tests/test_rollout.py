@@ -17,7 +17,7 @@ from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import _full_logprobs, _shared_prompt_logprobs, response_logprobs
-from vlm_corl.training.grpo import token_entropy, token_self_certainty
+from vlm_corl.training.rewards.grpo import token_entropy, token_self_certainty
 
 FAMILIES = shipped_families()
 TEXT = {"qwen3", "qwen2", "llama"}
@@ -179,8 +179,8 @@ def test_sharing_the_prompt_pass_leaves_logits_and_gradients_unchanged(tiny_zoo,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rollout_statistics_are_those_of_the_policy(tiny_zoo, examples, family):
-    """Entropy and self-certainty sums recorded while sampling equal vlm_corl.training.grpo's definitions applied to the
-    tempered policy (suppressed tokens removed) of a forward pass over the same tokens."""
+    """Entropy and self-certainty sums recorded while sampling equal training/rewards/grpo.py's definitions applied to
+    the tempered policy (suppressed tokens removed) of a forward pass over the same tokens."""
     member, prompts = _prompts(tiny_zoo, examples, family)
     params = SamplingParams(n=2, max_new_tokens=8, seed=3, temperature=0.7)
     responses = [r for g in make_engine("hf", member).generate(prompts, params) for r in g.responses]

@@ -10,7 +10,7 @@ from cohort_helpers import cohort
 from vlm_corl.config import config_from_dict
 from vlm_corl.members.engines.hf import HFEngine
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.reward_funcs import RewardFunction
+from vlm_corl.training.rewards.reward_funcs import RewardFunction
 
 
 def alternate(*, completions, **_):

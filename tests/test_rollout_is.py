@@ -13,7 +13,7 @@ from vlm_corl.config import AlgoConfig, MemberConfig, TrainConfig
 from vlm_corl.config.schema import RolloutConfig
 from vlm_corl.members.member import load_member
 from vlm_corl.members.update import Sequence, policy_update, response_logprobs, rollout_mismatch
-from vlm_corl.training.grpo import rollout_is_weights
+from vlm_corl.training.rewards.grpo import rollout_is_weights
 
 
 def test_truncated_weights_and_mismatch_by_hand():

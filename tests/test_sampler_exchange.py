@@ -14,7 +14,7 @@ from vlm_corl.data.sampler import LockstepSampler
 from vlm_corl.distributed.exchange import LockstepError, exchange
 from vlm_corl.distributed.world import World
 from vlm_corl.registry import REWARDS
-from vlm_corl.training.rewards import CohortBatch, paired_reward
+from vlm_corl.training.rewards.modes import CohortBatch, paired_reward
 
 
 def draw(sampler: LockstepSampler, n: int) -> list[list[int]]:

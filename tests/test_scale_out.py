@@ -26,7 +26,7 @@ import torch
 import yaml
 from cohort_helpers import cohort, easyvqa_cohort, metrics, trained_fields, weights
 
-from vlm_corl.training.checkpoint import is_complete, list_checkpoints
+from vlm_corl.training.run.checkpoint import is_complete, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}

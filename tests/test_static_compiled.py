@@ -26,7 +26,7 @@ from vlm_corl.members.member import load_member
 from vlm_corl.members.precision import rollout_dtype, samples_from_copy
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
-from vlm_corl.training.slots import keep_rollout_copy
+from vlm_corl.training.run.slots import keep_rollout_copy
 
 # families whose decoding state a static cache holds (Mllama: cross-attention; Gemma-3: sliding windows)
 FAMILIES = [f for f in shipped_families() if f not in ("mllama", "gemma3")]

@@ -403,7 +403,7 @@ def test_evaluation_follows_rollout_hf_static_cache(tiny_zoo, tmp_path, monkeypa
     from vlm_corl.commands import eval as eval_command
     from vlm_corl.config import config_from_dict
     from vlm_corl.config.schema import EvalConfig
-    from vlm_corl.training.eval_phase import evaluate_cohort
+    from vlm_corl.training.phases.eval_phase import evaluate_cohort
 
     made, modes = static_decode.decode_steps, []
     monkeypatch.setattr(hf, "decode_steps", lambda *args: modes.append((args[3], args[5])) or made(*args))

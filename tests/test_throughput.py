@@ -1,4 +1,4 @@
-"""The speed fields of metrics.jsonl (vlm_corl.training.throughput): tokens per second of the rollout and the
+"""The speed fields of metrics.jsonl (vlm_corl.training.monitor.throughput): tokens per second of the rollout and the
 update on every device, the update's MFU against the card's bf16 peak on CUDA only, the GPU's busy share per
 phase from nvidia-smi's samples."""
 
@@ -11,7 +11,7 @@ from cohort_helpers import cohort, metrics
 
 from vlm_corl.config import config_from_dict
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.throughput import BusySampler, Throughput, model_flops, peak_bf16_flops
+from vlm_corl.training.monitor.throughput import BusySampler, Throughput, model_flops, peak_bf16_flops
 
 
 @pytest.mark.parametrize(
@@ -94,8 +94,8 @@ def test_the_busy_share_goes_only_on_the_rows_of_the_slots_the_sampled_gpu_hosts
     so b's rows (on rank 1's GPU) get no gpu_busy field; a's do."""
     from vlm_corl.config.schema import MemberConfig
     from vlm_corl.distributed.world import place_members
-    from vlm_corl.training.slots import slot_specs
-    from vlm_corl.training.throughput import hosted_slots
+    from vlm_corl.training.monitor.throughput import hosted_slots
+    from vlm_corl.training.run.slots import slot_specs
 
     members = [MemberConfig(id="a", model="m"), MemberConfig(id="b", model="m")]
     sampled = hosted_slots(place_members(members, 2), slot_specs(members, "members"), rank=0)

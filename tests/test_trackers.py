@@ -23,10 +23,10 @@ from cohort_helpers import cohort
 from vlm_corl.config import config_from_dict
 from vlm_corl.config.parse import ConfigError
 from vlm_corl.errors import UserError
-from vlm_corl.training import trackers
 from vlm_corl.training.loop import run_cohort
-from vlm_corl.training.rewards import CohortBatch, RewardOutput
-from vlm_corl.training.samples import SampleSettings, label_sources, sample_rows, samples_due
+from vlm_corl.training.monitor import trackers
+from vlm_corl.training.monitor.samples import SampleSettings, label_sources, sample_rows, samples_due
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput
 
 
 def _run(tmp: Path, base_models: dict, report_to: list[str], **logging_) -> Path:
@@ -165,7 +165,7 @@ def test_a_tracker_that_cannot_start_is_a_user_error_one_failing_later_only_stop
 
 
 def test_a_run_that_raised_ends_its_mlflow_and_wandb_runs_as_failed(tmp_path, monkeypatch):
-    """A run that raises finishes its trackers without a summary (vlm_corl.training.release): their runs end
+    """A run that raises finishes its trackers without a summary (vlm_corl.training.run.release): their runs end
     failed, not finished, as a process that died would have left them."""
     from mlflow.tracking import MlflowClient
 

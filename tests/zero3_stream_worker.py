@@ -30,7 +30,7 @@ from vlm_corl.members.member import load_member
 from vlm_corl.members.render import Renderer
 from vlm_corl.members.rollout import SamplingParams
 from vlm_corl.members.update import Sequence, policy_update, response_token_stats
-from vlm_corl.training.slots import ema_update
+from vlm_corl.training.run.slots import ema_update
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = 64 << 10  # a small bucket so that the stream gathers in several rounds

@@ -33,19 +33,59 @@ MOVED = {
 }
 
 
+# The training modules' paths before training/ was split into sub-rooms (and the preflight's work moved to its
+# command's room): `from vlm_corl.training.callbacks import Callback` in a user's script still works, giving the
+# same module object. vlm_corl.training.rewards is the rewards room itself, which answers for its old module.
+RELOCATED = {
+    "vlm_corl.training.render_ahead": "vlm_corl.training.phases.render_ahead",
+    "vlm_corl.training.rollout_phase": "vlm_corl.training.phases.rollout_phase",
+    "vlm_corl.training.reward_phase": "vlm_corl.training.phases.reward_phase",
+    "vlm_corl.training.update_phase": "vlm_corl.training.phases.update_phase",
+    "vlm_corl.training.step_metrics": "vlm_corl.training.phases.step_metrics",
+    "vlm_corl.training.checkpoint_phase": "vlm_corl.training.phases.checkpoint_phase",
+    "vlm_corl.training.eval_phase": "vlm_corl.training.phases.eval_phase",
+    "vlm_corl.training.phase_timer": "vlm_corl.training.phases.phase_timer",
+    "vlm_corl.training.progress": "vlm_corl.training.phases.progress",
+    "vlm_corl.training.reward_funcs": "vlm_corl.training.rewards.reward_funcs",
+    "vlm_corl.training.grpo": "vlm_corl.training.rewards.grpo",
+    "vlm_corl.training.dynamic_sampling": "vlm_corl.training.rewards.dynamic_sampling",
+    "vlm_corl.training.headroom": "vlm_corl.training.rewards.headroom",
+    "vlm_corl.training.metrics": "vlm_corl.training.monitor.metrics",
+    "vlm_corl.training.category_metrics": "vlm_corl.training.monitor.category_metrics",
+    "vlm_corl.training.trackers": "vlm_corl.training.monitor.trackers",
+    "vlm_corl.training.samples": "vlm_corl.training.monitor.samples",
+    "vlm_corl.training.throughput": "vlm_corl.training.monitor.throughput",
+    "vlm_corl.training.collapse": "vlm_corl.training.monitor.collapse",
+    "vlm_corl.training.setup": "vlm_corl.training.run.setup",
+    "vlm_corl.training.slots": "vlm_corl.training.run.slots",
+    "vlm_corl.training.checkpoint": "vlm_corl.training.run.checkpoint",
+    "vlm_corl.training.async_checkpoint": "vlm_corl.training.run.async_checkpoint",
+    "vlm_corl.training.guard": "vlm_corl.training.run.guard",
+    "vlm_corl.training.numerics": "vlm_corl.training.run.numerics",
+    "vlm_corl.training.summary": "vlm_corl.training.run.summary",
+    "vlm_corl.training.release": "vlm_corl.training.run.release",
+    "vlm_corl.training.callbacks": "vlm_corl.training.run.callbacks",
+    "vlm_corl.training.preflight_checks": "vlm_corl.commands.preflight_checks",
+    "vlm_corl.training.preflight_watch": "vlm_corl.commands.preflight_watch",
+}
+
+
+_OLD_NAMES = {**MOVED, **RELOCATED}
+
+
 class _MovedModules(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
-    """Finds an old name of MOVED: imported, it is the new module itself; run with -m, the new module's code
-    (runpy asks the loader for it)."""
+    """Finds an old name of MOVED or RELOCATED: imported, it is the new module itself; run with -m, the new
+    module's code (runpy asks the loader for it)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in MOVED:
+        if name not in _OLD_NAMES:
             return None
-        spec = _importlib_util.spec_from_loader(name, self, origin=_importlib_util.find_spec(MOVED[name]).origin)
+        spec = _importlib_util.spec_from_loader(name, self, origin=_importlib_util.find_spec(_OLD_NAMES[name]).origin)
         spec.has_location = True  # runpy gives the code this __file__ (the demo finds its shipped bases by it)
         return spec
 
     def create_module(self, spec):
-        module = _importlib.import_module(MOVED[spec.name])
+        module = _importlib.import_module(_OLD_NAMES[spec.name])
         spec.loader_state = module.__spec__  # importlib now gives the module the old name's spec: kept to undo it
         return module
 
@@ -55,7 +95,7 @@ class _MovedModules(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
         module.__spec__ = module.__spec__.loader_state
 
     def get_code(self, name):
-        return _importlib_util.find_spec(MOVED[name]).loader.get_code(MOVED[name])
+        return _importlib_util.find_spec(_OLD_NAMES[name]).loader.get_code(_OLD_NAMES[name])
 
 
 if not any(isinstance(finder, _MovedModules) for finder in _sys.meta_path):

@@ -16,8 +16,8 @@ from typing import Any
 from vlm_corl.config import CohortConfig, ConfigError, check_registered, config_from_dict, load_config
 from vlm_corl.config.loading import config_to_dict, read_raw_config, with_overrides
 from vlm_corl.config.schema import DatasetConfig
-from vlm_corl.training.callbacks import EVENTS, CallbackFailed, StopTraining, callback_list
-from vlm_corl.training.reward_funcs import RewardFunctionFailed, run_reward_functions
+from vlm_corl.training.rewards.reward_funcs import RewardFunctionFailed, run_reward_functions
+from vlm_corl.training.run.callbacks import EVENTS, CallbackFailed, StopTraining, callback_list
 
 __all__ = ["EVENTS", "CallbackFailed", "CohortTrainer", "RewardFunctionFailed", "StopTraining"]
 
@@ -41,7 +41,7 @@ class CohortTrainer:
         one float (or None: abstain) per completion, an import string naming one as `reward.custom` does
         ("my_pkg.rewards:score"), or a list mixing both; their values, weighted by `reward_weights` (one number
         per function, a single number for a single function; default 1 each), are added to the `reward.mode`'s
-        reward (`reward.mode: none`: they are the whole reward). See `vlm_corl.training.reward_funcs` for the
+        reward (`reward.mode: none`: they are the whole reward). See `vlm_corl.training.rewards.reward_funcs` for the
         arguments; a signature that cannot take the dataset's columns is refused before any model loads.
     callbacks: an object, or a list of them, with any of `on_train_begin()`, `on_step_end(step, metrics)` (one
         row per member, as in metrics.jsonl), `on_evaluate(step, results)` (the in-loop evaluation's rows),

@@ -76,10 +76,10 @@ class Registry(Generic[T]):
         )
 
 
-# The extension points. Entry-point groups: vlm_corl.members.families, vlm_corl.loaders, vlm_corl.training.rewards,
-# vlm_corl.evaluation.benchmarks.
+# The extension points. Entry-point groups: vlm_corl.families, vlm_corl.loaders, vlm_corl.rewards,
+# vlm_corl.benchmarks.
 FAMILIES: Registry = Registry("families")  # model family name -> vlm_corl.members.families.Family
 LOADERS: Registry = Registry("loaders")  # dataset loader name -> loader function (see vlm_corl.data.loaders)
-REWARDS: Registry = Registry("rewards")  # reward mode name -> cohort reward function (see vlm_corl.training.rewards)
+REWARDS: Registry = Registry("rewards")  # reward mode name -> cohort reward function (training/rewards/modes.py)
 # benchmark name (or a benchmark YAML file, vlm_corl.evaluation.benchmark_file) -> vlm_corl.evaluation.scoring.Benchmark
 BENCHMARKS: Registry = Registry("benchmarks", file_loader="vlm_corl.evaluation.benchmark_file:load_benchmark_file")

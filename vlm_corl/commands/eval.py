@@ -152,7 +152,7 @@ def model_dirs(paths: list[str]) -> list[Path]:
     checkpoint (`RUN/checkpoints/step-N`: the members and teachers its manifest lists), or those of a run
     directory's newest complete checkpoint. A path that does not exist is kept, for `check_models` to report."""
     from vlm_corl.members.adapter_files import is_adapter_dir
-    from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
+    from vlm_corl.training.run.checkpoint import MANIFEST, is_complete, latest_checkpoint
 
     found = []
     for raw in paths:

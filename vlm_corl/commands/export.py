@@ -42,7 +42,7 @@ from vlm_corl.members.adapter_files import is_adapter_dir
 
 def checkpoint_of(run: Path, step: int | None) -> Path:
     """The checkpoint `run` names: itself, its `--step`, or its newest complete one; UserError otherwise."""
-    from vlm_corl.training.checkpoint import MANIFEST, is_complete, latest_checkpoint
+    from vlm_corl.training.run.checkpoint import MANIFEST, is_complete, latest_checkpoint
 
     if (run / MANIFEST).is_file():
         found = run
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = cli.parse(parser, argv)
     from vlm_corl.reporting.model_card import write_card
-    from vlm_corl.training.checkpoint import MANIFEST
+    from vlm_corl.training.run.checkpoint import MANIFEST
 
     checkpoint = checkpoint_of(Path(args.run), args.step)
     members = list(json.loads((checkpoint / MANIFEST).read_text())["members"])

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Sequence
 
 from vlm_corl import cli
+from vlm_corl.commands.preflight_watch import PREFLIGHT_TIMEOUT_S
 from vlm_corl.config import ConfigError
 from vlm_corl.errors import UserError
-from vlm_corl.training.preflight_watch import PREFLIGHT_TIMEOUT_S
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.preflight") -> int:
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.pref
         print(f"{args.config}: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from vlm_corl.training.preflight_checks import PreflightOptions, run_preflight
+    from vlm_corl.commands.preflight_checks import PreflightOptions, run_preflight
 
     out = Path(args.out) if args.out else Path(cfg.output_dir) / "preflight.json"
     check_paths(out, Path(cfg.output_dir))

@@ -18,7 +18,7 @@ Recommendation (RULE below): pairs with p_A + p_B > 1 first, then lower κ, then
 first pair is the one to train with `ring`. Every question type on which a pair has p_A + p_B < 1 is
 flagged: expect collapse to a wrong consensus on that type.
 
-Label headroom (`--samples K`, default 4; vlm_corl.training.headroom): one more pass per model, K answers per
+Label headroom (`--samples K`, default 4; vlm_corl.training.rewards.headroom): one more pass per model, K answers per
 question at the training temperature, and for every cohort of two or more models and every reward topology (ring, peers,
 soft, self_vote, gt), computed by the reward modes' own code: how often each member's label is right where its
 own vote is wrong, minus the reverse. Cohorts are ranked best first by the part of their `peers` headroom the
@@ -120,7 +120,7 @@ def sampled_headroom(models: Mapping[str, str], bench, examples, samples: int, t
     """Every cohort of two or more of `models` ranked by label headroom (training.headroom.rank_cohorts), from
     one pass per model of `samples` answers per question at `temperature`."""
     from vlm_corl.evaluation.scoring import evaluate_dir
-    from vlm_corl.training.headroom import rank_cohorts
+    from vlm_corl.training.rewards.headroom import rank_cohorts
 
     sampled = dataclasses.replace(bench, samples=samples, temperature=temperature)
     records = {}
@@ -253,7 +253,7 @@ def _probe_set(args, bench) -> list:
 
 def headroom_markdown(h: Mapping) -> str:
     """probe.md's section on every cohort's label headroom (`sampled_headroom`'s report)."""
-    from vlm_corl.training.headroom import HEADROOM_NOTE, ranking_markdown
+    from vlm_corl.training.rewards.headroom import HEADROOM_NOTE, ranking_markdown
 
     title = (
         f"## Label headroom of every cohort (K = {h['samples']} samples at temperature {h['temperature']}; "

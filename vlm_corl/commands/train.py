@@ -27,8 +27,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m vlm_corl.trai
     # torch and transformers load only now: `--help` and argument mistakes answer at once
     from vlm_corl.api import CohortTrainer
     from vlm_corl.distributed.world import PlacementError
-    from vlm_corl.training.guard import CollapseStopped
-    from vlm_corl.training.numerics import NonFiniteStopped, RolloutMismatchStopped
+    from vlm_corl.training.run.guard import CollapseStopped
+    from vlm_corl.training.run.numerics import NonFiniteStopped, RolloutMismatchStopped
 
     try:
         trainer = CohortTrainer(args.config, overrides=args.overrides)  # the cheap checks; heavy imports after

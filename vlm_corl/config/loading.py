@@ -87,7 +87,7 @@ def min_image_pixels(model_dir: Path) -> int | None:
 
 def _tracker_problems(cfg: CohortConfig, problems: Problems) -> None:
     """A tracker in logging.report_to whose package is missing (the message names the extra)."""
-    from vlm_corl.training.trackers import PACKAGES, check_trackers
+    from vlm_corl.training.monitor.trackers import PACKAGES, check_trackers
 
     for name in dict.fromkeys(n for n in cfg.logging.report_to if n in PACKAGES):  # bad names: already reported
         try:
@@ -352,7 +352,7 @@ def check_registered(cfg: CohortConfig) -> None:
     Loading does not check these names: the registries fill up only when `vlm_corl`'s data/family modules,
     `text_corl` or a user's package are imported, which the config layer must not do itself.
     """
-    import vlm_corl.training.rewards  # noqa: F401  (registers the built-in reward modes)
+    import vlm_corl.training.rewards.modes  # noqa: F401  (registers the built-in reward modes)
 
     problems = Problems()
     lookups = [("data.train.loader", LOADERS, cfg.data.train.loader)]

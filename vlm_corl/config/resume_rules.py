@@ -5,7 +5,7 @@ A field may not change when its new value would make the saved state mean someth
 another optimizer, a data order that no longer matches the sampler's position) or would be ignored because the
 checkpoint restores the old one (the learning rate and Adam's hyperparameters live in the optimizer and schedule
 states). Every checkpoint keeps the config it was written under; `changed_at_resume` compares the two. The
-training data itself is compared by content, not by these fields (`vlm_corl.training.checkpoint.data_fingerprint`).
+training data itself is compared by content, not by these fields (`vlm_corl.training.run.checkpoint.data_fingerprint`).
 """
 
 from __future__ import annotations

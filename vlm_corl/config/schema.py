@@ -532,6 +532,6 @@ def resolve_async(setting: bool | str, device_type: str, deepspeed: bool) -> boo
 
 def slots_per_member(cfg: CohortConfig) -> int:
     """How many slots (renderers, rollouts) each member has: two under a two-view or EMA-teacher reward, else
-    one (the layouts of vlm_corl.training.slots, which the reward registry declares)."""
+    one (the layouts of vlm_corl.training.run.slots, which the reward registry declares)."""
     modes = TWO_VIEW_MODES + TEACHER_MODES
     return 2 if cfg.reward.mode in modes else 1

@@ -1,7 +1,7 @@
 """Pairwise agreement of two members' evaluation records (pure functions, labels used as the probe's diagnostic
 only): Cohen's κ on correctness, complementarity, p_A + p_B and its standard error, the shared-wrong-answer
 rates, per question type; every pair of a set of models ranked by `RULE`, and the recommendation. The probe
-command (`vlm_corl.commands.probe`) and the label-headroom analysis (`vlm_corl.training.headroom`) both read them."""
+command (`vlm_corl.commands.probe`) and the label-headroom analysis (`training/rewards/headroom.py`) both read them."""
 
 from __future__ import annotations
 

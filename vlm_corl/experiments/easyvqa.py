@@ -6,7 +6,7 @@
 1. Base models (vlm_corl.experiments.easyvqa_design): one tiny member per zoo VLM family and four more
    qwen2_vl ones, each warm-started on its own labelled slice; each scored greedily on test and on validation
    (train from #35000), and sampled K times at the training temperature on validation: the probe's records.
-2. The probe (vlm_corl.training.headroom) ranks every candidate cohort by its `peers` label headroom and picks the
+2. The probe (training/rewards/headroom.py) ranks every candidate cohort by its `peers` label headroom and picks the
    best cohort of three or more families; the methods follow from the pick (easyvqa_design.plan_methods).
 3. Every method's runs, per seed, on the unlabelled pool (every question type, balanced, of train
    [20000, 35000)); every trained member scored greedily on easy-vqa test, balanced over question types.
@@ -288,9 +288,9 @@ def majority_class(split: str, eval_limit: int) -> dict[str, dict]:
 
 
 def probe_all(out: Path, bases: list[str]) -> dict:
-    """Every candidate cohort's probe (vlm_corl.training.headroom.rank_cohorts under `peers`), from the bases' sampled
-    validation records."""
-    from vlm_corl.training.headroom import rank_cohorts
+    """Every candidate cohort's probe (training/rewards/headroom.py's rank_cohorts under `peers`), from the bases'
+    sampled validation records."""
+    from vlm_corl.training.rewards.headroom import rank_cohorts
 
     records = {}
     for b in bases:

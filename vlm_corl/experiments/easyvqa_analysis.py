@@ -371,7 +371,7 @@ PROBE_ROWS = 12  # the best cohorts shown in results.md (results.json keeps all)
 
 
 def _probe_md(results: Mapping) -> list[str]:
-    from vlm_corl.training.headroom import HEADROOM_NOTE, ranking_markdown
+    from vlm_corl.training.rewards.headroom import HEADROOM_NOTE, ranking_markdown
 
     used = {m["cohort"] for m in results["methods"].values()}
     ranking = results["probe"]["ranking"]
@@ -550,7 +550,7 @@ README_BLOCK = "easyvqa-summary"
 def summary_md(results: Mapping) -> str:
     """The README's block: the cohort row of every method (gain with collapsed types counted as none, Δ per
     type, the share of questions every member answers with one constant) and the claims' verdicts."""
-    from vlm_corl.training.headroom import ranking_markdown
+    from vlm_corl.training.rewards.headroom import ranking_markdown
 
     used = {m["cohort"] for m in results["methods"].values()}
     ranking = results["probe"]["ranking"]

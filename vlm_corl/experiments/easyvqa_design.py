@@ -10,7 +10,7 @@ The paraphrased-views cohort is the qwen2_vl base asked in easy-vqa's other word
 question with fewer wordings is asked in its own).
 
 The pick: the cohort of three or more families whose `peers` label headroom that its members' own samples can
-reach (vlm_corl.training.headroom, on the validation records of one sampled pass per base) is the highest. The
+reach (vlm_corl.training.rewards.headroom, on the validation records of one sampled pass per base) is the highest. The
 label-free reward of the main comparisons is `peers_ema` (chosen on validation); against the pick, at equal
 size: the homogeneous cohort and the paraphrased-views cohort (`peers_ema` and `ring` each), `peers` on the
 pick, `self_vote`, frozen peers and `gt` on the pick's bases. For the probe-vs-gain analysis, more cohorts
@@ -172,7 +172,7 @@ def _run(cohort: Cohort, trainable: bool = True) -> tuple[tuple[str, str, str, b
 
 
 def plan_methods(ranking: list[dict], budget: Budget) -> list[Method]:
-    """The methods from the probe's ranking of the candidates (`vlm_corl.training.headroom.rank_cohorts` under
+    """The methods from the probe's ranking of the candidates (`vlm_corl.training.rewards.headroom.rank_cohorts` under
     `peers`, best first by reachable headroom): the pick is the best cohort of three or more families."""
     family_sets = [r for r in ranking if "+" in r["cohort"]]
     pick = next(r for r in family_sets if len(r["members"]) >= 3)["cohort"]

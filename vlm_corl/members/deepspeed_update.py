@@ -128,7 +128,7 @@ def load_deepspeed_config(path: str | Path, grad_clip: float, group_size: int, a
 
 
 _ACTIVE_GROUP: list = [None]  # the member group whose ZeRO-3 engine is running forward passes in this process
-# The engines not closed yet: a run closes those it opened (vlm_corl.training.release), a failed start's too. Held
+# The engines not closed yet: a run closes those it opened (vlm_corl.training.run.release), a failed start's too. Held
 # strongly: an engine nobody closes outlives every reference to it anyway (its hooks), and only `close` frees it.
 _OPEN: set[DeepSpeedUpdate] = set()
 

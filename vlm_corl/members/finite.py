@@ -1,6 +1,6 @@
 """Non-finite values where a member's numbers enter: a model directory's weights (refused at load, naming the
 tensor) and the logits its forward pass gives while sampling (a named error, not an index error inside the
-sampler). The update's own guard is `Member.step`; the run's is `vlm_corl.training.numerics`."""
+sampler). The update's own guard is `Member.step`; the run's is `vlm_corl.training.run.numerics`."""
 
 from __future__ import annotations
 

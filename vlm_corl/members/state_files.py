@@ -2,7 +2,7 @@
 schedule in `TRAINER_STATE`, read back onto the host), the error for one that cannot be read, and the
 (name, tensor) stream that weights are saved, synced and checksummed from. The member (`member.py`) and its
 DeepSpeed update (`deepspeed_update.py`) both stand on this room; the cohort checkpoint
-(`vlm_corl.training.checkpoint`: the atomic step directory, the cohort state, resume) sits above them."""
+(`vlm_corl.training.run.checkpoint`: the atomic step directory, the cohort state, resume) sits above them."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from vlm_corl.members.batching import (
     response_mask,
 )
 from vlm_corl.members.rollout import Policy
-from vlm_corl.training.grpo import (
+from vlm_corl.training.rewards.grpo import (
     aggregate_loss,
     cispo_loss,
     clip_counts,

@@ -405,7 +405,7 @@ def _vllm_items(launch: _Launch, share: EngineShare, plan: RankPlan, add) -> Non
     cache is the smallest of the engine's slot over the ranks (vLLM's launcher takes the minimum).
 
     With sleep mode the engine sleeps only for the update: it wakes at the sync after it and stays awake through
-    the next step's rollouts and in-loop evaluation (`training/update_phase.py`: update_phase, sync_phase), so its
+    the next step's rollouts and in-loop evaluation (training/phases/update_phase.py: update_phase, sync_phase), so its
     weights and KV cache (CuMem allocations outside PyTorch's) are held while every other member on the rank rolls out
     (`Item.held`); only its profiled activations come and go with its own generate."""
     v, hw = launch.cfg.rollout.vllm, launch.hw

@@ -1,4 +1,4 @@
-"""The disk a run's checkpoints take (`vlm_corl.training.checkpoint`): every model of the cohort is saved at
+"""The disk a run's checkpoints take (`vlm_corl.training.run.checkpoint`): every model of the cohort is saved at
 every checkpoint, and the newest is written before the oldest is pruned, so train.keep_last + 1 exist at once.
 
 One checkpoint, per member (P parameters, A adapter parameters of a LoRA member):

@@ -42,9 +42,9 @@ from vlm_corl.reporting.run_plots import (
     per_step,
     read_jsonl,
 )
-from vlm_corl.training.collapse import collapse_warnings, describe
-from vlm_corl.training.metrics import PAIR_PREFIX
-from vlm_corl.training.samples import MAX_TEXT_CHARS, cut_text
+from vlm_corl.training.monitor.collapse import collapse_warnings, describe
+from vlm_corl.training.monitor.metrics import PAIR_PREFIX
+from vlm_corl.training.monitor.samples import MAX_TEXT_CHARS, cut_text
 
 CURVES = (
     ("reward_mean", "Reward"),

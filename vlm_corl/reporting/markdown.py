@@ -5,7 +5,7 @@ Reads the run's metrics.jsonl (one row per slot per step), eval.jsonl (if presen
 and writes into the output directory: report.md, and PNGs of reward, the policy update (entropy, KL, clip
 fractions), agreement, pseudo-label accuracy, answer diversity, unanimity, response length, loss/grad norm (one
 line per slot over steps) and eval accuracy (one line per member and benchmark), a first-vs-last table per slot,
-and the collapse warnings (vlm_corl.training.collapse).
+and the collapse warnings (vlm_corl.training.monitor.collapse).
 With per-category metrics (logging.category_key) and per-category evaluation, `categories.png` and
 `eval_categories.png` draw one line per slot and category, with the collapse flags as dashed lines.
 
@@ -44,8 +44,8 @@ from vlm_corl.reporting.run_plots import (
     plot_panel,
     read_jsonl,
 )
-from vlm_corl.training.collapse import collapse_warnings, describe
-from vlm_corl.training.samples import markdown_text, sample_markdown
+from vlm_corl.training.monitor.collapse import collapse_warnings, describe
+from vlm_corl.training.monitor.samples import markdown_text, sample_markdown
 
 # (file stem, figure title, keys drawn side by side, cohort-level: one line instead of one per slot)
 RUN_PLOTS = (
@@ -221,7 +221,7 @@ def render_report(run_dir: Path, out: Path | None = None, smooth: int = 5) -> Pa
     md.append(f"- slots: {', '.join(by_member(run.rows)) or '–'}")
     warning_lines, source = collapse_section(run)
     md += warning_lines
-    md += ["", f"_Source: {source}; rule in `vlm_corl.training.collapse`._", ""]
+    md += ["", f"_Source: {source}; rule in `vlm_corl.training.monitor.collapse`._", ""]
     n = len(steps)
     md += [
         "## First vs last",

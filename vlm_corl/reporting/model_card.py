@@ -53,13 +53,13 @@ class CheckpointRun:
 
     config: dict  # the config saved with the checkpoint (an old checkpoint: the run's config.yaml), as plain data
     reward_functions: list[dict] | None  # [{function, weight}] the run called; None: not recorded
-    data: dict | None  # the training data's fingerprint (vlm_corl.training.checkpoint.data_fingerprint)
+    data: dict | None  # the training data's fingerprint (vlm_corl.training.run.checkpoint.data_fingerprint)
 
 
 def checkpoint_run(checkpoint: Path) -> CheckpointRun:
     """The record of the run that wrote `checkpoint` (RUN/checkpoints/step-N): its cohort state's config, reward
     functions and data; the run's config.yaml ({} when absent) for a checkpoint that kept no config."""
-    from vlm_corl.training.checkpoint import load_cohort_state
+    from vlm_corl.training.run.checkpoint import load_cohort_state
 
     state = load_cohort_state(checkpoint)
     cfg = state.get("config")

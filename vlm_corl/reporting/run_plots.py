@@ -34,7 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from vlm_corl.errors import UserError
-from vlm_corl.training.category_metrics import path_safe
+from vlm_corl.training.monitor.category_metrics import path_safe
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

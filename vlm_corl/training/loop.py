@@ -25,26 +25,26 @@ from vlm_corl.distributed.exchange import exchange
 from vlm_corl.distributed.world import CollectiveError, World, failure_report
 from vlm_corl.errors import Interrupted
 from vlm_corl.members.finite import NonFiniteLogits
-from vlm_corl.training.callbacks import Callbacks
-from vlm_corl.training.checkpoint import latest_checkpoint
-from vlm_corl.training.checkpoint_phase import checkpoint_phase
-from vlm_corl.training.dynamic_sampling import StepRollouts
-from vlm_corl.training.eval_phase import eval_phase
-from vlm_corl.training.grpo import group_advantages
-from vlm_corl.training.guard import CollapseStopped, roll_back, stop_message
-from vlm_corl.training.numerics import NonFiniteStopped
-from vlm_corl.training.phase_timer import PhaseTimer
-from vlm_corl.training.progress import Progress
-from vlm_corl.training.release import giving_back, launcher_stop_ignored, release_run
-from vlm_corl.training.render_ahead import RenderAhead
-from vlm_corl.training.reward_funcs import RewardFunction, run_reward_functions
-from vlm_corl.training.reward_phase import cohort_batch, resample_phase, reward_phase
-from vlm_corl.training.rollout_phase import extract_phase, rollout_phase
-from vlm_corl.training.setup import CohortRun, start_run
-from vlm_corl.training.step_metrics import StepResult, log_phase
-from vlm_corl.training.summary import finish_run
-from vlm_corl.training.throughput import start_throughput
-from vlm_corl.training.update_phase import follow_students, sync_phase, update_phase
+from vlm_corl.training.monitor.throughput import start_throughput
+from vlm_corl.training.phases.checkpoint_phase import checkpoint_phase
+from vlm_corl.training.phases.eval_phase import eval_phase
+from vlm_corl.training.phases.phase_timer import PhaseTimer
+from vlm_corl.training.phases.progress import Progress
+from vlm_corl.training.phases.render_ahead import RenderAhead
+from vlm_corl.training.phases.reward_phase import cohort_batch, resample_phase, reward_phase
+from vlm_corl.training.phases.rollout_phase import extract_phase, rollout_phase
+from vlm_corl.training.phases.step_metrics import StepResult, log_phase
+from vlm_corl.training.phases.update_phase import follow_students, sync_phase, update_phase
+from vlm_corl.training.rewards.dynamic_sampling import StepRollouts
+from vlm_corl.training.rewards.grpo import group_advantages
+from vlm_corl.training.rewards.reward_funcs import RewardFunction, run_reward_functions
+from vlm_corl.training.run.callbacks import Callbacks
+from vlm_corl.training.run.checkpoint import latest_checkpoint
+from vlm_corl.training.run.guard import CollapseStopped, roll_back, stop_message
+from vlm_corl.training.run.numerics import NonFiniteStopped
+from vlm_corl.training.run.release import giving_back, launcher_stop_ignored, release_run
+from vlm_corl.training.run.setup import CohortRun, start_run
+from vlm_corl.training.run.summary import finish_run
 
 
 class RankFailure(RuntimeError):
@@ -59,7 +59,7 @@ def run_cohort(
     """Train the cohort described by `cfg`; returns the summary also written to summary.json (by rank 0).
     `callbacks`: objects with any of `callbacks.EVENTS`, called on world rank 0; `reward_funcs`: the reward
     functions added to the mode's reward (`CohortTrainer`'s, `run_reward_functions`; None: reward.custom's).
-    Returned or raised, nothing the run built stays reachable (`vlm_corl.training.release`)."""
+    Returned or raised, nothing the run built stays reachable (`vlm_corl.training.run.release`)."""
     if reward_funcs is None:
         reward_funcs = run_reward_functions(cfg)
     if not sys.stderr.isatty():  # a log file: no carriage-return frames of the libraries' loading/saving bars

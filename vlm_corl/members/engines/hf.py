@@ -274,7 +274,7 @@ def _samplable(vocab: int, suppressed, device) -> torch.Tensor:
 
 def _chosen_token_stats(logp: torch.Tensor, probs: torch.Tensor, choice: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per row: the log-prob of the chosen token, and the entropy and self-certainty of the distribution
-    (token_entropy / token_self_certainty of vlm_corl.training.grpo), from one log-softmax over the V' tokens."""
+    (token_entropy / token_self_certainty of training/rewards/grpo.py), from one log-softmax over the V' tokens."""
     return {
         "logprob": logp.gather(-1, choice[:, None]).squeeze(-1),
         "entropy": -(probs * logp).sum(dim=-1),

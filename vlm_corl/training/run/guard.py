@@ -1,6 +1,6 @@
 """The collapse guard (`train.on_collapse`) and the best model per member (`eval.keep_best`).
 
-The detectors (vlm_corl.training.collapse) flag a slot on the whole batch, inside a category of its questions, or
+The detectors (training/monitor/collapse.py) flag a slot on the whole batch, inside a category of its questions, or
 when its in-loop evaluation on a category falls more than `eval.max_category_drop` below step 0. What the run
 then does:
 
@@ -24,8 +24,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlm_corl.training.checkpoint import latest_checkpoint, list_checkpoints
-from vlm_corl.training.collapse import describe
+from vlm_corl.training.monitor.collapse import describe
+from vlm_corl.training.run.checkpoint import latest_checkpoint, list_checkpoints
 
 if TYPE_CHECKING:
     from vlm_corl.members.member import Member

@@ -22,7 +22,7 @@ from vlm_corl.members.deepspeed_update import open_engines
 from vlm_corl.members.engines import release_engines
 
 if TYPE_CHECKING:
-    from vlm_corl.training.setup import CohortRun
+    from vlm_corl.training.run.setup import CohortRun
 
 
 def release_run(run: CohortRun) -> None:

@@ -17,7 +17,7 @@ differences that make them a test:
 The update runs two micro-batches per rank (a ZeRO-2 member accumulates its gradients over them), and each phase's
 peak is compared with the plan of this small config (the user's plan is reported beside it, `run_plan`). A hang or
 one rank's failure ends in the same verdict on every rank within the preflight's own time limit
-(`vlm_corl.training.preflight_watch`).
+(`vlm_corl.commands.preflight_watch`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,15 @@ from pathlib import Path
 
 import torch
 
+from vlm_corl.commands.preflight_watch import (
+    GRACE_S,
+    PREFLIGHT_TIMEOUT_S,
+    Agreement,
+    Failure,
+    PreflightFailed,
+    Watchdog,
+    nccl_environment,
+)
 from vlm_corl.config import CohortConfig
 from vlm_corl.config.engine_layout import member_engine
 from vlm_corl.config.loading import config_warnings
@@ -46,24 +55,15 @@ from vlm_corl.members.memory import GB
 from vlm_corl.planning.check import check_disk, check_launch, held_bytes, launch_hardware, resolve_micro_batch, size
 from vlm_corl.planning.cohort import CohortPlan, plan_cohort, with_changes
 from vlm_corl.planning.disk import DiskPlan, checkpoint_disk
-from vlm_corl.training.grpo import group_advantages
-from vlm_corl.training.numerics import RolloutMismatchStopped, check_rollout_mismatch
-from vlm_corl.training.phase_timer import PhaseTimer
-from vlm_corl.training.preflight_watch import (
-    GRACE_S,
-    PREFLIGHT_TIMEOUT_S,
-    Agreement,
-    Failure,
-    PreflightFailed,
-    Watchdog,
-    nccl_environment,
-)
-from vlm_corl.training.release import giving_back, release_run
-from vlm_corl.training.render_ahead import render_phase
-from vlm_corl.training.rollout_phase import extract_phase, rollout_phase
-from vlm_corl.training.setup import CohortRun, start_run
-from vlm_corl.training.slots import models_to_save
-from vlm_corl.training.update_phase import follow_students, sync_phase, update_phase
+from vlm_corl.training.phases.phase_timer import PhaseTimer
+from vlm_corl.training.phases.render_ahead import render_phase
+from vlm_corl.training.phases.rollout_phase import extract_phase, rollout_phase
+from vlm_corl.training.phases.update_phase import follow_students, sync_phase, update_phase
+from vlm_corl.training.rewards.grpo import group_advantages
+from vlm_corl.training.run.numerics import RolloutMismatchStopped, check_rollout_mismatch
+from vlm_corl.training.run.release import giving_back, release_run
+from vlm_corl.training.run.setup import CohortRun, start_run
+from vlm_corl.training.run.slots import models_to_save
 
 log = logging.getLogger("vlm_corl")
 

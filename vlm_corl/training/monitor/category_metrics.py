@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from vlm_corl.data.answers import answers_equivalent, group_equivalent
-from vlm_corl.training.metrics import answer_key, entropy, group_entropy
-from vlm_corl.training.rewards import CohortBatch, RewardOutput
+from vlm_corl.training.monitor.metrics import answer_key, entropy, group_entropy
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput
 
 STATS = (
     "reward",

@@ -36,8 +36,8 @@ from pathlib import Path
 from torch import Tensor
 
 from vlm_corl.data.answers import answers_equivalent, choice_letter, group_equivalent, normalize_answer
-from vlm_corl.training.grpo import nonzero_variance_groups
-from vlm_corl.training.rewards import CohortBatch, RewardOutput, member_votes
+from vlm_corl.training.rewards.grpo import nonzero_variance_groups
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput, member_votes
 
 
 def _mean(values: list[float]) -> float | None:
@@ -186,7 +186,7 @@ def _step_of(line: str, path: Path) -> float:
 
 class MetricsSink:
     """Appends one JSON object per member per step to metrics.jsonl (evaluation rows to eval.jsonl, sampled
-    responses to samples.jsonl) and reports the numbers to the run's trackers (`vlm_corl.training.trackers`)."""
+    responses to samples.jsonl) and reports the numbers to the run's trackers (`vlm_corl.training.monitor.trackers`)."""
 
     def __init__(self, run_dir: Path, trackers: Sequence = ()):
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -203,7 +203,7 @@ class MetricsSink:
         self._append(self.eval_path, rows, lambda row: f"{row['member']}/eval/{row['benchmark']}")
 
     def write_samples(self, rows: list[dict], step: int) -> None:
-        """One step's sampled questions (`vlm_corl.training.samples`) to samples.jsonl and the trackers."""
+        """One step's sampled questions (`vlm_corl.training.monitor.samples`) to samples.jsonl and the trackers."""
         with self.samples_path.open("a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         for tracker in self.trackers:

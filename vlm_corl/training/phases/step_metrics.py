@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 
 from vlm_corl.data.records import Example
 from vlm_corl.planning.check import against_plan
-from vlm_corl.training.category_metrics import category_step_stats, window_metrics
-from vlm_corl.training.checkpoint import latest_checkpoint
-from vlm_corl.training.dynamic_sampling import StepRollouts
-from vlm_corl.training.metrics import cohort_unanimity, member_metrics, pairwise_agreement, unanimity
-from vlm_corl.training.numerics import check_rollout_mismatch
-from vlm_corl.training.phase_timer import PhaseTimer
-from vlm_corl.training.rewards import CohortBatch
-from vlm_corl.training.samples import SampleSettings, sample_rows, samples_due
-from vlm_corl.training.setup import CohortRun
+from vlm_corl.training.monitor.category_metrics import category_step_stats, window_metrics
+from vlm_corl.training.monitor.metrics import cohort_unanimity, member_metrics, pairwise_agreement, unanimity
+from vlm_corl.training.monitor.samples import SampleSettings, sample_rows, samples_due
+from vlm_corl.training.phases.phase_timer import PhaseTimer
+from vlm_corl.training.rewards.dynamic_sampling import StepRollouts
+from vlm_corl.training.rewards.modes import CohortBatch
+from vlm_corl.training.run.checkpoint import latest_checkpoint
+from vlm_corl.training.run.numerics import check_rollout_mismatch
+from vlm_corl.training.run.setup import CohortRun
 
 # the update stats each member's metrics row carries (members/update.py: policy_update, update_stats); docs/metrics.md
 UPDATE_KEYS = (
@@ -33,7 +33,7 @@ class StepOutcome:
 
     step: int
     cohort: CohortBatch
-    scored: object  # vlm_corl.training.rewards.RewardOutput
+    scored: object  # vlm_corl.training.rewards.modes.RewardOutput
     gold: list
     categories: list  # (B,) str | None
     lengths: list  # (N, B, K)
@@ -100,8 +100,8 @@ def metrics_rows(run: CohortRun, o: StepOutcome) -> tuple[list[dict], list[dict]
 
     Cohort-level diagnostics (unanimity) are the same in every row. With logging.category_key, each row also
     holds the step's per-category sums and their running means over logging.category_window steps
-    (vlm_corl.training.category_metrics). The collapse detector runs on the run so far (`run.collapse`) plus these,
-    sets `collapse_flag`/`collapse_on` and logs a slot's first detections (vlm_corl.training.collapse)."""
+    (monitor/category_metrics.py). The collapse detector runs on the run so far (`run.collapse`) plus these,
+    sets `collapse_flag`/`collapse_on` and logs a slot's first detections (vlm_corl.training.monitor.collapse)."""
     rows, reported = [], set()
     unanimous = cohort_unanimity(o.cohort, o.gold, run.cfg.reward.vote_threshold)
     shared = unanimity(unanimous)

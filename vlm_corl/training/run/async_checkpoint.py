@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vlm_corl.training.checkpoint import _disk_full_is_named, finish_checkpoint, rng_states
+from vlm_corl.training.run.checkpoint import _disk_full_is_named, finish_checkpoint, rng_states
 
 if TYPE_CHECKING:
     from vlm_corl.distributed.world import World

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlm_corl.training.guard import EXIT_STATUS
+from vlm_corl.training.run.guard import EXIT_STATUS
 
 log = logging.getLogger("vlm_corl")
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from vlm_corl.errors import UserError
-from vlm_corl.training.samples import sample_markdown
+from vlm_corl.training.monitor.samples import sample_markdown
 
 # tracker -> (the module it needs, the extra that installs it)
 PACKAGES = {"tensorboard": ("tensorboard", None), "wandb": ("wandb", "wandb"), "trackio": ("trackio", "trackio"),

@@ -1,6 +1,6 @@
 """A run's set-up: join the launch, place the members, load the data and this process's members, build their
 slots, and restore the newest checkpoint when resuming. `start_run` returns the `CohortRun` the step loop
-(`vlm_corl.training.loop`) works on; the run directory's files at the end are `vlm_corl.training.summary`'s.
+(`vlm_corl.training.loop`) works on; the run directory's files at the end are `vlm_corl.training.run.summary`'s.
 """
 
 from __future__ import annotations
@@ -31,8 +31,14 @@ from vlm_corl.members.deepspeed_update import GroupMPU, attach_deepspeed, zero_s
 from vlm_corl.members.member import MemberLoadError, check_modality, load_member, member_family
 from vlm_corl.members.state_files import corrupt_file
 from vlm_corl.planning.check import check_disk, check_launch, resolve_micro_batch, write_plan
-from vlm_corl.training.async_checkpoint import BackgroundCheckpoints
-from vlm_corl.training.checkpoint import (
+from vlm_corl.training.monitor.collapse import CollapseTracker
+from vlm_corl.training.monitor.metrics import MetricsSink
+from vlm_corl.training.monitor.throughput import Throughput
+from vlm_corl.training.monitor.trackers import start_trackers
+from vlm_corl.training.rewards.modes import RewardSpec, resolve_reward
+from vlm_corl.training.rewards.reward_funcs import RewardFunction, check_run_columns
+from vlm_corl.training.run.async_checkpoint import BackgroundCheckpoints
+from vlm_corl.training.run.checkpoint import (
     check_resumed_data,
     data_fingerprint,
     latest_checkpoint,
@@ -40,15 +46,9 @@ from vlm_corl.training.checkpoint import (
     record_data,
     restore_rng,
 )
-from vlm_corl.training.collapse import CollapseTracker
-from vlm_corl.training.guard import BEST_DIR, read_best
-from vlm_corl.training.metrics import MetricsSink
-from vlm_corl.training.numerics import NonFiniteTracker
-from vlm_corl.training.reward_funcs import RewardFunction, check_run_columns
-from vlm_corl.training.rewards import RewardSpec, resolve_reward
-from vlm_corl.training.slots import Slot, SlotSpec, build_slots, check_views, slot_specs
-from vlm_corl.training.throughput import Throughput
-from vlm_corl.training.trackers import start_trackers
+from vlm_corl.training.run.guard import BEST_DIR, read_best
+from vlm_corl.training.run.numerics import NonFiniteTracker
+from vlm_corl.training.run.slots import Slot, SlotSpec, build_slots, check_views, slot_specs
 
 log = logging.getLogger("vlm_corl")
 
@@ -65,7 +65,7 @@ class CohortRun:
     sampler: LockstepSampler
     members: list  # the configured members this process hosts (trained, or frozen peers)
     specs: list[SlotSpec]  # every slot of the cohort, in exchange order
-    slots: list[Slot]  # the slots this process hosts (vlm_corl.training.slots)
+    slots: list[Slot]  # the slots this process hosts (vlm_corl.training.run.slots)
     shards: dict[str, range]  # member id -> the batch positions this process rolls out and trains on
     sink: MetricsSink | None  # world rank 0 only
     reward_spec: RewardSpec
@@ -77,10 +77,12 @@ class CohortRun:
     too_long: dict = field(default_factory=dict)  # example id -> {member, tokens}: skipped, prompt too long
     category_key: str | None = None  # logging.category_key resolved (`category_key`): per-category metrics
     plan: object = None  # vlm_corl.planning.cohort.CohortPlan of this launch (None: train.check_memory off)
-    nonfinite: NonFiniteTracker | None = None  # the numerical guard's skip counts (vlm_corl.training.numerics)
+    nonfinite: NonFiniteTracker | None = None  # the numerical guard's skip counts (vlm_corl.training.run.numerics)
     updates: dict = field(default_factory=dict)  # the last step's update stats of every member, on every rank
-    callbacks: object = None  # the user's callbacks (vlm_corl.training.callbacks.Callbacks), set by run_cohort
-    reward_funcs: list = field(default_factory=list)  # reward functions (vlm_corl.training.reward_funcs), likewise
+    callbacks: object = None  # the user's callbacks (vlm_corl.training.run.callbacks.Callbacks), set by run_cohort
+    reward_funcs: list = field(
+        default_factory=list
+    )  # reward functions (vlm_corl.training.rewards.reward_funcs), likewise
     prompt_styles: dict = field(default_factory=dict)  # member id -> its answer instruction (render.PROMPT_STYLES)
     data: dict = field(default_factory=dict)  # the training data by content (checkpoint.data_fingerprint)
     checkpoints: BackgroundCheckpoints | None = None  # train.async_checkpoint on: the writes in the background

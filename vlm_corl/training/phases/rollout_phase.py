@@ -13,8 +13,8 @@ from vlm_corl.data.answers import extract_answer
 from vlm_corl.data.records import Example
 from vlm_corl.members.rollout import Prompt, RolloutGroup, SamplingParams
 from vlm_corl.members.update import response_token_stats
-from vlm_corl.training.setup import CohortRun
-from vlm_corl.training.slots import owner
+from vlm_corl.training.run.setup import CohortRun
+from vlm_corl.training.run.slots import owner
 
 FORMAT_PATTERNS = {"boxed": "\\boxed{", "answer_tags": "<answer>"}
 

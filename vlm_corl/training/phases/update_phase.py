@@ -7,9 +7,9 @@ import torch
 
 from vlm_corl.members.rollout import RolloutGroup
 from vlm_corl.members.update import Sequence, policy_update
-from vlm_corl.training.grpo import nonzero_variance_groups
-from vlm_corl.training.setup import CohortRun
-from vlm_corl.training.slots import ema_update, teacher_decay
+from vlm_corl.training.rewards.grpo import nonzero_variance_groups
+from vlm_corl.training.run.setup import CohortRun
+from vlm_corl.training.run.slots import ema_update, teacher_decay
 
 
 def update_phase(

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vlm_corl.data.records import Example
 from vlm_corl.members.render import PromptTooLong
-from vlm_corl.training.setup import CohortRun
-from vlm_corl.training.slots import owner
+from vlm_corl.training.run.setup import CohortRun
+from vlm_corl.training.run.slots import owner
 
 log = logging.getLogger("vlm_corl")
 

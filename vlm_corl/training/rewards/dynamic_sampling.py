@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vlm_corl.training.rewards import RewardOutput, cohort_zero_variance
+from vlm_corl.training.rewards.modes import RewardOutput, cohort_zero_variance
 
 if TYPE_CHECKING:
     from vlm_corl.data.records import Example

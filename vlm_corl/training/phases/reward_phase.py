@@ -7,14 +7,14 @@ import torch
 
 from vlm_corl.data.records import Example
 from vlm_corl.distributed.exchange import exchange
-from vlm_corl.training.dynamic_sampling import StepRollouts, resample, sub_shards
-from vlm_corl.training.metrics import zero_variance_frac
-from vlm_corl.training.render_ahead import RenderAhead
-from vlm_corl.training.reward_funcs import Scorers, add_function_rewards, function_rewards
-from vlm_corl.training.rewards import CohortBatch, RewardOutput, add_overlong_penalty
-from vlm_corl.training.rollout_phase import extract_phase, rollout_phase
-from vlm_corl.training.setup import CohortRun
-from vlm_corl.training.slots import owner
+from vlm_corl.training.monitor.metrics import zero_variance_frac
+from vlm_corl.training.phases.render_ahead import RenderAhead
+from vlm_corl.training.phases.rollout_phase import extract_phase, rollout_phase
+from vlm_corl.training.rewards.dynamic_sampling import StepRollouts, resample, sub_shards
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput, add_overlong_penalty
+from vlm_corl.training.rewards.reward_funcs import Scorers, add_function_rewards, function_rewards
+from vlm_corl.training.run.setup import CohortRun
+from vlm_corl.training.run.slots import owner
 
 
 def reward_phase(
@@ -42,7 +42,7 @@ def resample_phase(
     run: CohortRun, renders: RenderAhead, step: int, rolled: StepRollouts
 ) -> tuple[StepRollouts, dict[str, int]]:
     """DAPO's dynamic sampling (algo.resample_zero_variance): the step's questions no trained member learns from
-    are replaced by fresh ones, round by round (`vlm_corl.training.dynamic_sampling`); returns the step's
+    are replaced by fresh ones, round by round (`vlm_corl.training.rewards.dynamic_sampling`); returns the step's
     rollouts and the metrics {resampled_groups, resample_rounds, zero_variance_left, zero_variance_frac_before:
     per slot, the share of its groups with equal rewards before the rounds}."""
 

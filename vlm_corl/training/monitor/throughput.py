@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vlm_corl.config.schema import CohortConfig
     from vlm_corl.distributed.world import World
-    from vlm_corl.training.slots import SlotSpec
+    from vlm_corl.training.run.slots import SlotSpec
 
 log = logging.getLogger("vlm_corl")
 
@@ -185,7 +185,9 @@ def start_throughput(
     found = peak_bf16_flops(name)
     if world.is_main:
         if found is None:
-            log.warning("update_mfu: %s is not in the table of bf16 peaks (training/throughput.py): no MFU", name)
+            log.warning(
+                "update_mfu: %s is not in the table of bf16 peaks (training/monitor/throughput.py): no MFU", name
+            )
         else:
             peak = found[1] / 1e12
             log.info("update_mfu: against %s's bf16 dense peak, %.0f TFLOP/s per device (%s)", name, peak, found[0])

@@ -9,11 +9,11 @@ import math
 from vlm_corl.config.loading import config_to_dict
 from vlm_corl.distributed.world import weights_checksum
 from vlm_corl.members.deepspeed_update import state_files
-from vlm_corl.training.checkpoint import latest_checkpoint, required_files, save_checkpoint
-from vlm_corl.training.numerics import NonFiniteStopped
-from vlm_corl.training.reward_funcs import function_name
-from vlm_corl.training.setup import CohortRun
-from vlm_corl.training.slots import models_to_save, owner
+from vlm_corl.training.rewards.reward_funcs import function_name
+from vlm_corl.training.run.checkpoint import latest_checkpoint, required_files, save_checkpoint
+from vlm_corl.training.run.numerics import NonFiniteStopped
+from vlm_corl.training.run.setup import CohortRun
+from vlm_corl.training.run.slots import models_to_save, owner
 
 
 def checkpoint_phase(run: CohortRun, step: int, rows: list[dict]) -> None:

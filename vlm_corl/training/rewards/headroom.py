@@ -13,7 +13,7 @@ That difference, per member and reward topology, is its **label headroom** (docs
   independent, so the sum can be positive; `soft` is scored by its logged label (the others' consensus);
 - `gt`: the labels are gold, the ceiling (the share of questions each vote gets wrong).
 
-The labels are computed by the reward modes' own functions (`vlm_corl.training.rewards`) on each member's K
+The labels are computed by the reward modes' own functions (`vlm_corl.training.rewards.modes`) on each member's K
 sampled answers per question at the training temperature: one sampled pass per base model, every cohort's
 figures from those records. Gold answers are used only to score the labels and votes.
 
@@ -107,7 +107,7 @@ def cohort_labels(records: Mapping[str, Sequence[Mapping]], mode: str, reward_cf
     "labels" (N, B), "votes" (N, B), "consistency" (N, B)}."""
     from vlm_corl.config.schema import RewardConfig
     from vlm_corl.registry import REWARDS
-    from vlm_corl.training.rewards import CohortBatch, member_votes
+    from vlm_corl.training.rewards.modes import CohortBatch, member_votes
 
     cfg = reward_cfg or RewardConfig(mode=mode)
     ids, rows = aligned(records)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from vlm_corl.data.answers import answers_equivalent, consensus, plurality_vote
 from vlm_corl.registry import REWARDS
-from vlm_corl.training.grpo import nonzero_variance_groups
+from vlm_corl.training.rewards.grpo import nonzero_variance_groups
 
 if TYPE_CHECKING:
     from vlm_corl.config.schema import RewardConfig
@@ -54,7 +54,7 @@ class RewardOutput:
 @dataclass(frozen=True)
 class RewardSpec:
     """A registered reward mode: its function, whether it may read gold answers, whether it needs per-response
-    sampling statistics (`CohortBatch.scores`), and the cohort layout it runs on (`vlm_corl.training.slots`):
+    sampling statistics (`CohortBatch.scores`), and the cohort layout it runs on (`vlm_corl.training.run.slots`):
     "members" (one slot per member), "two_views" (one member, original + its view), "ema_teacher" (one member
     and its EMA teacher)."""
 
@@ -200,7 +200,7 @@ def paired_reward(batch: CohortBatch, cfg: RewardConfig) -> RewardOutput:
 
     co_rewarding_1: responses to the original wording are labelled by the vote on the member's paraphrase, and
     vice versa; co_rewarding_2: the member is labelled by the vote of its EMA teacher's K answers (the teacher's
-    own labels are never used: it does not train). See `vlm_corl.training.slots` for the layouts.
+    own labels are never used: it does not train). See `vlm_corl.training.run.slots` for the layouts.
     """
     votes = member_votes(batch, cfg.vote_threshold)
     return _label_reward([votes[i ^ 1] for i in range(len(votes))], batch, cfg)

@@ -16,7 +16,7 @@ import torch
 from vlm_corl.data.answers import answers_equivalent
 from vlm_corl.data.records import Example
 from vlm_corl.members.render import PROMPT_STYLES
-from vlm_corl.training.rewards import CohortBatch, RewardOutput, member_votes
+from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput, member_votes
 
 
 def samples_due(step: int, every: int) -> bool:

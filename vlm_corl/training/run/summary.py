@@ -12,11 +12,11 @@ import torch
 
 from vlm_corl.distributed.world import World
 from vlm_corl.members.engines.vllm import MODEL_RUNNERS
-from vlm_corl.training.checkpoint import latest_checkpoint
-from vlm_corl.training.collapse import CollapseTracker, eval_drops
+from vlm_corl.training.monitor.collapse import CollapseTracker, eval_drops
+from vlm_corl.training.run.checkpoint import latest_checkpoint
 
 if TYPE_CHECKING:
-    from vlm_corl.training.setup import CohortRun
+    from vlm_corl.training.run.setup import CohortRun
 
 
 def finish_run(run: CohortRun, stopped: dict | None, stop: dict | None = None) -> dict:
@@ -103,7 +103,7 @@ def _summary(cfg, collapse: CollapseTracker, run_dir: Path, view_fallbacks: dict
             for mid, row in last.items()
         },
         "view_fallbacks": view_fallbacks,
-        # each slot's first detection of "diversity falls while agreement rises" (vlm_corl.training.collapse)
+        # each slot's first detection of "diversity falls while agreement rises" (vlm_corl.training.monitor.collapse)
         "collapse_warnings": collapse.warnings(),
         "checkpoint": str(newest) if newest else None,
     }

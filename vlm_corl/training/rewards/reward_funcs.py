@@ -46,8 +46,8 @@ from vlm_corl.registry import REWARDS, UnknownNameError
 if TYPE_CHECKING:
     from vlm_corl.config.schema import CohortConfig
     from vlm_corl.data.records import Example
-    from vlm_corl.training.rewards import CohortBatch, RewardOutput
-    from vlm_corl.training.slots import SlotSpec
+    from vlm_corl.training.rewards.modes import CohortBatch, RewardOutput
+    from vlm_corl.training.run.slots import SlotSpec
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def contract_problem(fn: object) -> str | None:
             + (f" (it lacks {', '.join(missing)})" if missing else "")
             + (f" (it requires {', '.join(required)})" if required else "")
             + "; a cohort-level reward fn(batch, cfg) is registered as a reward mode instead "
-            "(vlm_corl.training.rewards.reward_mode)"
+            "(vlm_corl.training.rewards.modes.reward_mode)"
         )
     return None
 

@@ -21,7 +21,7 @@ A slot is flagged at its T-th row when ALL of:
        (default 0.05). Without gold diagnostics the rule is 1 and 2 alone.
 A key missing from either window makes its condition unevaluable, and nothing is flagged.
 
-Inside categories (rows with `category_stats`, vlm_corl.training.category_metrics), over the same two windows, with
+Inside categories (rows with `category_stats`, monitor/category_metrics.py), over the same two windows, with
 each window's numbers pooled over its rows (sums over counts; answers pooled across the window's questions, so
 a member that is sure of each answer still shows the category's spread of answers):
     trend rule: 1-3 above, on the category's pooled answer entropy, agreement, unanimity and pseudo-label
@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vlm_corl.training.category_metrics import pooled, pooled_diversity, ratio
+from vlm_corl.training.monitor.category_metrics import pooled, pooled_diversity, ratio
 
 log = logging.getLogger("vlm_corl")
 

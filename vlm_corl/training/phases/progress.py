@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from vlm_corl.training.setup import CohortRun
+from vlm_corl.training.run.setup import CohortRun
 
 log = logging.getLogger("vlm_corl")
 

@@ -13,11 +13,11 @@ from vlm_corl.distributed.world import shard
 from vlm_corl.evaluation.scoring import benchmark_examples, sample_records, score_records
 from vlm_corl.members.engines import make_engine
 from vlm_corl.registry import BENCHMARKS
-from vlm_corl.training.category_metrics import path_safe
-from vlm_corl.training.collapse import describe as describe_collapse
-from vlm_corl.training.collapse import eval_drops
-from vlm_corl.training.guard import improved, save_best, write_best
-from vlm_corl.training.setup import CohortRun
+from vlm_corl.training.monitor.category_metrics import path_safe
+from vlm_corl.training.monitor.collapse import describe as describe_collapse
+from vlm_corl.training.monitor.collapse import eval_drops
+from vlm_corl.training.run.guard import improved, save_best, write_best
+from vlm_corl.training.run.setup import CohortRun
 
 log = logging.getLogger("vlm_corl")
 
