@@ -29,6 +29,37 @@ torch.set_num_threads(1)
 ZOO_FAMILIES = shipped_families()
 
 
+# The default suite's longest tests (each 30 s to 3 min on 2 cores), started first: `make test`'s two workers then end
+# together instead of one waiting on a long test collected late (longest first, as a scheduler of uneven jobs
+# should). Only the order changes; a name no longer found is ignored.
+LONGEST_FIRST = (
+    "tests/test_bench_device.py::test_gpu_check_runs_in_its_cpu_fallback_mode",
+    "tests/test_cli.py::test_zoo_warmstart_probe_and_report_through_python_m",
+    "tests/test_train.py::test_resume_after_sigkill_is_bit_identical",
+    "tests/test_async_checkpoint.py::test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint",
+    "tests/test_cli.py::test_demo_through_python_m_at_its_smallest",
+    "tests/test_scale_out.py::test_an_api_script_under_torchrun_gives_the_rows_of_one_process",
+    "tests/test_cli.py::test_every_command_through_python_m_ends_a_mistake_with_exit_2",
+    "tests/test_bench_device.py::test_soak_bench_at_its_smallest_size_does_not_grow",
+    "tests/test_async_checkpoint.py::test_two_processes_write_in_the_background_what_one_writes_at_the_step",
+    "tests/test_scale_out.py::test_scale_benchmark_runs_at_its_smallest_size",
+    "tests/test_numerics.py::test_deepspeed_members_skip_a_nonfinite_step_alike",
+    "tests/test_planner.py::test_plan_check_bench_measures_states_within_tolerance",
+    "tests/test_scale_out.py::test_a_killed_rank_stops_the_job_naming_its_member_and_the_run_resumes",
+    "tests/test_numerics.py::test_a_member_that_keeps_diverging_stops_the_run_with_exit_3",
+    "tests/test_mm_benchmarks.py::test_mathvista_through_python_m_vlm_corl_eval",
+    "tests/test_user_errors.py::test_ctrl_c_exits_130_naming_the_checkpoint_to_resume_from",
+    "tests/test_zero3_stream.py::test_a_partitioned_member_streams_what_a_full_copy_holds",
+    "tests/test_trackers.py::test_wandb_offline_and_tensorboard_hold_both_members_series_and_samples_are_written",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The tests of LONGEST_FIRST at the front, in its order; every other test keeps its place (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("[")[0], len(rank)))
+
+
 @pytest.fixture(scope="session")
 def tiny_zoo(tmp_path_factory) -> dict:
     """{family: path} of every family's tiny member (seed 0), built once (~5 s) into a session temp dir, or read
