@@ -41,7 +41,7 @@ from PIL import Image
 from data_tools.sources import DEFAULT_LEVELS, SOURCES
 from vlm_corl import cli
 from vlm_corl.data.loaders import DataError, LoadReport, load_examples
-from vlm_corl.data.records import Example, ImageSource
+from vlm_corl.data.records import Example, ImageSource, TableImage
 
 
 def levels_arg(text: str) -> tuple[int, ...]:
@@ -71,7 +71,7 @@ def record(example: Example, images: list[str]) -> dict:
 
 def save_image(src: ImageSource, folder: Path, stem: str, used: set[str]) -> str:
     """Write one image into `folder` under a name made from `stem` (unique in `used`); its path from the output."""
-    data = src if isinstance(src, bytes) else Path(src).read_bytes()
+    data = src.read() if isinstance(src, TableImage) else src if isinstance(src, bytes) else Path(src).read_bytes()
     extension = Image.open(io.BytesIO(data)).format.lower().replace("jpeg", "jpg")  # load_examples decoded it once
     base = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)
     name, n = f"{base}.{extension}", 1

@@ -3,7 +3,9 @@ cached on disk and run in parallel, so that a relaunch or a resume of a 40k-pict
 
 A picture is cached under its identity: a file by its resolved path, device, inode, size, modification and change
 times (the change time is the kernel's: any write to the file moves it, and no tool sets it back), so a file
-rewritten, replaced or moved is checked and hashed again; embedded bytes by their sha256. An entry holds the
+rewritten, replaced or moved is checked and hashed again; embedded bytes by their sha256; a picture in a mapped
+Arrow table (`mapped.TableImage`) by its place there and the file's identity when it was mapped, so a relaunch
+reads none of its bytes. An entry holds the
 sha256 of the bytes and the check's outcome (None, or the `BadImage` reason and detail), exactly what an uncached
 check gives: the loaders' skips, counts and messages and the resume fingerprint (`training.checkpoint`) are the
 same with or without the cache. A missing or unreadable file is never cached (it is checked again each time).
@@ -29,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from vlm_corl.data.images import BadImage, load_image
+from vlm_corl.data.mapped import TableImage
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +55,14 @@ def cache_file(dataset: str) -> Path | None:
     return Path(folder) / f"image_checks-{hashlib.sha256(dataset.encode()).hexdigest()[:16]}.json"
 
 
-def identity(src: str | os.PathLike | bytes) -> str | None:
-    """The cache key of a picture: "file:<path, device, inode, size, mtime, ctime>" or "sha256:<hex>"; None for a
-    path that is not a readable file's (never cached: its check is cheap and its error must stay current)."""
+def identity(src: str | os.PathLike | bytes | TableImage) -> str | None:
+    """The cache key of a picture: "file:<path, device, inode, size, mtime, ctime>", "sha256:<hex>", or a mapped
+    table's picture: its file's key, row, column and list index; None for a path that is not a readable file's
+    (never cached: its check is cheap and its error must stay current)."""
     if isinstance(src, bytes):
         return "sha256:" + hashlib.sha256(src).hexdigest()
+    if isinstance(src, TableImage):
+        return f"{src.stamp}\0{src.row}\0{src.column}\0{src.index}"
     try:
         path = os.path.realpath(src)
         st = os.stat(path)
@@ -67,9 +73,13 @@ def identity(src: str | os.PathLike | bytes) -> str | None:
     return f"file:{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
 
 
-def check_image(src: str | os.PathLike | bytes, load: Callable = load_image) -> tuple[str | None, tuple | None]:
+def check_image(
+    src: str | os.PathLike | bytes | TableImage, load: Callable = load_image
+) -> tuple[str | None, tuple | None]:
     """(sha256 hex of the bytes, or None when they cannot be read; the `BadImage` (reason, detail), or None), the
     picture decoded in full by `load` (`images.load_image`, or what the caller decodes with)."""
+    if isinstance(src, TableImage):
+        src = src.read()  # once, for the decode and the digest
     try:
         load(src, max_pixels=None)
         problem = None
@@ -101,7 +111,7 @@ class ImageChecks:
         self.checked = 0  # pictures this process decoded (the rest came from the cache)
         self._pool: ProcessPoolExecutor | None = None  # the load's workers, from its first many pictures to `save`
 
-    def check(self, sources: Iterable[str | os.PathLike | bytes], load: Callable = load_image) -> dict:
+    def check(self, sources: Iterable[str | os.PathLike | bytes | TableImage], load: Callable = load_image) -> dict:
         """src -> `BadImage` or None for each distinct source, from the cache or checked with `load` (`check_image`;
         in parallel when many)."""
         keys = {src: identity(src) for src in dict.fromkeys(sources)}
@@ -171,9 +181,9 @@ def image_checks(dataset: str) -> ImageChecks:
     return _OPEN[file]
 
 
-def cached_digest(src: str | os.PathLike | bytes) -> bytes | None:
-    """The sha256 of a picture file's bytes when a cache this process read holds it (no read of the file), else
-    None (embedded bytes are hashed where they are: that is as cheap as their key)."""
+def cached_digest(src: str | os.PathLike | bytes | TableImage) -> bytes | None:
+    """The sha256 of a picture file's (or a mapped table's picture's) bytes when a cache this process read holds it
+    (no read of the bytes), else None (embedded bytes are hashed where they are: that is as cheap as their key)."""
     key = None if isinstance(src, bytes) else identity(src)
     entry = next((c.entries[key] for c in _OPEN.values() if key in c.entries), None) if key else None
     return bytes.fromhex(entry[0]) if entry else None

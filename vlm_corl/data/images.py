@@ -1,4 +1,5 @@
-"""Decode an image source (file path or encoded bytes) into the RGB picture a processor expects.
+"""Decode an image source (file path, encoded bytes, or a `TableImage` in a mapped table) into the RGB picture a
+processor expects.
 
 Every image in the cohort goes through `load_image`, both when a dataset is checked at load time and when a
 member renders an example, so a picture that loads once loads the same way everywhere.
@@ -11,6 +12,8 @@ import math
 import os
 
 from PIL import Image, ImageOps
+
+from vlm_corl.data.mapped import TableImage
 
 DEFAULT_MAX_PIXELS = 2048 * 2048
 """Pixel cap applied before the processor sees an image (EasyR1's default, 4,194,304): bounds host memory
@@ -35,7 +38,7 @@ class BadImage(Exception):
         self.detail = detail
 
 
-def load_image(src: str | os.PathLike | bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+def load_image(src: str | os.PathLike | bytes | TableImage, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
     """The image as an RGB `PIL.Image`, upright, at most `max_pixels` pixels (None: no cap).
 
     Transparent pixels are composited on white; 16-bit greyscale is scaled to 8 bits; EXIF orientation is
@@ -46,8 +49,10 @@ def load_image(src: str | os.PathLike | bytes, max_pixels: int | None = DEFAULT_
     return image if max_pixels is None else cap_pixels(image, max_pixels)
 
 
-def decode_image(src: str | os.PathLike | bytes) -> Image.Image:
+def decode_image(src: str | os.PathLike | bytes | TableImage) -> Image.Image:
     """The fully decoded image in its stored mode and orientation; raises `BadImage`."""
+    if isinstance(src, TableImage):
+        src = src.read()  # told apart from embedded bytes by nothing: the same picture, the same messages
     if isinstance(src, bytes):
         data, label = src, f"<{len(src)} bytes>"
     else:

@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlm_corl.data.image_checks import ImageChecks, image_checks
+from vlm_corl.data.image_checks import ImageChecks, identity, image_checks
 from vlm_corl.data.images import BadImage, load_image
+from vlm_corl.data.mapped import TableImage, locator, mapped_rows, picture_type, references
 from vlm_corl.data.records import Example, ImageSource
 from vlm_corl.errors import UserError
 from vlm_corl.registry import LOADERS
@@ -595,7 +596,7 @@ def _image(item: Any, root: Path) -> ImageSource:
         if item.get("bytes"):
             return item["bytes"]
         item = item.get("path")
-    if isinstance(item, bytes):
+    if isinstance(item, (bytes, TableImage)):
         return item
     if isinstance(item, str):
         if _URL.match(item):  # read as a path it would become ROOT/https:/host/...: name it as what it is
@@ -677,10 +678,12 @@ def load_hf(
 
     `path` is a directory written by `save_to_disk` (a DatasetDict: `split` picks the split; a Dataset: used
     whole), a directory of data files whose names give the splits (`train.parquet`, `data/test-*.arrow`, ...),
-    or one .parquet/.arrow/.json/.jsonl/.csv file (used whole). Image columns (the `Image` feature, or lists
-    of it) become bytes; path-valued image columns are resolved against `image_root` (default: the dataset
-    directory). `fields` maps Example fields to column names (see the module doc); `cache_dir` is where
-    `datasets` converts data files to Arrow (default: its own cache). `source` defaults to the directory name.
+    or one .parquet/.arrow/.json/.jsonl/.csv file (used whole). Embedded pictures (an `Image` feature's bytes, a
+    binary column, or lists of these) stay in the memory-mapped Arrow files: a record holds a `TableImage` naming
+    where each is, read when it is checked or rendered (`vlm_corl.data.mapped`); path-valued image columns are
+    resolved against `image_root` (default: the dataset directory). `fields` maps Example fields to column names
+    (see the module doc); `cache_dir` is where `datasets` converts data files to Arrow (default: its own cache).
+    `source` defaults to the directory name.
     """
     if path is None:
         raise DataError(
@@ -744,13 +747,44 @@ def _open_hf(path: Path, split: str, cache_dir):
 
 def _hf_rows(dataset, split: str, source: str, root: Path, fields) -> Iterator[Example | Skip]:
     # The arrow format yields stored values without decoding features: Image columns stay {"bytes", "path"}.
+    refer = _referrer(dataset, fields)
     index = 0
     for batch in dataset.with_format("arrow").iter(batch_size=1000):
-        for row in batch.to_pylist():
+        for row in batch.to_pylist() if refer is None else _rows_referring(batch, index, refer):
             yield example_from_row(
                 row, fallback_id=f"{source}-{split}-{index:06d}", source=source, image_root=root, fields=fields
             )
             index += 1
+
+
+def _referrer(dataset, fields) -> tuple[str, Callable[[int, int | None], TableImage]] | None:
+    """(the images column, (dataset row, list index) -> the `TableImage` of its picture) when the column holds
+    embedded pictures and the dataset's rows are its mapped Arrow files' (`mapped.mapped_rows`); else None (the
+    records hold the bytes)."""
+    column = next((n for n in _field_names(fields)["images"] if n in dataset.column_names), None)
+    if column is None or not picture_type(dataset.data.schema.field(column).type):
+        return None
+    files = mapped_rows(dataset, column)
+    stamps = {file: identity(file) for file, _ in files or ()}
+    if files is None or None in stamps.values():
+        return None
+    locate = locator(files)
+
+    def refer(row: int, index: int | None) -> TableImage:
+        file, row_in_file = locate(row)
+        return TableImage(file, row_in_file, column, index, stamps[file])
+
+    return column, refer
+
+
+def _rows_referring(batch, start: int, referrer: tuple[str, Callable]) -> list[dict]:
+    """A batch's rows (dataset rows from `start` on) as `to_pylist` gives them, their pictures as `TableImage`s."""
+    column, refer = referrer
+    cells = references(batch.column(column), lambda row, index: refer(start + row, index))
+    rest = batch.drop_columns([column]).to_pylist()
+    return [
+        {name: cells[i] if name == column else row[name] for name in batch.column_names} for i, row in enumerate(rest)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------

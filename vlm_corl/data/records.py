@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from vlm_corl.data.mapped import TableImage
 from vlm_corl.errors import UserError
 
-ImageSource = Union[str, bytes]
-"""An image as a record holds it: an absolute file path, or the encoded file's bytes (PNG, JPEG, ...).
+ImageSource = Union[str, bytes, TableImage]
+"""An image as a record holds it: an absolute file path, the encoded file's bytes (PNG, JPEG, ...), or where such
+bytes sit in a memory-mapped Arrow table (`TableImage`: the "hf" loader's embedded pictures, read when used).
 Records never hold decoded pixels; `vlm_corl.data.images.load_image` decodes a source when it is rendered."""
 
 ORIGINAL_VIEW = "original"
@@ -49,7 +51,8 @@ class Example:
     question: str
     """The question in its original wording."""
     images: tuple[ImageSource, ...] = ()
-    """The images the question refers to, in order (file paths or encoded bytes); empty for text-only data."""
+    """The images the question refers to, in order (file paths, encoded bytes or `TableImage`s); empty for text-only
+    data."""
     answer: str | None = None
     """The gold final answer as a string, when the dataset has one."""
     choices: tuple[str, ...] | None = None

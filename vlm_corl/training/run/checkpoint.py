@@ -33,6 +33,7 @@ import torch
 
 from vlm_corl.config import ConfigError
 from vlm_corl.data.image_checks import cached_digest
+from vlm_corl.data.mapped import TableImage
 from vlm_corl.errors import UserError
 from vlm_corl.members.state_files import STEP_DIR, TRAINER_STATE, read_state
 
@@ -242,6 +243,8 @@ def data_fingerprint(examples: Iterable[Example], spec: DatasetConfig | None = N
 def _image_digest(image: object) -> bytes:
     if isinstance(image, bytes):
         return hashlib.sha256(image).digest()
+    if isinstance(image, TableImage):  # the digest of the bytes it refers to, as when the record held them
+        return cached_digest(image) or hashlib.sha256(image.read()).digest()
     if isinstance(image, (str, Path)) and Path(image).is_file():
         cached = cached_digest(image)  # the load's check read the file: its digest is cached
         if cached is not None:
