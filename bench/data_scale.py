@@ -13,8 +13,10 @@ object:
     {"pictures", "kind", "picture_kb" (mean file size), "build_s",
      "first_launch" and "relaunch": {"ranks": [{"rank", "data_s" (seconds of the rank's own data work: its examples
      and their fingerprint), "wait_s" (rank 1 waits for rank 0's load first, as in a launch: `setup._load_data`),
-     "data_rss_mb" (resident memory the data work added), "picture_mb" (picture bytes the examples hold in the
-     process's own heap), "pictures_checked" (decoded by the rank; the others came from the cache), "examples",
+     "data_rss_mb" (resident memory the data work added, a mapped dataset's pages it touched included),
+     "data_anon_mb" (the part of it that is the process's own: its heap, not pages shared with the node's other
+     ranks), "picture_mb" (picture bytes the examples hold in the process's own heap: an "hf" dataset's stay in its
+     mapped Arrow files), "pictures_checked" (decoded by the rank; the others came from the cache), "examples",
      "fingerprint"}, ...]}}
 
 Both launches share one validation cache (`VLM_CORL_DATA_CACHE`, set to --dir/cache; removed before the first).
@@ -111,7 +113,7 @@ def rank_work(kind: str, path: Path, barrier: Path) -> dict:
     from vlm_corl.data.loaders import load_examples
     from vlm_corl.training.run.checkpoint import data_fingerprint
 
-    rss = _rss()
+    rss, anon = _rss(), _rss("RssAnon")
     start = time.perf_counter()
     while os.environ["RANK"] != "0" and not barrier.exists():
         time.sleep(0.01)
@@ -125,6 +127,7 @@ def rank_work(kind: str, path: Path, barrier: Path) -> dict:
         "data_s": round(time.perf_counter() - start - waited, 3),
         "wait_s": round(waited, 3),
         "data_rss_mb": round((_rss() - rss) / 2**20, 1),
+        "data_anon_mb": round((_rss("RssAnon") - anon) / 2**20, 1),
         "picture_mb": round(held / 2**20, 1),
         "pictures_checked": pictures_checked(),
         "examples": len(examples),
@@ -132,10 +135,10 @@ def rank_work(kind: str, path: Path, barrier: Path) -> dict:
     }
 
 
-def _rss() -> int:
-    """This process's resident set, in bytes."""
+def _rss(kind: str = "VmRSS") -> int:
+    """This process's resident set (VmRSS), or its own part of it (RssAnon: not the files it maps), in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{kind}:"):
             return int(line.split()[1]) * 1024
     return 0
 

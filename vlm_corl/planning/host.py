@@ -24,9 +24,11 @@ Per rank, for a member of P parameters (A trained ones: P, or a LoRA member's ad
   (`PINNED_ADAPTER_ROUNDING`). The weights themselves are copied to pageable memory (`member._saved`): no rounding.
 - the training data (`data_bytes`), held by every rank from start-up on: a "jsonl" source's records as Python
   objects (`RECORD_BYTES_PER_JSONL_BYTE` times the file's size; its pictures stay in their files, read when a
-  prompt is rendered, so they cost a rank nothing here), an "hf" source's data files whole (each rank copies
-  every row into its own heap, embedded pictures included: `EMBEDDED_BYTES_PER_FILE_BYTE`); other loaders' data
-  (easy-vqa, the Python API's, a hub dataset) is not sized: 0.
+  prompt is rendered, so they cost a rank nothing here), an "hf" source's records without their pictures
+  (`HF_RECORD_BYTES` a row of its Arrow or parquet files, `RECORD_BYTES_PER_JSONL_BYTE` a byte of its json/csv
+  files): its embedded pictures stay in the memory-mapped Arrow files (`data.mapped`), whose pages the node's
+  ranks share, counted once a node (`HostPlan.mapped`: the data files' size); other loaders' data (easy-vqa, the
+  Python API's, a hub dataset) is not sized: 0.
 A rank's peak is the larger of start-up (staging, with the offloaded state of the members before) and training.
 """
 
@@ -55,10 +57,12 @@ PINNED_ADAPTER_ROUNDING = 2.0  # a power-of-two rounding at most doubles a tenso
 # A JSONL record loaded (its Example, strings, dict, tuple, its entry in the picture check cache) holds about 12
 # bytes a byte of its line: bench/data_scale.py's 2,000 records of 104 bytes (208 KB) left 2.5 MB resident.
 RECORD_BYTES_PER_JSONL_BYTE = 12
-# An "hf" dataset's rows, pictures' bytes included, copied into each rank's heap: 0.97 of the Arrow file's size
-# (bench/data_scale.py --kind hf, 2,000 pictures: 266 MB of Arrow, 358 MB resident less 101 MB of `datasets`).
-EMBEDDED_BYTES_PER_FILE_BYTE = 1.0
+# An "hf" dataset's row in a rank's heap, its pictures left in the mapped files (a `TableImage` each): its Example,
+# strings, metadata and check cache entry: bench/data_scale.py --kind hf --side 32, 10,000 pictures against 2,000,
+# 8.9 MiB more resident memory of the process's own (RssAnon) a rank for 8,000 more rows: 1,170 bytes a row.
+HF_RECORD_BYTES = 1200
 _HF_DATA_SUFFIXES = (".arrow", ".parquet", ".json", ".jsonl", ".csv")
+_HF_INFO_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")  # save_to_disk's, not data
 
 
 @dataclass
@@ -85,19 +89,22 @@ class HostPlan:
 
     ranks: list[HostRank]
     ranks_per_node: int
+    mapped: float = 0.0
+    """The memory-mapped data files each node holds once, in its page cache, for all its ranks."""
 
     def nodes(self) -> list[float]:
         """Bytes per node, node 0 first."""
         per = max(self.ranks_per_node, 1)
-        out = [0.0] * (-(-len(self.ranks) // per))
+        out = [self.mapped] * (-(-len(self.ranks) // per))
         for r in self.ranks:
             out[r.rank // per] += r.peak
         return out
 
     def to_dict(self) -> dict:
+        host = {"ranks_per_node": self.ranks_per_node, "mapped_data_gb": round(self.mapped / GB, 3)}
         return {
             "host_memory_gb": [round(n / GB, 3) for n in self.nodes()],
-            "host_memory": {"ranks_per_node": self.ranks_per_node, "ranks": [r.to_dict() for r in self.ranks]},
+            "host_memory": {**host, "ranks": [r.to_dict() for r in self.ranks]},
         }
 
     def line(self) -> str:
@@ -107,6 +114,8 @@ class HostPlan:
         shown = ", ".join(f"{n / GB:.1f}" for n in nodes[:8]) + (", ..." if len(nodes) > 8 else "")
         per = max(self.ranks_per_node, 1)
         data = f" ({worst.training['data'] / GB:.2f} GB a rank)" if worst.training.get("data") else ""
+        if self.mapped:
+            data += f" and {self.mapped / GB:.2f} GB of mapped data files a node"
         return (
             f"host memory: {shown} GB per node ({per} rank{'s' * (per > 1)} each; the largest rank, "
             f"{worst.rank}, peaks at {worst.peak / GB:.1f} GB: staging, CPU offload, prompt caches, sleep backups, "
@@ -146,12 +155,12 @@ def host_memory(
         if data:
             host.init["data"] = host.training["data"] = data
         out.append(host)
-    return HostPlan(out, ranks_per_node or len(ranks))
+    return HostPlan(out, ranks_per_node or len(ranks), mapped_bytes(cfg.data.train))
 
 
 def data_bytes(spec: DatasetConfig) -> float:
-    """The bytes a rank holds for the training data `spec` names, from its files' sizes (module doc); 0 for a source
-    with no files on this machine to size (easy-vqa's package, the Python API's, a hub dataset, a missing path)."""
+    """The bytes a rank holds for the training data `spec` names, from its files (module doc); 0 for a source with
+    no files on this machine to size (easy-vqa's package, the Python API's, a hub dataset, a missing path)."""
     path = Path(spec.path) if spec.path else None
     if path is None or not path.exists():
         return 0.0
@@ -159,10 +168,43 @@ def data_bytes(spec: DatasetConfig) -> float:
         file = path if path.is_file() else path / f"{spec.split}.jsonl"
         return RECORD_BYTES_PER_JSONL_BYTE * file.stat().st_size if file.is_file() else 0.0
     if spec.loader == "hf":
-        folder = path / spec.split if (path / spec.split).is_dir() else path  # a DatasetDict's split
-        files = [path] if path.is_file() else [f for f in folder.rglob("*") if f.suffix in _HF_DATA_SUFFIXES]
-        return EMBEDDED_BYTES_PER_FILE_BYTE * sum(f.stat().st_size for f in files)
+        files = _hf_files(spec)
+        tables = [f for f in files if f.suffix in (".arrow", ".parquet")]
+        texts = sum(f.stat().st_size for f in files if f not in tables)
+        return HF_RECORD_BYTES * sum(map(_rows, tables)) + RECORD_BYTES_PER_JSONL_BYTE * texts
     return 0.0
+
+
+def mapped_bytes(spec: DatasetConfig) -> float:
+    """The bytes of the data files an "hf" source's ranks map (its Arrow files, or `datasets`' Arrow copy of its
+    parquet/json/csv files, about their size): held once a node; 0 for another loader."""
+    return float(sum(f.stat().st_size for f in _hf_files(spec))) if spec.loader == "hf" else 0.0
+
+
+def _hf_files(spec: DatasetConfig) -> list[Path]:
+    """An "hf" source's data files for its split: the path itself, its split's folder's files, or its own."""
+    path = Path(spec.path) if spec.path else None
+    if path is None or not path.exists():
+        return []
+    if path.is_file():
+        return [path]
+    folder = path / spec.split if (path / spec.split).is_dir() else path  # a DatasetDict's split
+    return [f for f in folder.rglob("*") if f.suffix in _HF_DATA_SUFFIXES and f.name not in _HF_INFO_FILES]
+
+
+def _rows(file: Path) -> int:
+    """The rows of an Arrow (IPC stream) or parquet file, from its batches' headers or its footer; 0 for a file
+    that is neither (the load will say what is wrong with it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if file.suffix == ".parquet":
+            return pq.read_metadata(file).num_rows
+        with pa.memory_map(str(file)) as source:
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+    except (OSError, pa.ArrowException):
+        return 0
 
 
 def _checkpoint_copies(cfg: CohortConfig, shapes: Shapes, placement: dict, cuda: bool) -> dict[int, float]:
