@@ -5,10 +5,10 @@ A picture is cached under its identity: a file by its resolved path, device, ino
 times (the change time is the kernel's: any write to the file moves it, and no tool sets it back), so a file
 rewritten, replaced or moved is checked and hashed again; embedded bytes by their sha256; a picture in a mapped
 Arrow table (`mapped.TableImage`) by its place there and the file's identity when it was mapped, so a relaunch
-reads none of its bytes. An entry holds the
-sha256 of the bytes and the check's outcome (None, or the `BadImage` reason and detail), exactly what an uncached
-check gives: the loaders' skips, counts and messages and the resume fingerprint (`training.checkpoint`) are the
-same with or without the cache. A missing or unreadable file is never cached (it is checked again each time).
+reads none of its bytes. An entry holds the sha256 of the bytes and the check's outcome (None, or the `BadImage`
+reason and detail), exactly what an uncached check gives: the loaders' skips, counts and messages and the resume
+fingerprint (`training.checkpoint`) are the same with or without the cache. A missing or unreadable file is never
+cached (it is checked again each time).
 
 The cache is a JSON file per dataset (loader, resolved path and split: `image_checks-<hash>.json`, so a launch reads
 its own data's entries only) in `$VLM_CORL_DATA_CACHE` (default: `$XDG_CACHE_HOME/vlm_corl`, or `~/.cache/vlm_corl`;
