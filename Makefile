@@ -31,11 +31,13 @@ test: setup lint
 	$(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist load
 
 ## DeepSpeed ZeRO-2/3 members on rank groups (4 gloo processes, exact resume), LoRA members under ZeRO-2/3, the
-## preflight of ZeRO-2/3 cohorts on 2-4 processes, and two nodes on one machine (two torchrun launchers over c10d on
-## localhost, a lost node, torchrun's restarts, the SLURM script and the two-node accelerate config):
+## preflight of ZeRO-2/3 cohorts on 2-4 processes, two nodes on one machine (two torchrun launchers over c10d on
+## localhost, a lost node, torchrun's restarts, the SLURM script and the two-node accelerate config), and
+## bench/gpu_check.sh's checks of the update engines (ZeRO-2/3, offload, LoRA, a kill and resume) on the CPU:
 ## slow, run by CI after `make test`.
 test-scale: setup
-	$(PY) -m pytest -m slow tests/test_scale_out.py tests/test_lora.py tests/test_preflight.py tests/test_multinode.py
+	$(PY) -m pytest -m slow tests/test_scale_out.py tests/test_lora.py tests/test_preflight.py tests/test_multinode.py \
+		tests/test_bench_device.py
 
 ## Slow end-to-end runs of whole commands (the experiment's quick mode, generic-family members through every command, a demo base model rebuilt bit for bit): CI runs it after `make test`.
 test-e2e: setup

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -50,29 +52,52 @@ def gpu_check(*args: str, timeout: int) -> tuple[subprocess.CompletedProcess, di
     return proc, json.loads(proc.stdout)
 
 
-def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
-    """bench/gpu_check.sh at the tiny size on the CPU: every check it runs on a lent GPU (real-size members,
-    training with its memory plan (profiled), ZeRO-2, ZeRO-3 and ZeRO-3 offload, a LoRA member, a kill and
-    resume, the static KV cache of a trainable member against the eager loop, the decode loop's schedules
-    teacher-forced (the static KV cache's among them), rollout precision, the ZeRO-3 copy's fp32 RoPE buffers)
-    runs here too, each in a process of its own whose directory is deleted once read, and reports its JSON;
-    then `--only` reruns one over the members already built."""
-    proc, result = gpu_check("--size", "tiny", "--steps", "2", "--out", str(tmp_path), "--profile", timeout=600)
+# bench/gpu_check.sh's checks, in its order: the default suite runs the first group, `make test-scale` (with the
+# DeepSpeed members of tests/test_scale_out.py) the members trained by the update's engines (about 2 minutes more)
+CHECKS = ["members", "train", "static_autocast", "decode_sync", "preflight", "zero2", "lora", "resume",
+          "rollout_precision", "zero3", "zero3_offload", "rope_buffers"]  # fmt: skip
+UPDATE_ENGINES = ("zero2", "lora", "resume", "zero3", "zero3_offload")
+
+
+def _gpu_check_checks(tmp_path, names: list[str], *more: str) -> dict:
+    """gpu_check.sh at the tiny size on the CPU with `--only names`: every check ran, in a process each whose
+    directory is deleted once read, and the report's common fields; its JSON."""
+    proc, result = gpu_check("--size", "tiny", "--steps", "2", "--out", str(tmp_path), "--only", ",".join(names), *more,
+                             timeout=600)  # fmt: skip
     assert proc.returncode == 0 and result["ok"], json.dumps(result)[-3000:]
     assert result["mode"] == "cpu fallback" and result["vllm"].startswith("skipped")
     assert result["peft"] and result["transformers"]  # the versions the check ran with
-    checks = ["members", "train", "static_autocast", "decode_sync", "preflight", "zero2", "lora", "resume",
-              "rollout_precision", "zero3", "zero3_offload", "rope_buffers"]  # fmt: skip
-    assert result["ran"] == checks and len({result[c]["pid"] for c in checks}) == len(checks)  # a process each
-    for name in checks:
+    assert result["ran"] == names and len({result[c]["pid"] for c in names}) == len(names)  # a process each
+    for name in names:
         assert result[name]["seconds"] > 0 and "busy_share" in result[name], name
         assert name == "members" or not (tmp_path / name).exists(), f"{name}'s directory was not deleted"
+        assert name == "members" or result[name]["disk_gb"] < 0.1  # tiny members; real ones stay under ~15 GB
+    assert result["rerun"] is None and {v["library"] for v in result["versions"]} >= {"torch", "vllm"}
+    return result
+
+
+def _trained_fine(result: dict, run: str) -> None:
+    """A training check's figures: two steps, speed, a finite loss, the plan, the update's work in fp32."""
+    qwen = result[run]["qwen"]
+    assert result[run]["steps"] == 2 and qwen["time_step"] > 0 and qwen["tokens_per_s"] > 0 and qwen["loss_finite"]
+    assert qwen["prompt_cache_mb"] > 0 and result[run]["plan"]["fits"] and result[run]["plan"]["peak_gb"] > 0
+    assert qwen["update_tokens"] > 0 and qwen["compute_dtype"] == "float32"  # the CPU computes in fp32
+    assert 0 < result[run]["update_mfu"] and result[run]["update_tflops"] > 0
+
+
+def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
+    """bench/gpu_check.sh at the tiny size on the CPU: the checks it runs on a lent GPU (real-size members, training
+    with its memory plan (profiled), the static KV cache of a trainable member against the eager loop, the decode
+    loop's schedules teacher-forced (the static KV cache's among them), the users' preflight, rollout precision,
+    the ZeRO-3 copy's fp32 RoPE buffers) run here too and report their JSON; then `--only` reruns one over the
+    members already built. The update engines' checks: test_gpu_checks_of_the_update_engines (make test-scale)."""
+    names = [c for c in CHECKS if c not in UPDATE_ENGINES]
+    result = _gpu_check_checks(tmp_path, names, "--profile")
     assert result["members"]["parameters"]["qwen"] > 0 and result["members"]["peak_tflops"] > 0
     preflight = result["preflight"]  # the users' preflight over the check's members (tests/test_preflight.py)
     assert preflight["ok"] and preflight["verdict"] == "ready" and set(preflight["members"]) == {"qwen", "intern"}
     assert all(m["push_gap_nats"] < 1e-3 and m["update"]["trained_seqs"] > 0 for m in preflight["members"].values())
     assert 0 < preflight["checkpoint"]["bytes"] < 2**20 * 5  # a LoRA adapter: no full checkpoint on a small disk
-    assert {v["library"] for v in result["versions"]} >= {"torch", "vllm"}
     cached = result["rollout_precision"]["autocast_cached"]["weight_casts_per_call"]
     assert 0 < cached < result["rollout_precision"]["autocast_inference_mode"]["weight_casts_per_call"]
     sync = result["decode_sync"]
@@ -89,24 +114,27 @@ def test_gpu_check_runs_in_its_cpu_fallback_mode(tmp_path):
     assert static["plan_rollout_gb"]["static"] > 0 and static["buckets_after_sleep_mb"] >= 0
     profile = result["train"]["profile"]  # --profile: the last step's ten costliest operators per phase
     assert set(profile) == {"rollout", "update"} and all(len(ops) == 10 for ops in profile.values())
-    assert result["expected_seconds"]["train"] > 0 and result["rerun"] is None
+    assert result["expected_seconds"]["train"] > 0
     assert result["sleep_wake"]["skipped"] and result["rope_buffers"]["inv_freq_dtypes"] == ["torch.float32"]
     errors = result["rope_buffers"]["mean_abs_logit_error"]
     assert result["rope_buffers"]["ok"] and errors["fp32_buffers"] <= errors["bf16_buffers"]
-    assert result["zero2"]["update_plan_gb"] > 0  # the measured peak beside it needs CUDA
-    for run in ("train", "zero2", "zero3", "lora", "zero3_offload"):
-        qwen = result[run]["qwen"]
-        assert result[run]["steps"] == 2 and qwen["time_step"] > 0 and qwen["tokens_per_s"] > 0 and qwen["loss_finite"]
-        assert qwen["prompt_cache_mb"] > 0 and result[run]["plan"]["fits"] and result[run]["plan"]["peak_gb"] > 0
-        assert qwen["update_tokens"] > 0 and qwen["compute_dtype"] == "float32"  # the CPU computes in fp32
-        assert 0 < result[run]["update_mfu"] and result[run]["update_tflops"] > 0
+    _trained_fine(result, "train")
     assert result["train"]["intern"]["update_tokens"] > 0
-    assert result["resume"]["ok"] and result["resume"]["steps_logged"] == [1, 2, 3, 4, 5, 6]
-    assert 0 < result["lora"]["adapter_mb"] < result["lora"]["model_mb"]
-    assert all(result[c]["disk_gb"] < 0.1 for c in checks[1:])  # tiny members; real ones stay under ~15 GB
 
     rerun, again = gpu_check("--size", "tiny", "--only", "rope_buffers", "--out", str(tmp_path), timeout=300)
     assert rerun.returncode == 0 and again["ran"] == ["rope_buffers"] and again["rope_buffers"]["ok"]
+
+
+@pytest.mark.slow
+def test_gpu_checks_of_the_update_engines(tmp_path):
+    """The rest of bench/gpu_check.sh on the CPU: ZeRO-2, ZeRO-3 and ZeRO-3 offload members, a LoRA member, a kill
+    and resume (the members built first, as a rerun with --only does when they are not there)."""
+    result = _gpu_check_checks(tmp_path, ["members", *UPDATE_ENGINES])
+    assert result["zero2"]["update_plan_gb"] > 0  # the measured peak beside it needs CUDA
+    for run in ("zero2", "zero3", "lora", "zero3_offload"):
+        _trained_fine(result, run)
+    assert result["resume"]["ok"] and result["resume"]["steps_logged"] == [1, 2, 3, 4, 5, 6]
+    assert 0 < result["lora"]["adapter_mb"] < result["lora"]["model_mb"]
 
 
 def test_gpu_check_kills_a_check_past_its_own_limit(tmp_path):
