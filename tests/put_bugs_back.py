@@ -881,7 +881,7 @@ BUGS += [
         "vlm_corl/planning/host.py",
         "folder = path / spec.split if (path / spec.split).is_dir() else path  # a DatasetDict's split",
         "folder = path",
-        "tests/test_host_data.py::test_an_hf_sources_split_files_are_counted_whole",
+        "tests/test_host_data.py::test_an_hf_sources_records_are_counted_on_every_rank_and_its_mapped_files_once_a_node",
     ),
     (
         "stop strings",
@@ -917,6 +917,80 @@ BUGS += [
         '            "samples": self.params.n,',
         '            "samples": self.n,',
         "tests/test_paraphrase.py::test_tool_resumes_without_redoing_finished_rows",
+    ),
+]
+# issue 58: an hf dataset's embedded pictures as references into its memory-mapped Arrow files
+BUGS += [
+    (
+        "mapped picture digest",
+        "vlm_corl/training/run/checkpoint.py",
+        "    if isinstance(image, TableImage):  # the digest of the bytes it refers to, as when the record held them\n"
+        "        return cached_digest(image) or hashlib.sha256(image.read()).digest()\n",
+        "",
+        "tests/test_mapped_pictures.py::test_the_fingerprint_is_the_digest_of_the_same_bytes_and_a_relaunch_reads_no_picture",
+    ),
+    (
+        "uncached mapped picture",
+        "vlm_corl/data/image_checks.py",
+        'return f"{src.stamp}\\0{src.row}\\0{src.column}\\0{src.index}"',
+        "return None",
+        "tests/test_mapped_pictures.py::test_the_fingerprint_is_the_digest_of_the_same_bytes_and_a_relaunch_reads_no_picture",
+    ),
+    (
+        "mapped rows",
+        "vlm_corl/data/mapped.py",
+        "    if dataset._indices is not None:\n        return None\n",
+        "",
+        "tests/test_mapped_pictures.py::test_a_dataset_whose_rows_are_not_its_files_rows_keeps_the_bytes",
+    ),
+    (
+        "mapped rows",
+        "vlm_corl/data/mapped.py",
+        "    if sum(t.num_rows for t in tables) != dataset.num_rows or any(",
+        "    if any(",
+        "tests/test_mapped_pictures.py::test_a_dataset_whose_rows_are_not_its_files_rows_keeps_the_bytes",
+    ),
+    (
+        "mapped rows",
+        "vlm_corl/data/mapped.py",
+        "        return files[k][0], row - starts[k]",
+        "        return files[k][0], row",
+        "tests/test_mapped_pictures.py::test_records_refer_to_their_pictures_in_the_mapped_files[image]",
+    ),
+    (
+        "reference equals its bytes",
+        "vlm_corl/data/mapped.py",
+        "        if isinstance(other, bytes):\n            return self.read() == other\n",
+        "",
+        "tests/test_mapped_pictures.py::test_what_is_dropped_and_why_is_what_the_bytes_gave",
+    ),
+    (
+        "sliced list column",
+        "vlm_corl/data/mapped.py",
+        "    values = _pictures(chunk.values.slice(first, offsets[-1] - first), places, refer)",
+        "    values = _pictures(chunk.values, places, refer)",
+        "tests/test_mapped_pictures.py::test_references_of_a_sliced_column_name_each_picture_by_its_row_and_place",
+    ),
+    (
+        "pictures copied per rank",
+        "vlm_corl/data/loaders.py",
+        "        for row in batch.to_pylist() if refer is None else _rows_referring(batch, index, refer):",
+        "        for row in batch.to_pylist():",
+        "tests/test_mapped_pictures.py::test_records_refer_to_their_pictures_in_the_mapped_files[image]",
+    ),
+    (
+        "host data",
+        "vlm_corl/planning/host.py",
+        "        out = [self.mapped] * (-(-len(self.ranks) // per))",
+        "        out = [0.0] * (-(-len(self.ranks) // per))",
+        "tests/test_host_data.py::test_an_hf_sources_records_are_counted_on_every_rank_and_its_mapped_files_once_a_node",
+    ),
+    (
+        "host data",
+        "vlm_corl/planning/host.py",
+        "        return HF_RECORD_BYTES * sum(map(_rows, tables)) + RECORD_BYTES_PER_JSONL_BYTE * texts",
+        "        return float(sum(f.stat().st_size for f in files))",
+        "tests/test_host_data.py::test_an_hf_sources_records_are_counted_on_every_rank_and_its_mapped_files_once_a_node",
     ),
 ]
 

@@ -15,6 +15,7 @@ from vlm_corl.commands import eval as ev
 from vlm_corl.config import MemberConfig
 from vlm_corl.data.images import load_image
 from vlm_corl.data.loaders import DataError, load_examples
+from vlm_corl.data.mapped import TableImage
 from vlm_corl.evaluation import scoring
 from vlm_corl.evaluation.benchmarks.common import grade_response
 from vlm_corl.evaluation.benchmarks.mathverse import MATHVERSE
@@ -74,7 +75,9 @@ def test_mathvista_hugging_face_parquet_release_reads_the_same(tmp_path):
     assert [(e.question, e.choices, e.answer) for e in from_parquet.values()] == [
         (e.question, e.choices, e.answer) for e in from_json.values()
     ]
-    assert isinstance(from_parquet["1"].images[0], bytes) and from_parquet["11"].metadata["precision"] == 2
+    # the parquet release's embedded pictures: references into its memory-mapped Arrow files, equal to the bytes
+    assert isinstance(from_parquet["1"].images[0], TableImage) and from_parquet["11"].metadata["precision"] == 2
+    assert load_image(from_parquet["1"].images[0]).size == load_image(from_json["1"].images[0]).size
 
 
 @pytest.mark.parametrize(
