@@ -10,10 +10,9 @@ import pytest
 import torch
 
 # setup: that module's fixture (a tiny member and two real rollouts), taken as the tests' argument
-from test_policy_update import policy_logprobs, setup, tokens, update  # noqa: F401
+from test_policy_update import noisy_reference, policy_logprobs, setup, tokens, update  # noqa: F401
 
-from vlm_corl.config import AlgoConfig, MemberConfig
-from vlm_corl.members.member import load_member
+from vlm_corl.config import AlgoConfig
 from vlm_corl.members.update import response_token_stats
 from vlm_corl.training.monitor.metrics import zero_variance_frac
 from vlm_corl.training.phases.step_metrics import member_stats
@@ -101,11 +100,7 @@ def test_kl_and_entropy_of_one_update_equal_an_independent_computation(setup, ti
     Neither is 0, and the clip fractions of an on-policy pass are."""
     member, initial, slots = setup
     seqs = slots[0].sequences()
-    reference = load_member(MemberConfig(id="ref", model=str(tiny_zoo["qwen2_vl"]), trainable=False)).model
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    reference = noisy_reference(tiny_zoo)
     stats = update(setup, seqs, AlgoConfig(kl_beta=0.5), reference=reference).stats
     member.model.load_state_dict(initial)
     with torch.no_grad():

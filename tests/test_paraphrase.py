@@ -294,6 +294,19 @@ def png() -> bytes:
     return buf.getvalue()
 
 
+def _settings(max_prompt_tokens: int) -> tool.Rewriting:
+    """The tool's settings of the tests below: the tiny rewriter, two samples a question, batches of 2."""
+    return tool.Rewriting(
+        rewriter="tiny",
+        template=tool.PROMPT,
+        mode="wording",
+        n=1,
+        params=SamplingParams(n=2),
+        batch_size=2,
+        max_prompt_tokens=max_prompt_tokens,
+    )
+
+
 def test_kept_wordings_reach_the_examples(tmp_path, rewriter):
     examples = [
         Example("m1", SOURCE),
@@ -314,15 +327,7 @@ def test_kept_wordings_reach_the_examples(tmp_path, rewriter):
         member,
         engine,
         out,
-        tool.Rewriting(
-            rewriter="tiny",
-            template=tool.PROMPT,
-            mode="wording",
-            n=1,
-            params=SamplingParams(n=2),
-            batch_size=2,
-            max_prompt_tokens=4096,
-        ),
+        _settings(max_prompt_tokens=4096),
     )
     assert counts["kept"] == 2 and counts["dropped"] == {"identical": 1, "options_changed": 1, "no_block": 1}
     assert counts["paraphrases_per_example"] == {"0": 1, "1": 2}
@@ -346,15 +351,7 @@ def test_too_long_prompts_are_skipped_without_a_line(tmp_path, rewriter):
         member,
         CannedEngine({}),
         out,
-        tool.Rewriting(
-            rewriter="tiny",
-            template=tool.PROMPT,
-            mode="wording",
-            n=1,
-            params=SamplingParams(n=2),
-            batch_size=2,
-            max_prompt_tokens=10,
-        ),
+        _settings(max_prompt_tokens=10),
     )
     assert counts["prompt_too_long"] == 1 and counts["rewritten"] == 0 and out.read_text() == ""
 

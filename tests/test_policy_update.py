@@ -198,6 +198,17 @@ def test_several_updates_per_batch_keep_the_first_pass_log_probs_as_old(setup):
     assert single.stats["clip_frac"] == 0.0  # one pass: ratio 1, nothing clipped
 
 
+def noisy_reference(tiny_zoo) -> torch.nn.Module:
+    """A KL anchor that differs from the member: the initial weights plus seeded noise (so a penalty and its
+    gradient at the initial weights are not 0)."""
+    reference = load_member(MemberConfig(id="ref", model=str(tiny_zoo["qwen2_vl"]), trainable=False)).model
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return reference
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
 def test_kl_penalty_adds_its_gradient_to_the_update(setup, tiny_zoo, estimator):
     """kl_beta=0.5 with a reference model (the member's initial weights plus seeded noise, so the penalty and
@@ -207,11 +218,7 @@ def test_kl_penalty_adds_its_gradient_to_the_update(setup, tiny_zoo, estimator):
     ones included: they carry KL)."""
     member, initial, slots = setup
     seqs = slots[0].sequences()
-    reference = load_member(MemberConfig(id="ref", model=str(tiny_zoo["qwen2_vl"]), trainable=False)).model
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    reference = noisy_reference(tiny_zoo)
     beta = 0.5
     with_kl = update(setup, seqs, AlgoConfig(kl_beta=beta, kl_estimator=estimator), reference=reference)
     without = update(setup, seqs)
