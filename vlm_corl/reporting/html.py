@@ -63,7 +63,8 @@ LEARNER_CURVES = {"reward_mean", "entropy", "kl", "clip_frac", "clip_frac_low", 
 ABSENT = {
     "kl": "logged only when algo.kl_beta > 0",
     **dict.fromkeys(("clip_frac", "clip_frac_low", "clip_frac_high"), "none under policy_loss sapo: it clips nothing"),
-    "agreement": "no row has a pseudo-label: the reward mode gives none (self_certainty, entropy)",
+    "agreement": "no row has a pseudo-label: the reward mode gives none (self_certainty, entropy), or "
+    "every member abstained (no answer parsed, or none over reward.vote_threshold)",
     "pseudo_label_acc": "no row has both a pseudo-label and a gold answer",
     "answer_acc": "no gold answers in the data",
 }
